@@ -1,0 +1,60 @@
+"""Attention over the paged KV cache: the per-step metadata and the backends.
+
+The metadata rides in a ForwardContext that the model runner owns and its Attention layers share, so
+two engines in one process never see each other's batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BACKENDS = ("auto", "torch", "triton", "flash")
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor   # [num_tokens] flat cache slot of each new token, -1 = skip
+    cu_seqlens_q: torch.Tensor   # [B + 1] int32
+    seqlens_k: torch.Tensor      # [B] int32, context length including this step's tokens
+    block_tables: torch.Tensor   # [B, max_blocks] int32, padded with -1
+    max_seqlen_q: int
+    max_seqlen_k: int
+    is_decode: bool              # every query length is 1
+
+
+class ForwardContext:
+    def __init__(self, backend):
+        self.backend = backend
+        self.meta: AttentionMetadata | None = None
+
+
+def get_backend(name: str, device: torch.device):
+    """The backend for `name`; "auto" picks flash, then triton on CUDA, torch elsewhere."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    if name == "auto":
+        if device.type != "cuda":
+            name = "torch"
+        else:
+            name = "flash" if _flash_available() else "triton"
+    if name != "torch" and device.type != "cuda":
+        raise ValueError(f"attention_backend={name!r} needs a CUDA device; use 'torch' on {device.type}")
+    if name == "torch":
+        from engine.attention.torch_backend import TorchBackend
+        return TorchBackend()
+    if name == "triton":
+        from engine.attention.triton_backend import TritonBackend
+        return TritonBackend()
+    if not _flash_available():
+        raise ValueError("attention_backend='flash' needs the flash_attn package (pip install 'redline[flash]')")
+    from engine.attention.flash_backend import FlashBackend
+    return FlashBackend()
+
+
+def _flash_available() -> bool:
+    try:
+        from engine.attention.flash_backend import flash_available
+    except ImportError:
+        return False
+    return flash_available()

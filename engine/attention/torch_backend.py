@@ -1,0 +1,39 @@
+"""Reference attention in plain torch: any device, one sequence at a time. Not capturable in CUDA graphs."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionMetadata
+
+
+class TorchBackend:
+    name = "torch"
+    supports_cuda_graphs = False
+
+    def store_kvcache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        valid = slot_mapping >= 0
+        slots = slot_mapping[valid].long()
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key[valid])
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value[valid])
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        group = q.shape[1] // num_kv_heads
+        cu_q = meta.cu_seqlens_q.tolist()
+        lens_k = meta.seqlens_k.tolist()
+        for b, len_k in enumerate(lens_k):
+            start, end = cu_q[b], cu_q[b + 1]
+            len_q = end - start
+            num_blocks = (len_k + block_size - 1) // block_size
+            blocks = meta.block_tables[b, :num_blocks].long()
+            k = k_cache[blocks].flatten(0, 1)[:len_k].repeat_interleave(group, dim=1)
+            v = v_cache[blocks].flatten(0, 1)[:len_k].repeat_interleave(group, dim=1)
+            q_pos = torch.arange(len_k - len_q, len_k, device=q.device)
+            mask = q_pos[:, None] >= torch.arange(len_k, device=q.device)[None, :]
+            o = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
+            out[start:end] = o.transpose(0, 1)
+        return out

@@ -1,0 +1,140 @@
+"""Paged KV blocks: allocation, reference counts and the prefix cache.
+
+A full block is identified by the xxhash of its tokens chained to the previous block's hash, so a hit
+means the whole prefix matches. Tokens are stored too and compared on a hit, so a hash collision can
+never serve wrong K/V. A block is registered only once its K/V have been computed. Freed blocks keep
+their hash and go to the back of the free list; allocation takes from the front, so blocks that hold
+nothing are reused first, then cached ones least-recently-used first.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import xxhash
+
+from engine.sequence import Sequence
+
+
+def chain_hash(token_ids: list[int], prefix_hash: int) -> int:
+    h = xxhash.xxh64()
+    if prefix_hash != -1:
+        h.update(prefix_hash.to_bytes(8, "little"))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest()
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = -1
+        self.token_ids: list[int] = []
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block_id: dict[int, int] = {}
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.num_cache_queries = 0  # tokens looked up in the prefix cache
+        self.num_cache_hits = 0     # tokens found there
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
+            del self.hash_to_block_id[block.hash]
+        block.hash = -1
+        block.token_ids = []
+        block.ref_count = 1
+        return block_id
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest computed prefix of `seq` already in the cache."""
+        hits: list[int] = []
+        if not self.enable_prefix_caching:
+            return hits
+        prefix_hash = -1
+        # the last token is always computed, so a prompt never hits in full
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            tokens = seq.block(i)
+            prefix_hash = chain_hash(tokens, prefix_hash)
+            block_id = self.hash_to_block_id.get(prefix_hash)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+        return hits
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        hits = self._cached_prefix(seq)
+        num_reused_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        return seq.num_blocks - len(hits) + num_reused_free <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give `seq` blocks for all its tokens, reusing cached prefix blocks."""
+        assert not seq.block_table
+        hits = self._cached_prefix(seq)
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_block_ids[block_id]
+            block.ref_count += 1
+        seq.block_table = hits + [self._take_free_block() for _ in range(seq.num_blocks - len(hits))]
+        seq.num_hashed_blocks = len(hits)
+        seq.num_cached_tokens = len(hits) * self.block_size
+        seq.num_computed_tokens = seq.num_cached_tokens
+        if self.enable_prefix_caching:
+            self.num_cache_queries += seq.num_tokens
+            self.num_cache_hits += seq.num_cached_tokens
+
+    def free(self, seq: Sequence) -> None:
+        """Release `seq`'s blocks; computed full blocks stay findable until reused."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+                if block.hash == -1:  # holds nothing worth keeping: reuse it first
+                    self.free_block_ids.move_to_end(block_id, last=False)
+        seq.block_table = []
+        seq.num_hashed_blocks = 0
+
+    def can_append(self, seq: Sequence) -> bool:
+        return self._needs_block(seq) <= self.num_free_blocks
+
+    def _needs_block(self, seq: Sequence) -> int:
+        return int(seq.num_tokens > len(seq.block_table) * self.block_size)
+
+    def append_slot(self, seq: Sequence) -> None:
+        """Make room for the token at position num_tokens - 1."""
+        if self._needs_block(seq):
+            seq.block_table.append(self._take_free_block())
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Enter full blocks whose K/V are now computed into the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        prefix_hash = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else -1
+        for i in range(seq.num_hashed_blocks, num_full):
+            tokens = seq.block(i)
+            prefix_hash = chain_hash(tokens, prefix_hash)
+            block = self.blocks[seq.block_table[i]]
+            block.hash = prefix_hash
+            block.token_ids = tokens
+            self.hash_to_block_id[prefix_hash] = block.block_id
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)

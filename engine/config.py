@@ -1,0 +1,125 @@
+"""Engine settings, checked and resolved against the model's config.json."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    tensor_parallel_size: int = 1
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kvcache_block_size: int | None = None
+    num_kvcache_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    attention_backend: str = "auto"
+    seed: int = 0
+    # resolved in __post_init__
+    model_dir: str = field(init=False)
+    hf_config: object = field(init=False, repr=False)
+    torch_dtype: torch.dtype = field(init=False)
+    eos_token_id: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        self.device = resolve_device(self.device)
+        self.model_dir = resolve_model_dir(self.model, self.load_format)
+        self.hf_config = load_hf_config(self.model_dir)
+        on_gpu = torch.device(self.device).type == "cuda"
+        self.torch_dtype = DTYPES[self.dtype] or default_dtype(self.hf_config, on_gpu)
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        max_pos = getattr(self.hf_config, "max_position_embeddings", None) or 4096
+        if self.max_model_len is None:
+            self.max_model_len = min(max_pos, 4096 if on_gpu else 2048)
+        _positive_int("max_model_len", self.max_model_len)
+        if self.max_model_len > max_pos:
+            raise ValueError(f"max_model_len is {self.max_model_len}; the model's max_position_embeddings is {max_pos}")
+        self.max_num_seqs = self.max_num_seqs or (512 if on_gpu else 64)
+        self.max_num_batched_tokens = self.max_num_batched_tokens or (16384 if on_gpu else 2048)
+        self.kvcache_block_size = self.kvcache_block_size or (256 if on_gpu else 16)
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("kvcache_block_size", self.kvcache_block_size)
+        if self.num_kvcache_blocks is not None:
+            _positive_int("num_kvcache_blocks", self.num_kvcache_blocks)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        self.eos_token_id = [eos] if isinstance(eos, int) else list(eos or [])
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return (self.max_model_len + self.kvcache_block_size - 1) // self.kvcache_block_size
+
+
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device {device!r} is not a torch device ({e})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available here; use device='cpu'")
+    return device
+
+
+def default_dtype(hf_config, on_gpu: bool) -> torch.dtype:
+    if not on_gpu:
+        return torch.float32  # CPU matmuls in half precision are slow and inexact
+    name = str(getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None) or "bfloat16")
+    dtype = DTYPES.get(name.replace("torch.", ""), torch.bfloat16)
+    return torch.bfloat16 if dtype == torch.float32 else dtype
+
+
+def resolve_model_dir(model: str, load_format: str) -> str:
+    """A local directory, or an HF hub id downloaded to the local cache."""
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"model must be a local directory or an HF hub id, got {model!r}")
+    path = Path(os.path.expanduser(model))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model directory {model!r} has no config.json")
+        return str(path)
+    if path.exists() or model.count("/") != 1 or model.startswith((".", "/")):
+        raise ValueError(f"model {model!r} is not a directory with a config.json, nor an HF hub id like 'org/name'")
+    patterns = ["*.json", "*.jinja", "tokenizer*"] + ([] if load_format == "dummy" else ["*.safetensors"])
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(model, allow_patterns=patterns)
+    except Exception as e:  # offline, unknown repo, gated repo, ...
+        raise ValueError(f"model {model!r} is not a local directory and could not be fetched from the HF hub: {e}") from None
+
+
+def load_hf_config(model_dir: str):
+    from transformers import AutoConfig
+
+    from engine.models import model_class
+    with open(Path(model_dir) / "config.json") as f:
+        raw = json.load(f)
+    model_class(raw.get("architectures"))  # clear error before transformers sees an unknown model type
+    return AutoConfig.from_pretrained(model_dir)

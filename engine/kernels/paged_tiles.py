@@ -1,0 +1,67 @@
+"""Shared pieces of the paged-attention kernels: where a tile of KV positions lives in the cache."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def kv_tile_offsets(block_table_row, n0, seqlen, head_offset, offs_d,
+                    stride_page, stride_slot,
+                    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_N: tl.constexpr):
+    """Element offsets [BLOCK_N, BLOCK_D] of KV positions n0..n0+BLOCK_N-1 and their load mask.
+
+    n0 is a multiple of BLOCK_N and < seqlen. When a page holds whole tiles the tile is one
+    contiguous run inside one page (a single block-table read); otherwise each position looks
+    its page up. MASK_N=False promises every position in the tile is < seqlen.
+    """
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    valid_n = offs_n < seqlen
+    if PAGE_SIZE % BLOCK_N == 0:
+        page = tl.load(block_table_row + n0 // PAGE_SIZE).to(tl.int64)
+        row = page * stride_page + (offs_n % PAGE_SIZE) * stride_slot
+    else:
+        if MASK_N:
+            page = tl.load(block_table_row + offs_n // PAGE_SIZE, mask=valid_n, other=0)
+        else:
+            page = tl.load(block_table_row + offs_n // PAGE_SIZE)
+        row = page.to(tl.int64) * stride_page + (offs_n % PAGE_SIZE) * stride_slot
+    offs = row[:, None] + head_offset + offs_d[None, :]
+    if BLOCK_D == HEAD_DIM:
+        mask = valid_n[:, None]
+    else:
+        mask = valid_n[:, None] & (offs_d[None, :] < HEAD_DIM)
+    return offs, mask, valid_n
+
+
+@triton.jit
+def mma(a, b, UPCAST: tl.constexpr):
+    """tl.dot(a, b) in fp32; UPCAST does it on fp32 operands (the CPU interpreter mis-multiplies bf16)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+def upcast_dot(t: torch.Tensor) -> bool:
+    return t.device.type != "cuda" and t.dtype == torch.bfloat16
+
+
+def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
+    """Validate shapes/strides shared by the paged kernels; returns (num_heads, num_kv_heads, group)."""
+    assert q.dim() == 3 and q.stride(-1) == 1, "q must be [num_tokens, H, D] with contiguous D"
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, "caches must be [blocks, block_size, Hkv, D]"
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    assert q.shape[2] == k_cache.shape[3], f"head_dim of q ({q.shape[2]}) != cache ({k_cache.shape[3]})"
+    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads not a multiple of {num_kv_heads} KV heads"
+    return num_heads, num_kv_heads, num_heads // num_kv_heads
+
+
+def group_pad(group: int) -> int:
+    """Rows one KV head's query heads take in a tile (a power of two)."""
+    return triton.next_power_of_2(group)
+
+
+LOG2E = 1.4426950408889634

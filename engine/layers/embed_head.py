@@ -1,0 +1,40 @@
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.parallel import SINGLE, TPGroup
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup = SINGLE):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.local_vocab = (vocab_size + tp.size - 1) // tp.size
+        self.vocab_start = tp.rank * self.local_vocab
+        self.weight = nn.Parameter(torch.zeros(self.local_vocab, hidden_size), requires_grad=False)
+        self.weight.full_shape = (vocab_size, hidden_size)
+        self.weight.weight_loader = self.weight_loader
+        self.weight.load_full = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        part = loaded[self.vocab_start: self.vocab_start + self.local_vocab]
+        param.data[: part.shape[0]].copy_(part)  # the last rank's slice may be padded
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.local_vocab)
+        out = F.embedding(local.clamp(0, self.local_vocab - 1), self.weight) * mine.unsqueeze(-1)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] of the positions to sample → logits [N, vocab_size]."""
+        logits = F.linear(hidden, self.weight)
+        return self.tp.gather_last_dim(logits)[:, : self.vocab_size]

@@ -1,0 +1,97 @@
+"""Linear layers split across tensor-parallel ranks.
+
+Every parameter carries two loaders: `weight_loader(param, tensor, shard_id)` takes one checkpoint
+tensor (e.g. q_proj of a packed qkv_proj), `load_full(param, tensor)` takes the whole unsplit packed
+tensor (dummy weights, so every tensor-parallel size builds the same model).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.parallel import SINGLE, TPGroup, divide
+
+
+class _Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup, full_shape: tuple):
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.full_shape = full_shape
+        self.weight.weight_loader = self.weight_loader
+        self.weight.load_full = self.load_full
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.full_shape = full_shape[:1]
+            self.bias.weight_loader = self.weight_loader
+            self.bias.load_full = self.load_full
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(_Linear):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, out_features, bias, SINGLE, (out_features, in_features))
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        param.data.copy_(loaded)
+
+    load_full = weight_loader
+
+
+class ColumnParallelLinear(_Linear):
+    """Output features split across ranks; the checkpoint tensor may be several packed parts."""
+
+    def __init__(self, in_features: int, part_sizes: list[int], bias: bool = False, tp: TPGroup = SINGLE):
+        self.part_sizes = part_sizes  # full (unsplit) output size of each packed part
+        self.local_sizes = [divide(s, tp.size, "output features") for s in part_sizes]
+        super().__init__(in_features, sum(self.local_sizes), bias, tp, (sum(part_sizes), in_features))
+
+    def _local_slice(self, part: int) -> tuple[int, int]:
+        return sum(self.local_sizes[:part]), self.local_sizes[part]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        offset, size = self._local_slice(shard_id)
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp.rank * size, size))
+
+    def load_full(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        start = 0
+        for part, full_size in enumerate(self.part_sizes):
+            self.weight_loader(param, loaded.narrow(0, start, full_size), part)
+            start += full_size
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    SHARDS = {"q": 0, "k": 1, "v": 2}
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False, tp: TPGroup = SINGLE):
+        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        super().__init__(hidden_size, sizes, bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=0) -> None:
+        super().weight_loader(param, loaded, self.SHARDS.get(shard_id, shard_id))
+
+
+class RowParallelLinear(_Linear):
+    """Input features split across ranks; outputs are summed over ranks."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE):
+        local_in = divide(in_features, tp.size, "input features")
+        super().__init__(local_in, out_features, bias, tp, (out_features, in_features))
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if param.dim() == 1:  # bias: added once, on rank 0
+            param.data.copy_(loaded if self.tp.rank == 0 else torch.zeros_like(loaded))
+            return
+        size = param.shape[1]
+        param.data.copy_(loaded.narrow(1, self.tp.rank * size, size))
+
+    load_full = weight_loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(F.linear(x, self.weight, self.bias))

@@ -1,0 +1,63 @@
+"""Sampling on the device: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingTensors:
+    temperatures: torch.Tensor   # [S] float32, 0 = greedy
+    top_ks: torch.Tensor         # [S] int64, vocab size = off
+    top_ps: torch.Tensor         # [S] float32
+    min_ps: torch.Tensor         # [S] float32
+    generators: list             # [S] torch.Generator or None (None: the engine's shared stream)
+    all_greedy: bool
+    needs_filter: bool
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors, shared_gen: torch.Generator | None = None) -> torch.Tensor:
+    """Token ids [S] from logits [S, V] (float32)."""
+    greedy = logits.argmax(dim=-1)
+    if st.all_greedy:
+        return greedy
+    temps = torch.where(st.temperatures > 0, st.temperatures, torch.ones_like(st.temperatures))
+    scores = logits / temps.unsqueeze(1)
+    if st.needs_filter:
+        scores = _filter(scores, st)
+    probs = scores.softmax(dim=-1)
+    noise = torch.empty_like(probs)
+    for i, gen in enumerate(st.generators):
+        if gen is not None:
+            noise[i].exponential_(generator=gen)
+    if any(g is None for g in st.generators):
+        shared = torch.empty_like(probs).exponential_(generator=shared_gen)
+        seeded = torch.tensor([g is not None for g in st.generators], device=probs.device)
+        noise = torch.where(seeded.unsqueeze(1), noise, shared)
+    # argmax of p / Exp(1) draws from p (the exponential race), without a CDF search
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(st.temperatures > 0, sampled, greedy)
+
+
+def _filter(scores: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Mask to -inf every token outside min-p, then top-k, then top-p of what is left."""
+    if bool((st.min_ps > 0).any()):
+        probs = scores.softmax(dim=-1)
+        floor = st.min_ps.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        scores = scores.masked_fill(probs < floor, float("-inf"))
+    sorted_scores, order = scores.sort(dim=-1, descending=True)
+    ranks = torch.arange(scores.shape[1], device=scores.device).unsqueeze(0)
+    sorted_scores = sorted_scores.masked_fill(ranks >= st.top_ks.unsqueeze(1), float("-inf"))
+    sorted_probs = sorted_scores.softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_scores = sorted_scores.masked_fill(mass_before >= st.top_ps.unsqueeze(1), float("-inf"))
+    return torch.full_like(scores, float("-inf")).scatter(1, order, sorted_scores)
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int):
+    """(logprob of each sampled token [S], top-`num_top` logprobs [S, n] and their ids [S, n])."""
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    top = logprobs.topk(num_top, dim=-1) if num_top else None
+    return chosen, (top.values if top else None), (top.indices if top else None)

@@ -1,0 +1,283 @@
+"""The engine loop: requests in, scheduler step, model step, outputs out."""
+from __future__ import annotations
+
+import time
+from itertools import count
+
+import torch
+from tqdm.auto import tqdm
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.layers.sampler import SamplingTensors
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput, StepResult, StepStats
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch, Scheduler
+from engine.sequence import Sequence, SequenceStatus
+from engine.tokenizer import load_tokenizer
+
+
+class LLMEngine:
+    """Continuous-batching engine. Drive it with add_request/step, or call generate for a whole batch."""
+
+    def __init__(self, model: str, **kwargs):
+        self.config = config = EngineConfig(model, **kwargs)
+        self.runner = self._make_runner(config)
+        self.tokenizer = load_tokenizer(config.model_dir)
+        self.vocab_size = config.hf_config.vocab_size
+        self.block_manager = BlockManager(self.runner.num_kvcache_blocks, config.kvcache_block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.requests: dict[str, Sequence] = {}
+        self._aborted: list[Sequence] = []
+        self._request_ids = count()
+
+    def _make_runner(self, config: EngineConfig):
+        if config.tensor_parallel_size > 1:
+            from engine.distributed import TPDriver
+            return TPDriver(config)
+        return ModelRunner(config)
+
+    # ---- requests ---------------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | dict | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue one request; returns its id. Raises ValueError for bad input, leaving the engine as it was."""
+        params = _as_params(sampling_params)
+        token_ids = self._encode(prompt)
+        if request_id is None:
+            request_id = f"req-{next(self._request_ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        seq = Sequence(token_ids, params, self.config.kvcache_block_size, request_id)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer files; pass the prompt as a list of token ids")
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            token_ids = list(prompt)
+            bad = next((i for i, t in enumerate(token_ids) if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"token id {token_ids[bad]} at position {bad} is outside the vocabulary "
+                                 f"(ids must be in [0, {self.vocab_size}))")
+        else:
+            raise ValueError(f"a prompt must be a string or a list of int token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        if len(token_ids) >= self.config.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.config.max_model_len} "
+                             f"(prompt plus at least one generated token)")
+        return token_ids
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of chat `messages` through the tokenizer's chat template, ready for generation."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; send a prompt or token ids instead of messages")
+        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks; the next step() reports it with finish_reason "abort"."""
+        seq = self.requests.get(request_id)
+        if seq is None or seq.is_finished:
+            return False
+        self.scheduler.finish(seq, "abort")
+        seq.finished_time = time.monotonic()
+        self._aborted.append(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    def num_free_slots(self) -> int:
+        """How many more requests the engine can start now (free sequence slots and KV blocks)."""
+        sched = self.scheduler
+        if sched.waiting and not self.block_manager.can_allocate(sched.waiting[0]):
+            return 0
+        waiting_blocks = sum(s.num_blocks for s in sched.waiting)
+        return max(0, min(sched.num_free_slots(), self.block_manager.num_free_blocks - waiting_blocks))
+
+    # ---- the step ---------------------------------------------------------------------------------
+
+    def step(self) -> StepResult:
+        """One scheduling decision and one forward pass."""
+        start = time.perf_counter()
+        bm, sched = self.block_manager, self.scheduler
+        queries, hits, preemptions = bm.num_cache_queries, bm.num_cache_hits, sched.num_preemptions
+        outputs = [self._output(seq) for seq in self._aborted]
+        self._aborted.clear()
+        batch = sched.schedule()
+        stats = StepStats()
+        if batch:
+            now = time.monotonic()
+            for seq in batch.seqs:
+                seq.first_scheduled_time = seq.first_scheduled_time or now
+            to_sample = [s for s, n in zip(batch.seqs, batch.num_tokens) if s.num_computed_tokens + n == s.num_tokens]
+            stats.num_decode_tokens = sum(1 for s, n in zip(batch.seqs, batch.num_tokens)
+                                          if n == 1 and s.num_completion_tokens > 0 and s.num_uncomputed_tokens == 1)
+            stats.num_prefill_tokens = batch.total_tokens - stats.num_decode_tokens
+            inputs = self.runner.prepare_inputs(batch)
+            st, num_logprobs = self._sampling_tensors(to_sample)
+            token_ids, logprobs = self.runner.execute(inputs, st, num_logprobs)
+            outputs += self._postprocess(batch, to_sample, token_ids, logprobs)
+        stats.num_running, stats.num_waiting = len(sched.running), len(sched.waiting)
+        stats.kv_cache_usage = bm.usage
+        stats.num_preemptions = sched.num_preemptions - preemptions
+        stats.prefix_cache_queries = bm.num_cache_queries - queries
+        stats.prefix_cache_hits = bm.num_cache_hits - hits
+        stats.batch_size = len(batch.seqs)
+        stats.step_seconds = time.perf_counter() - start
+        return StepResult(outputs, stats)
+
+    def _sampling_tensors(self, seqs: list[Sequence]) -> tuple[SamplingTensors | None, int]:
+        if not seqs:
+            return None, -1
+        device = self.runner.device
+        ps = [s.params for s in seqs]
+        top_ks = [p.top_k if p.top_k > 0 else self.vocab_size for p in ps]
+        gens = [self._generator(s) for s in seqs]
+        st = SamplingTensors(
+            temperatures=torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=device),
+            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            top_ps=torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=device),
+            min_ps=torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=device),
+            generators=gens,
+            all_greedy=all(p.greedy for p in ps),
+            needs_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in ps))
+        num_logprobs = max((p.logprobs for p in ps if p.logprobs is not None), default=-1)
+        return st, num_logprobs
+
+    def _generator(self, seq: Sequence):
+        if seq.params.seed is None or seq.params.greedy:
+            return None
+        if not hasattr(seq, "generator"):
+            seq.generator = torch.Generator(device=self.runner.device).manual_seed(seq.params.seed)
+        return seq.generator
+
+    def _postprocess(self, batch: ScheduledBatch, sampled: list[Sequence], token_ids: list[int], logprobs):
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.register_computed(seq)
+        now = time.monotonic()
+        outputs = []
+        for i, (seq, token_id) in enumerate(zip(sampled, token_ids)):
+            seq.append_token(token_id)
+            seq.first_token_time = seq.first_token_time or now
+            if seq.params.logprobs is not None:
+                chosen, top_vals, top_ids = logprobs
+                k = seq.params.logprobs
+                top = dict(zip(top_ids[i][:k], top_vals[i][:k])) if top_ids is not None else {}
+                seq.logprobs.append({"token_id": token_id, "logprob": chosen[i], "top": top})
+            reason = self._finish_reason(seq, token_id)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                seq.finished_time = now
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        p = seq.params
+        if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.config.eos_token_id):
+            return "stop"
+        if p.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
+            found = [i for i in (text.find(s) for s in p.stop) if i >= 0]
+            if found:
+                seq.stop_text_len = min(found)
+                return "stop"
+        if seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        completion = seq.completion_token_ids
+        new = completion[seq.num_reported_tokens:]
+        seq.num_reported_tokens = len(completion)
+        finished = seq.is_finished
+        if finished:
+            self.requests.pop(seq.request_id, None)
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, token_ids=completion,
+            new_token_ids=new, finished=finished, finish_reason=seq.finish_reason,
+            text=self._final_text(seq) if finished else None,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            num_cached_tokens=seq.num_cached_tokens, arrival_time=seq.arrival_time,
+            first_scheduled_time=seq.first_scheduled_time, first_token_time=seq.first_token_time,
+            finished_time=seq.finished_time)
+
+    def _final_text(self, seq: Sequence) -> str | None:
+        if self.tokenizer is None:
+            return None
+        ids = seq.completion_token_ids
+        p = seq.params
+        if ids and seq.finish_reason == "stop" and seq.stop_text_len is None:
+            ids = ids[:-1]  # the stop token itself is not part of the text
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return text[: seq.stop_text_len] if seq.stop_text_len is not None else text
+
+    # ---- batch API --------------------------------------------------------------------------------
+
+    def generate(self, prompts: list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
+        ids: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, sampling_params):
+                ids.append(self.add_request(prompt, sp))
+        except Exception:
+            for rid in ids:
+                self.abort(rid)
+            self._aborted.clear()
+            raise
+        wanted = set(ids)
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        while len(results) < len(ids):
+            res = self.step()
+            for out in res.finished:
+                if out.request_id in wanted:
+                    results[out.request_id] = out
+                    bar.update(1)
+            s = res.stats
+            if use_tqdm and s.step_seconds > 0:
+                bar.set_postfix(prefill=f"{s.num_prefill_tokens / s.step_seconds:.0f}tok/s",
+                                decode=f"{s.num_decode_tokens / s.step_seconds:.0f}tok/s")
+        bar.close()
+        return [results[rid] for rid in ids]
+
+    def shutdown(self) -> None:
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+
+class LLM(LLMEngine):
+    """The offline entry point: LLM(model, ...).generate(prompts, params)."""
+
+
+def _as_params(sp) -> SamplingParams:
+    if sp is None:
+        return SamplingParams()
+    if isinstance(sp, SamplingParams):
+        return sp
+    if isinstance(sp, dict):
+        try:
+            return SamplingParams(**sp)
+        except TypeError as e:
+            raise ValueError(f"bad sampling params: {e}") from None
+    raise ValueError(f"sampling_params must be SamplingParams or a dict, got {type(sp).__name__}")

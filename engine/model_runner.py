@@ -1,0 +1,210 @@
+"""Turns a scheduled batch into tensors, runs the model on one device (one tensor-parallel rank), samples."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata, ForwardContext, get_backend
+from engine.config import EngineConfig
+from engine.layers.attention import Attention
+from engine.layers.parallel import TPGroup
+from engine.layers.sampler import SamplingTensors, compute_logprobs, sample
+from engine.loader import load_weights
+from engine.models import model_class
+from engine.scheduler import ScheduledBatch
+
+CPU_KV_CACHE_BYTES = 2 << 30
+
+
+@dataclass
+class StepInputs:
+    """Everything a forward pass needs, as CPU tensors (what rank 0 sends to the other ranks)."""
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seqlens_k: torch.Tensor
+    block_tables: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    logits_indices: torch.Tensor  # rows of the hidden states to sample from
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_seqlen_q == 1
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, tp: TPGroup = TPGroup()):
+        self.config = config
+        self.tp = tp
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", tp.rank)
+            torch.cuda.set_device(self.device)
+        self.dtype = config.torch_dtype
+        self.block_size = config.kvcache_block_size
+        self.ctx = ForwardContext(get_backend(config.attention_backend, self.device))
+        hf = config.hf_config
+        with torch.device(self.device):
+            self.model = model_class(hf.architectures)(hf, tp, self.ctx).to(self.dtype)
+        self.model.eval()
+        load_weights(self.model, config.model_dir, config.load_format, config.seed)
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.num_kvcache_blocks = self._allocate_kv_cache()
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager and getattr(self.ctx.backend, "supports_cuda_graphs", False):
+            from engine.cuda_graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(self)
+
+    # ---- KV cache ---------------------------------------------------------------------------------
+
+    def _kv_bytes_per_block(self) -> int:
+        a = self.attn_layers[0]
+        return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+
+    def _allocate_kv_cache(self) -> int:
+        cfg = self.config
+        num_blocks = cfg.num_kvcache_blocks or self._fitting_num_blocks()
+        if num_blocks < cfg.max_blocks_per_seq:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens, fewer than one sequence of "
+                f"max_model_len={cfg.max_model_len} needs ({cfg.max_blocks_per_seq}); lower max_model_len or "
+                f"raise num_kvcache_blocks / gpu_memory_utilization")
+        a = self.attn_layers[0]
+        self.kv_cache = torch.empty(2, len(self.attn_layers), num_blocks, self.block_size, a.num_kv_heads,
+                                    a.head_dim, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.attn_layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        return num_blocks
+
+    def _fitting_num_blocks(self) -> int:
+        cfg = self.config
+        per_block = self._kv_bytes_per_block()
+        if self.device.type != "cuda":
+            wanted = -(-cfg.max_num_seqs * cfg.max_model_len // self.block_size)
+            return max(min(wanted, CPU_KV_CACHE_BYTES // per_block), cfg.max_blocks_per_seq)
+        activation_bytes = self._measure_activation_peak()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free
+        budget = total * cfg.gpu_memory_utilization - used - activation_bytes
+        return max(int(budget // per_block), 0)
+
+    @torch.inference_mode()
+    def _measure_activation_peak(self) -> int:
+        """Peak memory of one forward over max_num_batched_tokens, beyond weights and a scratch cache."""
+        cfg = self.config
+        num_tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * cfg.max_model_len)
+        num_seqs = max(1, min(cfg.max_num_seqs, num_tokens // cfg.max_model_len or 1))
+        seq_len = num_tokens // num_seqs
+        blocks_per_seq = -(-seq_len // self.block_size)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated(self.device)
+        a = self.attn_layers[0]
+        scratch = torch.empty(2, len(self.attn_layers), num_seqs * blocks_per_seq, self.block_size,
+                              a.num_kv_heads, a.head_dim, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.attn_layers):
+            layer.k_cache, layer.v_cache = scratch[0, i], scratch[1, i]
+        torch.cuda.reset_peak_memory_stats(self.device)
+        tokens = [list(range(seq_len)) for _ in range(num_seqs)]
+        inputs = _prefill_inputs(tokens, self.block_size, blocks_per_seq)
+        hidden = self.forward(inputs)
+        self.model.compute_logits(hidden[inputs.logits_indices.to(self.device)])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device) - before - scratch.numel() * scratch.element_size()
+        del scratch, hidden
+        for layer in self.attn_layers:
+            layer.k_cache = layer.v_cache = torch.tensor([])
+        torch.cuda.empty_cache()
+        return peak
+
+    # ---- one step ---------------------------------------------------------------------------------
+
+    def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu_q, lens_k, logits_indices = [0], [], []
+        bs = self.block_size
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            start = seq.num_computed_tokens
+            end = start + n
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            cu_q.append(cu_q[-1] + n)
+            lens_k.append(end)
+            if end == seq.num_tokens:
+                logits_indices.append(cu_q[-1] - 1)
+        width = max(len(s.block_table) for s in batch.seqs)
+        tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in batch.seqs]
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32),
+            seqlens_k=torch.tensor(lens_k, dtype=torch.int32),
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            max_seqlen_q=max(batch.num_tokens), max_seqlen_k=max(lens_k),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64))
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states of every scheduled token."""
+        if self.graphs is not None and inputs.is_decode and self.graphs.fits(inputs):
+            return self.graphs.replay(inputs)
+        dev = self.device
+        pin = dev.type == "cuda"
+        to = (lambda t: t.pin_memory().to(dev, non_blocking=True)) if pin else (lambda t: t.to(dev))
+        self.ctx.meta = AttentionMetadata(
+            slot_mapping=to(inputs.slot_mapping), cu_seqlens_q=to(inputs.cu_seqlens_q),
+            seqlens_k=to(inputs.seqlens_k), block_tables=to(inputs.block_tables),
+            max_seqlen_q=inputs.max_seqlen_q, max_seqlen_k=inputs.max_seqlen_k, is_decode=inputs.is_decode)
+        try:
+            return self.model(to(inputs.input_ids), to(inputs.positions))
+        finally:
+            self.ctx.meta = None
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
+        rows = hidden[inputs.logits_indices.to(self.device)]
+        return self.model.compute_logits(rows).float()
+
+    def execute(self, inputs: StepInputs, st: SamplingTensors | None, num_logprobs: int):
+        """Forward, then sample the rows in logits_indices: (token ids, logprobs or None)."""
+        hidden = self.forward(inputs)
+        if st is None:
+            return [], None
+        return self.sample(self.compute_logits(hidden, inputs), st, num_logprobs)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, st: SamplingTensors, num_logprobs: int):
+        """Sampled ids (list) and, when asked, (chosen logprobs, top logprobs, top ids) as lists."""
+        token_ids = sample(logits, st, self.generator)
+        if num_logprobs < 0:
+            return token_ids.tolist(), None
+        chosen, top_vals, top_ids = compute_logprobs(logits, token_ids, num_logprobs)
+        host = [t.cpu() if t is not None else None for t in (token_ids, chosen, top_vals, top_ids)]
+        return host[0].tolist(), tuple(h.tolist() if h is not None else None for h in host[1:])
+
+
+def _prefill_inputs(tokens: list[list[int]], block_size: int, blocks_per_seq: int) -> StepInputs:
+    """Inputs of a batch of fresh prompts laid out in consecutive blocks (memory profiling)."""
+    ids, pos, slots, cu, lens, tables = [], [], [], [0], [], []
+    for i, t in enumerate(tokens):
+        base = i * blocks_per_seq * block_size
+        ids += t
+        pos += range(len(t))
+        slots += range(base, base + len(t))
+        cu.append(cu[-1] + len(t))
+        lens.append(len(t))
+        tables.append(list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)))
+    i64, i32 = torch.int64, torch.int32
+    return StepInputs(torch.tensor(ids, dtype=i64), torch.tensor(pos, dtype=i64), torch.tensor(slots, dtype=i64),
+                      torch.tensor(cu, dtype=i32), torch.tensor(lens, dtype=i32), torch.tensor(tables, dtype=i32),
+                      max(lens), max(lens), torch.tensor([c - 1 for c in cu[1:]], dtype=i64))

@@ -1,0 +1,122 @@
+"""The Llama decoder family: Llama, and through small flags Qwen2 (qkv bias) and Qwen3 (q/k norm).
+
+Pre-norm transformer: x → RMSNorm → attention (rotary, GQA) → + x → RMSNorm → SwiGLU MLP → + x.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention import ForwardContext
+from engine.layers.activation import SiluAndMul
+from engine.layers.attention import Attention
+from engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.layers.norm import RMSNorm
+from engine.layers.parallel import TPGroup, divide
+from engine.layers.rotary import RotaryEmbedding, rope_settings
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, cfg, family: "FamilyFlags", tp: TPGroup, ctx: ForwardContext):
+        super().__init__()
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.num_heads = divide(cfg.num_attention_heads, tp.size, "num_attention_heads")
+        self.num_kv_heads = divide(cfg.num_key_value_heads, tp.size, "num_key_value_heads")
+        bias = getattr(cfg, "attention_bias", False)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, bias=bias or family.qkv_bias, tp=tp)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=bias, tp=tp)
+        theta, scaling = rope_settings(cfg)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, theta, scaling)
+        if family.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = family.qk_norm
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, ctx)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg, tp: TPGroup):
+        super().__init__()
+        if getattr(cfg, "mlp_bias", False):
+            raise ValueError("mlp_bias=True is not supported")
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp=tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, family: "FamilyFlags", tp: TPGroup, ctx: ForwardContext):
+        super().__init__()
+        self.self_attn = DecoderAttention(cfg, family, tp, ctx)
+        self.mlp = MLP(cfg, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, x, residual):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg, family: "FamilyFlags", tp: TPGroup, ctx: ForwardContext):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, family, tp, ctx) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class FamilyFlags:
+    qkv_bias = False
+    qk_norm = False
+
+
+class LlamaForCausalLM(nn.Module):
+    flags = FamilyFlags
+    # checkpoint name → (our packed parameter, which part of it)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg, tp: TPGroup, ctx: ForwardContext):
+        super().__init__()
+        self.model = DecoderModel(cfg, self.flags, tp, ctx)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
