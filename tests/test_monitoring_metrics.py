@@ -130,3 +130,54 @@ def test_metrics_server_serves_this_instance_only():
                for family in text_string_to_metric_families(text) for s in family.samples}
     assert samples[("redline_jobs_received_total", "served")] == 5
     assert ("redline_jobs_received_total", "other") not in samples
+
+
+# -- fed by the real engine --------------------------------------------------------------------------
+
+def run_engine(metrics: Metrics, prompts: list[list[int]], max_tokens: int, **engine_kwargs) -> list:
+    """Drive a tiny real engine to completion through the hooks the worker calls; return finished outputs."""
+    from engine import LLMEngine, SamplingParams
+    from engine.builtin import TINY_MODEL_DIR
+
+    engine = LLMEngine(TINY_MODEL_DIR, load_format="dummy", device="cpu", max_model_len=256, **engine_kwargs)
+    finished = []
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), request_id=f"r{i}")
+        if engine_kwargs.get("max_num_seqs") == 1:  # one at a time, so later prompts can hit the cache
+            finished += drain(engine, metrics)
+    finished += drain(engine, metrics)
+    return finished
+
+
+def drain(engine, metrics: Metrics) -> list:
+    finished = []
+    while engine.has_unfinished():
+        result = engine.step()
+        metrics.observe_step(result.stats)
+        for out in result.finished:
+            metrics.observe_finished(out)
+            finished.append(out)
+    return finished
+
+
+def test_engine_run_counts_every_prompt_and_generated_token(metrics):
+    prompts = [[i + 1] * (20 + 3 * i) for i in range(4)]
+    finished = run_engine(metrics, prompts, max_tokens=6, max_num_seqs=8)
+    assert len(finished) == 4
+    assert value(metrics, "redline_prompt_tokens_total") == sum(len(p) for p in prompts)
+    assert value(metrics, "redline_generation_tokens_total") == sum(len(o.token_ids) for o in finished) == 24
+    assert value(metrics, "redline_request_success_total", finished_reason="length") == 4
+    assert value(metrics, "redline_time_to_first_token_seconds_count") == 4
+    assert value(metrics, "redline_inter_token_latency_seconds_count") == 4
+    assert value(metrics, "redline_e2e_request_latency_seconds_count") == 4
+    assert value(metrics, "redline_num_requests_running") == 0
+    assert value(metrics, "redline_kv_cache_usage_perc") == 0
+
+
+def test_repeated_prompt_shows_as_prefix_cache_hits_not_prompt_work(metrics):
+    prompt = list(range(1, 65))  # four full 16-token blocks
+    run_engine(metrics, [prompt, prompt], max_tokens=2, max_num_seqs=1)
+    hits = value(metrics, "redline_prefix_cache_hits_total")
+    assert hits > 0
+    assert value(metrics, "redline_prefix_cache_queries_total") == 2 * len(prompt)
+    assert value(metrics, "redline_prompt_tokens_total") == 2 * len(prompt) - hits
