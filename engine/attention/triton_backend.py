@@ -15,6 +15,7 @@ class TritonBackend:
     """Paged attention through Triton: split-KV decode, varlen chunked prefill, GQA-packed heads."""
 
     name = "triton"
+    supports_cuda_graphs = True  # decode sizes its split scratch from Python ints only
 
     def store_kvcache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

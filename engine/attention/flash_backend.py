@@ -1,0 +1,89 @@
+"""The `flash` attention backend: the card's flash-attn, when the `flash_attn` package is importable.
+
+Two generations are understood:
+- flash-attn 2 (`flash_attn.flash_attn_varlen_func` / `flash_attn_with_kvcache`, a source build):
+  paged KV needs a block size that is a multiple of 256.
+- flash-attn 4 (`flash_attn.cute.flash_attn_varlen_func`, wheels, Hopper and Blackwell): paged
+  varlen attention through `page_table` + `seqused_k`, any page size.
+New K/V go into the cache through the engine's Triton kernel either way.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import store_kvcache
+
+if TYPE_CHECKING:
+    from engine.attention import AttentionMetadata
+
+
+@functools.cache
+def _flash_api() -> tuple[str, tuple[Callable, ...]] | None:
+    """("fa2", (varlen, with_kvcache)) or ("fa4", (varlen,)) or None when nothing is importable."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return None
+    try:
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+        return "fa2", (flash_attn_varlen_func, flash_attn_with_kvcache)
+    except ImportError:
+        pass
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+        return "fa4", (flash_attn_varlen_func,)
+    except ImportError:
+        return None
+
+
+def flash_available() -> bool:
+    return torch.cuda.is_available() and _flash_api() is not None
+
+
+class FlashBackend:
+    """Paged attention through flash-attn (2 or 4, whichever the card has)."""
+
+    name = "flash"
+
+    def __init__(self) -> None:
+        api = _flash_api()
+        if api is None:
+            raise ImportError("the flash backend needs flash_attn (flash-attn 2) or flash_attn.cute (flash-attn 4)")
+        self.flavor, self._funcs = api
+        # flash-attn 2's paged path is what nano-vllm captures; flash-attn 4's is not verified in graphs
+        self.supports_cuda_graphs = self.flavor == "fa2"
+
+    def store_kvcache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: "AttentionMetadata", scale: float) -> torch.Tensor:
+        if self.flavor == "fa4":
+            return self._forward_fa4(q, k_cache, v_cache, meta, scale)
+        return self._forward_fa2(q, k_cache, v_cache, meta, scale)
+
+    def _forward_fa2(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
+        varlen, with_kvcache = self._funcs
+        if k_cache.shape[1] % 256 != 0:
+            raise ValueError(f"flash-attn 2 pages the KV cache in multiples of 256 tokens; "
+                             f"kvcache_block_size is {k_cache.shape[1]} (use 256 or attention_backend='triton')")
+        if meta.is_decode:
+            out = with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seqlens_k,
+                               block_table=meta.block_tables, softmax_scale=scale, causal=True)
+            return out.squeeze(1)
+        cu_seqlens_k = F.pad(meta.seqlens_k.cumsum(0, dtype=torch.int32), (1, 0))
+        return varlen(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                      max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
+                      softmax_scale=scale, causal=True, block_table=meta.block_tables)
+
+    def _forward_fa4(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
+        (varlen,) = self._funcs
+        # flash-attn 4 aligns the causal mask bottom-right per sequence, as the contract wants
+        out = varlen(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, seqused_k=meta.seqlens_k,
+                     max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
+                     page_table=meta.block_tables.clamp(min=0), softmax_scale=scale, causal=True)
+        return out[0] if isinstance(out, tuple) else out

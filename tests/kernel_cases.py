@@ -1,0 +1,284 @@
+"""Random paged-attention problems and an fp32 reference, shared by the kernel tests and GPU checks.
+
+Imports nothing from the engine except the kernels under test (via the callers), so the GPU check
+script can run it where redis/pydantic are missing.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PagedCase:
+    q: torch.Tensor             # [num_tokens, H, D]
+    k_cache: torch.Tensor       # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    seqlens_k: torch.Tensor     # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32, -1 padded
+    max_seqlen_q: int
+    max_seqlen_k: int
+    scale: float
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_seqlen_q == 1 and self.q.shape[0] == self.seqlens_k.shape[0]
+
+
+def make_case(q_lens: list[int], k_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
+              block_size: int, dtype: torch.dtype, device: str | torch.device, seed: int = 0,
+              extra_blocks: int = 3, extra_table_width: int = 1) -> PagedCase:
+    """Sequences b with q_lens[b] new tokens and k_lens[b] context (cached prefix + new tokens).
+
+    Each sequence's blocks are a random, non-contiguous subset of the pool; the unused tail of
+    every block table is -1, and the pool has spare blocks full of noise that must never be read.
+    """
+    assert len(q_lens) == len(k_lens) and all(0 < q <= k for q, k in zip(q_lens, k_lens))
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [math.ceil(k / block_size) for k in k_lens]
+    num_blocks = sum(blocks_per_seq) + extra_blocks
+    perm = torch.randperm(num_blocks, generator=gen)
+    width = max(blocks_per_seq) + extra_table_width
+    block_tables = torch.full((len(k_lens), width), -1, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(blocks_per_seq):
+        block_tables[b, :n] = perm[used:used + n].to(torch.int32)
+        used += n
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
+    return PagedCase(
+        q=q.to(device), k_cache=k_cache.to(device), v_cache=v_cache.to(device),
+        cu_seqlens_q=cu.to(device), seqlens_k=torch.tensor(k_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device), max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens),
+        scale=head_dim ** -0.5)
+
+
+def reference_attention(case: PagedCase) -> torch.Tensor:
+    """fp32 causal attention, one sequence at a time, gathering each context block by block."""
+    q, k_cache, v_cache = case.q.float(), case.k_cache.float(), case.v_cache.float()
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    group = q.shape[1] // num_kv_heads
+    out = torch.empty_like(q)
+    cu = case.cu_seqlens_q.tolist()
+    for b, len_k in enumerate(case.seqlens_k.tolist()):
+        start, end = cu[b], cu[b + 1]
+        len_q = end - start
+        blocks = case.block_tables[b, :math.ceil(len_k / block_size)].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:len_k].repeat_interleave(group, 1)
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:len_k].repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[start:end], k) * case.scale
+        q_pos = torch.arange(len_k - len_q, len_k, device=q.device)[:, None]
+        k_pos = torch.arange(len_k, device=q.device)[None, :]
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return out
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def random_lengths(num_seqs: int, max_context: int, max_new: int, decode_share: float,
+                   seed: int) -> tuple[list[int], list[int]]:
+    """A mixed batch: some decodes (q_len 1), some chunks over cached prefixes, some fresh prompts."""
+    gen = torch.Generator().manual_seed(seed)
+    q_lens, k_lens = [], []
+    for _ in range(num_seqs):
+        kind = torch.rand(1, generator=gen).item()
+        k_len = int(torch.randint(1, max_context + 1, (1,), generator=gen))
+        if kind < decode_share:
+            q_len = 1
+        elif kind < (1 + decode_share) / 2:
+            q_len = k_len  # fresh prompt, nothing cached
+        else:
+            q_len = int(torch.randint(1, min(k_len, max_new) + 1, (1,), generator=gen))
+        q_lens.append(q_len)
+        k_lens.append(k_len)
+    return q_lens, k_lens
+
+
+# ---- shape lists and the check runner (used by tests/test_kernels.py and scripts/kernel_check.py) ----
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    num_seqs: int
+    max_context: int
+    max_new: int
+    decode_share: float = 0.4
+    prefill_tiles: tuple[int, int] | None = None  # (block_m, block_n) override
+    decode_block_n: int | None = None
+    seed: int = 0
+
+
+# Small enough for the Triton interpreter: every path (GQA 1/2/4/7/8, D 64/96/128, page sizes
+# smaller than, equal to and larger than the KV tile, chunks over cached prefixes).
+CPU_SHAPES = [
+    Shape("mha_d64_bs16", 4, 4, 64, 16, 5, 70, 24),
+    Shape("gqa2_d128_bs16_gather", 4, 2, 128, 16, 4, 60, 20, prefill_tiles=(32, 32), decode_block_n=32),
+    Shape("gqa4_d64_bs32", 8, 2, 64, 32, 6, 100, 40),
+    Shape("gqa8_d64_bs16", 8, 1, 64, 16, 4, 50, 30, decode_share=0.5),
+    Shape("gqa7_d64_bs16", 14, 2, 64, 16, 3, 45, 17),
+    Shape("gqa2_d96_bs64", 4, 2, 96, 64, 3, 150, 40),
+]
+
+# The GPU sizes: batch 1 to 256, contexts to 4k, engine block sizes 16 and 256.
+GPU_SHAPES = [
+    Shape("qwen3_0.6b_bs256_b64", 16, 8, 128, 256, 64, 2048, 512),
+    Shape("qwen3_0.6b_bs16_b64", 16, 8, 128, 16, 64, 2048, 512),
+    Shape("qwen3_8b_bs256_b256", 32, 8, 128, 256, 256, 1500, 300, decode_share=0.8),
+    Shape("mha_d64_bs32_b32", 8, 8, 64, 32, 32, 1024, 300),
+    Shape("gqa2_d64_bs16_b8", 16, 8, 64, 16, 8, 4096, 1024, decode_share=0.3),
+    Shape("gqa4_d128_bs128_b1", 32, 8, 128, 128, 1, 3000, 3000, decode_share=0.0),
+    Shape("gqa8_d128_bs64_b17", 64, 8, 128, 64, 17, 2500, 700),
+    Shape("gqa8_d64_bs256_b200", 8, 1, 64, 256, 200, 1200, 200, decode_share=0.9),
+    Shape("gqa7_d128_bs16_b12", 14, 2, 128, 16, 12, 900, 300),
+]
+
+
+def check_shape(shape: Shape, device: str, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Run store_kvcache, prefill (mixed batch) and decode (several split counts) on one shape.
+
+    Returns {check name: (relative error or mismatch count, all outputs written)}.
+    """
+    from engine.kernels import DecodeConfig, PrefillConfig, paged_decode, paged_prefill, store_kvcache
+
+    results = {}
+    q_lens, k_lens = random_lengths(shape.num_seqs, shape.max_context, shape.max_new,
+                                    shape.decode_share, shape.seed)
+    case = make_case(q_lens, k_lens, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                     shape.block_size, dtype, device, seed=shape.seed)
+    ref = reference_attention(case)
+    prefill_config = None
+    if shape.prefill_tiles:
+        prefill_config = PrefillConfig(*shape.prefill_tiles, num_warps=4, num_stages=1 if device == "cpu" else 2)
+    out = torch.full_like(case.q, float("nan"))
+    paged_prefill(case.q, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seqlens_k,
+                  case.block_tables, case.max_seqlen_q, case.scale, out=out, config=prefill_config)
+    results["prefill"] = (relative_error(out, ref), not out.isnan().any().item())
+
+    # decode: the last position of every sequence
+    dec = make_case([1] * len(k_lens), k_lens, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                    shape.block_size, dtype, device, seed=shape.seed + 1)
+    dec_ref = reference_attention(dec)
+    decode_config = None
+    if shape.decode_block_n:
+        decode_config = DecodeConfig(block_n=shape.decode_block_n, num_warps=4, num_stages=1 if device == "cpu" else 2)
+    for splits in (None, 1, 3, 8):
+        out = torch.full_like(dec.q, float("nan"))
+        paged_decode(dec.q, dec.k_cache, dec.v_cache, dec.seqlens_k, dec.block_tables, dec.max_seqlen_k,
+                     dec.scale, out=out, num_splits=splits, config=decode_config)
+        results[f"decode_splits_{splits or 'auto'}"] = (relative_error(out, dec_ref), not out.isnan().any().item())
+
+    # store_kvcache: random distinct slots, some -1; untouched slots keep their values
+    num_tokens = sum(q_lens)
+    num_slots = case.k_cache.shape[0] * case.k_cache.shape[1]
+    gen = torch.Generator().manual_seed(shape.seed + 2)
+    slots = torch.randperm(num_slots, generator=gen)[:num_tokens]
+    slots[torch.rand(num_tokens, generator=gen) < 0.1] = -1
+    slots = slots.to(device)
+    # K/V as strided views of a fused qkv buffer, as a model produces them
+    qkv = torch.randn(num_tokens, shape.num_heads + 2 * shape.num_kv_heads, shape.head_dim,
+                      generator=gen).to(dtype).to(device)
+    key = qkv[:, shape.num_heads:shape.num_heads + shape.num_kv_heads]
+    value = qkv[:, shape.num_heads + shape.num_kv_heads:]
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    store_kvcache(key, value, k_cache, v_cache, slots)
+    k_ref, v_ref = case.k_cache.clone(), case.v_cache.clone()
+    keep = slots >= 0
+    k_ref.view(-1, *k_ref.shape[2:])[slots[keep]] = key[keep]
+    v_ref.view(-1, *v_ref.shape[2:])[slots[keep]] = value[keep]
+    mismatches = int((k_cache != k_ref).sum().item() + (v_cache != v_ref).sum().item())
+    results["store_kvcache"] = (float(mismatches), True)
+    return results
+
+
+def check_decode_padding(device: str, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """CUDA-graph batch filler: rows with seqlen_k 0, an all -1 block table and slot -1 stay finite."""
+    from engine.kernels import paged_decode, store_kvcache
+
+    dec = make_case([1, 1], [37, 5], 8, 2, 64, 16, dtype, device, seed=5)
+    pad_rows = 2
+    q = torch.cat([dec.q, torch.randn(pad_rows, 8, 64).to(dtype).to(device)])
+    seqlens = torch.cat([dec.seqlens_k, torch.zeros(pad_rows, dtype=torch.int32, device=device)])
+    tables = torch.cat([dec.block_tables, torch.full((pad_rows, dec.block_tables.shape[1]), -1,
+                                                     dtype=torch.int32, device=device)])
+    ref = reference_attention(dec)
+    results = {}
+    for splits in (1, 4):
+        out = torch.full_like(q, float("nan"))
+        paged_decode(q, dec.k_cache, dec.v_cache, seqlens, tables, 37, dec.scale, out=out, num_splits=splits)
+        results[f"padded_decode_{splits}"] = (relative_error(out[:2], ref),
+                                              bool(torch.isfinite(out).all().item()))
+    k_cache = dec.k_cache.clone()
+    v_cache = dec.v_cache.clone()
+    key = torch.randn(3, 2, 64).to(dtype).to(device)
+    store_kvcache(key, key, k_cache, v_cache, torch.full((3,), -1, dtype=torch.int64, device=device))
+    results["store_all_skipped"] = (float((k_cache != dec.k_cache).sum().item()), True)
+    return results
+
+
+def check_backend_contract(device: str, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """TritonBackend against the engine's TorchBackend through the AttentionMetadata contract."""
+    from engine.attention import AttentionMetadata
+    from engine.attention.torch_backend import TorchBackend
+    from engine.attention.triton_backend import TritonBackend
+
+    triton_backend, torch_backend = TritonBackend(), TorchBackend()
+    results = {}
+    for name, q_lens, k_lens in (("mixed", [1, 9, 1, 30], [20, 40, 33, 30]), ("decode", [1, 1, 1], [17, 1, 64])):
+        case = make_case(q_lens, k_lens, 8, 2, 64, 16, dtype, device, seed=7)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((case.q.shape[0],), -1, dtype=torch.int32, device=device),
+            cu_seqlens_q=case.cu_seqlens_q, seqlens_k=case.seqlens_k, block_tables=case.block_tables,
+            max_seqlen_q=case.max_seqlen_q, max_seqlen_k=case.max_seqlen_k, is_decode=name == "decode")
+        out = triton_backend.forward(case.q, case.k_cache, case.v_cache, meta, case.scale)
+        ref = torch_backend.forward(case.q.float(), case.k_cache.float(), case.v_cache.float(), meta, case.scale)
+        results[f"backend_{name}"] = (relative_error(out, ref), not out.isnan().any().item())
+        results[f"reference_agrees_{name}"] = (relative_error(reference_attention(case), ref), True)
+    key = torch.randn(5, 2, 64).to(dtype).to(device)
+    slots = torch.tensor([3, -1, 40, 7, 100], dtype=torch.int64, device=device)
+    caches = [torch.randn(10, 16, 2, 64).to(dtype).to(device) for _ in range(2)]
+    mine = [c.clone() for c in caches]
+    triton_backend.store_kvcache(key, -key, mine[0], mine[1], slots)
+    torch_backend.store_kvcache(key, -key, caches[0], caches[1], slots)
+    results["backend_store_kvcache"] = (float(sum((a != b).sum().item() for a, b in zip(mine, caches))), True)
+    return results
+
+
+def _main() -> None:
+    """Run the CPU shapes under the Triton interpreter and print one JSON object of results."""
+    import json
+    import os
+    import sys
+
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    names = sys.argv[1:] or [s.name for s in CPU_SHAPES]
+    torch.set_num_threads(1)
+    results = {}
+    for shape in CPU_SHAPES:
+        if shape.name in names:
+            results[shape.name] = check_shape(shape, "cpu")
+    if "padding" in names or not sys.argv[1:]:
+        results["padding"] = check_decode_padding("cpu")
+    if "backend" in names or not sys.argv[1:]:
+        try:
+            results["backend"] = check_backend_contract("cpu")
+        except ImportError as e:  # the engine's attention package is not importable here
+            results["backend"] = {"skipped": str(e)}
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    _main()
