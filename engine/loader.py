@@ -35,11 +35,18 @@ def load_safetensors(model: nn.Module, model_dir: str) -> None:
                 param = params.get(target)
                 if param is None:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
-                param.weight_loader(param, f.get_tensor(name).to(param.dtype), shard_id)
+                loader = getattr(param, "weight_loader", _copy_loader)
+                loader(param, f.get_tensor(name).to(param.dtype), shard_id)
                 loaded.add(target)
     missing = {n for n in params if n not in loaded} - ({"lm_head.weight"} if model.tie_word_embeddings else set())
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights for: {', '.join(sorted(missing)[:5])}")
+
+
+def _copy_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}")
+    param.data.copy_(loaded)
 
 
 def _target_name(name: str, packed: dict) -> tuple[str, object]:
