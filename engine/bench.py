@@ -1,0 +1,198 @@
+"""The engine-alone benchmark: nano-vllm's bench workload on dummy weights of a shipped config.
+
+Workload (docs/DESIGN): random.seed(0); 256 prompts of randint(100, 1024) ids in [0, 10000]; then for
+each, max_tokens=randint(100, 1024), ignore_eos; 133,966 output tokens. Throughput is output tokens
+over the wall seconds of one generate() after a warm-up. The floor is the time to read, at the GPU's
+bandwidth, every generated token's context K/V once plus the weights once per decode step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+CONFIGS_DIR = Path(__file__).parent / "configs"
+SHIPPED_CONFIGS = {p.name: p for p in sorted(CONFIGS_DIR.iterdir()) if (p / "config.json").is_file()}
+DEFAULT_MODEL = str(CONFIGS_DIR / "qwen3-0.6b")
+# bytes/s read + written by a device-to-device copy, measured on the lent machines (shared/GPU.md)
+MEASURED_BANDWIDTH = {"H100": 3.02e12, "H200": 4.3e12}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The workload and engine options of `redline bench`."""
+    w = parser.add_argument_group("workload (defaults: nano-vllm's bench)")
+    w.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"config dir, HF id, or a shipped config name ({', '.join(SHIPPED_CONFIGS)}); "
+                        "default: the Qwen3-0.6B shape")
+    w.add_argument("--load-format", default="dummy", help="dummy (random weights) or auto (real checkpoint)")
+    w.add_argument("--num-seqs", type=int, default=256)
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--min-input-len", type=int, default=100)
+    w.add_argument("--max-input-len", type=int, default=1024)
+    w.add_argument("--min-output-len", type=int, default=100)
+    w.add_argument("--max-output-len", type=int, default=1024)
+    w.add_argument("--max-token-id", type=int, default=10000, help="prompt ids are drawn from [0, this]")
+    w.add_argument("--temperature", type=float, default=0.6, help="0 for greedy")
+    w.add_argument("--bandwidth", type=float, default=None,
+                   help="GPU memory bandwidth in bytes/s for the floor (default: measured figure for the GPU)")
+    e = parser.add_argument_group("engine")
+    e.add_argument("--max-num-seqs", type=int, default=None)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--max-model-len", type=int, default=4096)
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    e.add_argument("--kvcache-block-size", type=int, default=None)
+    e.add_argument("--enforce-eager", action="store_true")
+    e.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash"])
+    e.add_argument("--tensor-parallel-size", type=int, default=1)
+    e.add_argument("--dtype", default="auto")
+    e.add_argument("--device", default="auto")
+
+
+def resolve_model(model: str) -> str:
+    return str(SHIPPED_CONFIGS[model]) if model in SHIPPED_CONFIGS else model
+
+
+def make_workload(args: argparse.Namespace):
+    """(prompts as token-id lists, one SamplingParams each), drawn exactly as nano-vllm's bench draws them."""
+    from engine.sampling_params import SamplingParams
+
+    random.seed(args.seed)
+    prompts = [[random.randint(0, args.max_token_id) for _ in range(random.randint(args.min_input_len, args.max_input_len))]
+               for _ in range(args.num_seqs)]
+    params = [SamplingParams(temperature=args.temperature, ignore_eos=True,
+                             max_tokens=random.randint(args.min_output_len, args.max_output_len))
+              for _ in range(args.num_seqs)]
+    return prompts, params
+
+
+def build_llm(args: argparse.Namespace):
+    """The engine under test, with dummy weights unless --load-format says otherwise."""
+    from engine import LLM
+
+    return LLM(resolve_model(args.model), load_format=args.load_format, dtype=args.dtype, device=args.device,
+               tensor_parallel_size=args.tensor_parallel_size, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+               gpu_memory_utilization=args.gpu_memory_utilization, kvcache_block_size=args.kvcache_block_size,
+               enforce_eager=args.enforce_eager, attention_backend=args.attention_backend)
+
+
+def floor_seconds(hf_config, prompts: list[list[int]], params, bandwidth: float, dtype_bytes: int = 2,
+                  tensor_parallel_size: int = 1) -> float:
+    """Bytes that must cross device memory (each generated token's context K/V once, the weights once per
+    decode step, all sequences decoding together) over the bandwidth."""
+    layers = hf_config.num_hidden_layers
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    kv_bytes_per_token = layers * 2 * hf_config.num_key_value_heads * head_dim * dtype_bytes
+    context_tokens = 0
+    for prompt, sp in zip(prompts, params):
+        n = sp.max_tokens
+        context_tokens += n * len(prompt) + n * (n - 1) // 2
+    decode_steps = max(sp.max_tokens for sp in params)
+    weight_bytes = count_parameters(hf_config) * dtype_bytes
+    total = context_tokens * kv_bytes_per_token + decode_steps * weight_bytes
+    return total / (bandwidth * tensor_parallel_size)
+
+
+def count_parameters(c) -> int:
+    """Parameters of a Llama/Qwen-style decoder from its config (tied embeddings counted once)."""
+    h, inter, vocab = c.hidden_size, c.intermediate_size, c.vocab_size
+    head_dim = getattr(c, "head_dim", None) or h // c.num_attention_heads
+    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * inter + 2 * h + 2 * head_dim
+    lm_head = 0 if getattr(c, "tie_word_embeddings", False) else vocab * h
+    return vocab * h + c.num_hidden_layers * per_layer + h + lm_head
+
+
+def gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def git_commit() -> str:
+    if os.environ.get("REDLINE_COMMIT"):
+        return os.environ["REDLINE_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def default_bandwidth(gpu: str) -> float | None:
+    return next((bw for key, bw in MEASURED_BANDWIDTH.items() if key in gpu), None)
+
+
+def warm_up(llm, args: argparse.Namespace) -> None:
+    """Compile and capture before the clock starts: a few prompts (not the workload's, so the prefix
+    cache stays cold for it) through prefill, mixed and decode steps."""
+    from engine.sampling_params import SamplingParams
+
+    rng = random.Random(args.seed + 1)
+    longest = max(args.min_input_len, min(args.max_input_len, 256))
+    prompts = [[rng.randint(0, args.max_token_id) for _ in range(rng.randint(args.min_input_len, longest))]
+               for _ in range(8)]
+    params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=min(32, args.max_output_len))
+    llm.generate(prompts, params, use_tqdm=False)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Warm up, time one generate of the workload, print a summary and one JSON line; return the record."""
+    prompts, params = make_workload(args)
+    llm = build_llm(args)
+    warm_up(llm, args)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outputs)
+    expected = sum(sp.max_tokens for sp in params)
+    gpu = gpu_name()
+    bandwidth = args.bandwidth or default_bandwidth(gpu)
+    config = llm.config
+    floor = None
+    if bandwidth:
+        floor = floor_seconds(config.hf_config, prompts, params, bandwidth,
+                              config.torch_dtype.itemsize, config.tensor_parallel_size)
+    record = {
+        "gpu": gpu, "commit": git_commit(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "model": Path(resolve_model(args.model)).name, "backend": llm.runner.ctx.backend.name
+        if hasattr(llm.runner, "ctx") else args.attention_backend,
+        "enforce_eager": args.enforce_eager, "num_seqs": args.num_seqs, "tokens": tokens,
+        "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 1),
+        "floor_seconds": round(floor, 3) if floor else None,
+        "ratio_to_floor": round(seconds / floor, 2) if floor else None,
+    }
+    print(f"{record['model']} on {gpu} ({record['backend']} attention): {tokens} tokens in {seconds:.2f} s "
+          f"= {tokens / seconds:,.0f} tok/s" + (f"; floor {floor:.2f} s, {seconds / floor:.1f}x the floor" if floor else ""))
+    if tokens != expected:
+        print(f"warning: generated {tokens} tokens, the workload asks for {expected}", file=sys.stderr)
+    print(json.dumps(record), flush=True)
+    shutdown = getattr(llm, "shutdown", None)
+    if shutdown:
+        shutdown()
+    return record
+
+
+def register(subparsers) -> None:
+    """`bench` as a subcommand (engine alone), for use without the worker's CLI."""
+    parser = subparsers.add_parser("bench", help="nano-vllm's bench workload on the engine alone")
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    run(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""engine/bench.py: the workload is nano-vllm's, the shipped configs load, and run() reports a record."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from engine import bench
+from engine.builtin import TINY_MODEL_DIR
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_default_workload_is_nano_vllm_bench():
+    prompts, params = bench.make_workload(parse())
+    assert len(prompts) == len(params) == 256
+    assert sum(sp.max_tokens for sp in params) == 133_966
+    assert all(100 <= len(p) <= 1024 and all(0 <= t <= 10000 for t in p) for p in prompts)
+    assert all(sp.ignore_eos for sp in params)
+
+
+def test_shipped_configs_have_qwen3_shapes_and_floor_matches_design():
+    from engine.config import load_hf_config
+
+    small = load_hf_config(bench.resolve_model("qwen3-0.6b"))
+    large = load_hf_config(bench.resolve_model("qwen3-8b"))
+    assert (small.hidden_size, small.num_hidden_layers, small.num_attention_heads) == (1024, 28, 16)
+    assert (large.hidden_size, large.num_hidden_layers, large.num_attention_heads) == (4096, 36, 32)
+    assert small.tie_word_embeddings and not large.tie_word_embeddings
+    assert round(bench.count_parameters(small) / 1e9, 2) == 0.60
+    assert round(bench.count_parameters(large) / 1e9, 1) == 8.2
+    prompts, params = bench.make_workload(parse())
+    assert abs(bench.floor_seconds(small, prompts, params, 3.02e12) - 5.0) < 0.05  # DESIGN's H100 floor
+
+
+def test_run_prints_one_json_record(capsys):
+    args = parse("--model", str(TINY_MODEL_DIR), "--num-seqs", "3", "--min-input-len", "5",
+                 "--max-input-len", "20", "--min-output-len", "2", "--max-output-len", "6", "--max-token-id", "500",
+                 "--device", "cpu", "--max-model-len", "64", "--bandwidth", "1e11")
+    record = bench.run(args)
+    _, params = bench.make_workload(args)
+    assert record["tokens"] == sum(sp.max_tokens for sp in params)
+    assert record["seconds"] > 0 and record["ratio_to_floor"] > 0
+    last_line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(last_line) == record
