@@ -47,15 +47,23 @@ class EngineConfig:
         on_gpu = torch.device(self.device).type == "cuda"
         self.torch_dtype = DTYPES[self.dtype] or default_dtype(self.hf_config, on_gpu)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        tp = self.tensor_parallel_size
+        for name in ("num_attention_heads", "num_key_value_heads"):
+            heads = getattr(self.hf_config, name, None) or self.hf_config.num_attention_heads
+            if heads % tp:
+                raise ValueError(f"{name} ({heads}) must be divisible by tensor_parallel_size ({tp})")
         max_pos = getattr(self.hf_config, "max_position_embeddings", None) or 4096
         if self.max_model_len is None:
             self.max_model_len = min(max_pos, 4096 if on_gpu else 2048)
         _positive_int("max_model_len", self.max_model_len)
         if self.max_model_len > max_pos:
             raise ValueError(f"max_model_len is {self.max_model_len}; the model's max_position_embeddings is {max_pos}")
-        self.max_num_seqs = self.max_num_seqs or (512 if on_gpu else 64)
-        self.max_num_batched_tokens = self.max_num_batched_tokens or (16384 if on_gpu else 2048)
-        self.kvcache_block_size = self.kvcache_block_size or (256 if on_gpu else 16)
+        if self.max_num_seqs is None:
+            self.max_num_seqs = 512 if on_gpu else 64
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 16384 if on_gpu else 2048
+        if self.kvcache_block_size is None:
+            self.kvcache_block_size = 256 if on_gpu else 16
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("kvcache_block_size", self.kvcache_block_size)

@@ -1,0 +1,80 @@
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.builtin import TINY_MODEL_DIR
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(TINY_MODEL_DIR, load_format="dummy", device="cpu", max_model_len=64)
+
+
+GOOD = SamplingParams(temperature=0, max_tokens=4)
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([1] * 64, "prompt has 64 tokens; max_model_len is 64"),
+    ([], "prompt is empty"),
+    ("", "prompt is empty"),
+    ([1, 2, 512], "token id 512 at position 2 is outside the vocabulary"),
+    ([1, -1], "token id -1"),
+    ([1, "a"], "string or a list of int token ids"),
+    (None, "string or a list of int token ids"),
+])
+def test_bad_prompt_is_rejected_and_engine_stays_usable(llm, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate([[5, 6, 7], prompt], GOOD, use_tqdm=False)
+    assert not llm.has_unfinished()
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    out = llm.generate([[5, 6, 7]], GOOD, use_tqdm=False)[0]
+    assert len(out.token_ids) == 4
+
+
+def test_duplicate_request_id_is_rejected(llm):
+    llm.add_request([1, 2], GOOD, request_id="same")
+    with pytest.raises(ValueError, match="already in the engine"):
+        llm.add_request([1, 2], GOOD, request_id="same")
+    while llm.has_unfinished():
+        llm.step()
+
+
+def test_unknown_model_path_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="not a directory with a config.json"):
+        LLM(str(tmp_path / "nowhere"), device="cpu")
+    with pytest.raises(ValueError, match="has no config.json"):
+        LLM(str(tmp_path), device="cpu")
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    with pytest.raises(ValueError, match="supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+        LLM(str(tmp_path), device="cpu")
+
+
+def test_missing_weights_say_how_to_get_random_ones(tmp_path):
+    import shutil
+    shutil.copytree(TINY_MODEL_DIR, tmp_path / "m")
+    with pytest.raises(ValueError, match="load_format='dummy'"):
+        LLM(str(tmp_path / "m"), device="cpu")
+
+
+def test_text_prompt_without_tokenizer_is_a_clear_error(tmp_path):
+    import shutil
+    (tmp_path / "m").mkdir()
+    shutil.copy(f"{TINY_MODEL_DIR}/config.json", tmp_path / "m")
+    llm = LLM(str(tmp_path / "m"), load_format="dummy", device="cpu")
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate(["hello"], GOOD, use_tqdm=False)
+    out = llm.generate([[3, 4, 5]], GOOD, use_tqdm=False)[0]
+    assert len(out.token_ids) == 4 and out.text is None
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"load_format": "pickle"}, "load_format"), ({"dtype": "int3"}, "dtype"),
+    ({"max_num_seqs": 0}, "max_num_seqs"), ({"attention_backend": "magic"}, "attention_backend"),
+    ({"max_model_len": 10**6}, "max_position_embeddings"), ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    ({"tensor_parallel_size": 3}, "divisible by tensor_parallel_size"),
+])
+def test_bad_engine_options_are_clear_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(TINY_MODEL_DIR, **{"load_format": "dummy", "device": "cpu", **kwargs})

@@ -1,0 +1,116 @@
+from engine.block_manager import BlockManager
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+BS = 4
+
+
+def seq(tokens):
+    return Sequence(tokens, SamplingParams(), BS)
+
+
+def compute_all(bm, s):
+    s.num_computed_tokens = s.num_tokens
+    bm.register_computed(s)
+
+
+def test_ref_counts_and_hash_reuse_across_sequences():
+    bm = BlockManager(16, BS)
+    a = seq(list(range(10)))               # 2 full blocks + 2 tokens
+    bm.allocate(a)
+    assert len(a.block_table) == 3 and a.num_cached_tokens == 0
+    compute_all(bm, a)
+    b = seq(list(range(8)) + [99, 98, 97])
+    bm.allocate(b)
+    assert b.block_table[:2] == a.block_table[:2]
+    assert b.num_cached_tokens == 8 and b.num_computed_tokens == 8
+    assert [bm.blocks[i].ref_count for i in a.block_table] == [2, 2, 1]
+    bm.free(a)
+    assert [bm.blocks[i].ref_count for i in b.block_table[:2]] == [1, 1]
+    bm.free(b)
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_full_prompt_hit_still_computes_last_token():
+    bm = BlockManager(8, BS)
+    a = seq(list(range(8)))
+    bm.allocate(a)
+    compute_all(bm, a)
+    bm.free(a)
+    b = seq(list(range(8)))
+    bm.allocate(b)
+    assert b.num_cached_tokens == 4  # the last block holds the last token, so it is recomputed
+    assert b.num_uncomputed_tokens == 4
+
+
+def test_different_prefix_same_block_tokens_does_not_hit():
+    bm = BlockManager(8, BS)
+    a = seq([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    bm.allocate(a)
+    compute_all(bm, a)
+    b = seq([0, 0, 0, 0, 5, 6, 7, 8, 9])   # second block equal, first differs
+    bm.allocate(b)
+    assert b.num_cached_tokens == 0
+
+
+def test_uncomputed_blocks_are_never_served_from_cache():
+    bm = BlockManager(8, BS)
+    a = seq(list(range(9)))
+    bm.allocate(a)                          # allocated but nothing computed yet
+    b = seq(list(range(9)))
+    bm.allocate(b)
+    assert b.num_cached_tokens == 0
+
+
+def test_lru_eviction_keeps_recent_prefixes():
+    bm = BlockManager(6, BS)
+    seqs = [seq([10 * k + i for i in range(5)]) for k in range(3)]  # each: 1 full block + 1 partial
+    for s in seqs:
+        bm.allocate(s)
+        compute_all(bm, s)
+    for s in seqs:                          # freed oldest first: cached blocks in LRU order
+        bm.free(s)
+    # 3 partial (uncached) blocks are reused first, then the oldest cached block
+    fresh = seq(list(range(100, 116)))      # needs 4 blocks
+    bm.allocate(fresh)
+    survivors = [seq([10 * k + i for i in range(5)]) for k in range(3)]
+    hits = []
+    for s in survivors:
+        hits.append(bm.can_allocate(s) and bm._cached_prefix(s) != [])
+    assert hits == [False, True, True]
+
+
+def test_touching_a_cached_prefix_makes_it_recent():
+    bm = BlockManager(4, BS)
+    a, b = seq([1, 1, 1, 1, 0]), seq([2, 2, 2, 2, 0])
+    for s in (a, b):
+        bm.allocate(s)
+        compute_all(bm, s)
+    bm.free(a)
+    bm.free(b)
+    a2 = seq([1, 1, 1, 1, 7])               # reuses a's cached block, then frees it again: now the newest
+    bm.allocate(a2)
+    assert a2.num_cached_tokens == 4
+    bm.free(a2)
+    filler = seq(list(range(50, 62)))       # takes 2 uncached blocks + the least recently used cached one
+    bm.allocate(filler)
+    assert bm._cached_prefix(seq([1, 1, 1, 1, 9])) != []
+    assert bm._cached_prefix(seq([2, 2, 2, 2, 9])) == []
+
+
+def test_no_block_leaks_after_finish_and_abort():
+    from engine import LLM, SamplingParams as SP
+    from engine.builtin import TINY_MODEL_DIR
+    llm = LLM(TINY_MODEL_DIR, load_format="dummy", device="cpu", kvcache_block_size=4, num_kvcache_blocks=64,
+              max_model_len=128)
+    ids = [llm.add_request([5 + i] * (3 + 2 * i), SP(temperature=0, max_tokens=10 + i)) for i in range(8)]
+    llm.step()
+    llm.step()
+    assert llm.abort(ids[0]) and llm.abort(ids[5])
+    reasons = {}
+    while llm.has_unfinished():
+        for out in llm.step().finished:
+            reasons[out.request_id] = out.finish_reason
+    assert reasons[ids[0]] == reasons[ids[5]] == "abort"
+    assert sorted(reasons) == sorted(ids)
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
