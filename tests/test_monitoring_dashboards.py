@@ -270,3 +270,54 @@ def test_queue_variable_lists_the_workers_queue(scraped):
             metric, label = match.groups()
             reply = http_get_json(f"{prometheus.url}/api/v1/label/{label}/values", {"match[]": metric})
             assert QUEUE in reply["data"], f"{path.name}: {query} → {reply['data']}"
+
+
+# -- static checks: what Grafana needs to load the files as provisioned ------------------------------
+
+def provisioned_datasource_uid() -> str:
+    provisioning = yaml.safe_load((MONITORING / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    (datasource,) = provisioning["datasources"]
+    assert datasource["type"] == "prometheus"
+    return datasource["uid"]
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=[p.name for p in DASHBOARDS])
+def test_dashboard_names_the_provisioned_datasource_by_uid(path):
+    text = path.read_text()
+    assert "${DS_" not in text and "__inputs" not in text, "an export placeholder Grafana cannot provision"
+    uid = provisioned_datasource_uid()
+    dashboard = json.loads(text)
+    for panel in walk_panels(dashboard["panels"]):
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"] == {"type": "prometheus", "uid": uid}, panel["title"]
+        for target in panel["targets"]:
+            assert target.get("datasource", panel["datasource"]) == panel["datasource"], panel["title"]
+    for variable in dashboard["templating"]["list"]:
+        assert variable["datasource"]["uid"] == uid
+
+
+def test_dashboards_have_unique_uids_and_panel_ids():
+    uids = [json.loads(p.read_text())["uid"] for p in DASHBOARDS]
+    assert len(set(uids)) == len(uids)
+    for path in DASHBOARDS:
+        ids = [panel["id"] for panel in walk_panels(json.loads(path.read_text())["panels"])]
+        assert len(set(ids)) == len(ids), path.name
+
+
+def test_every_panel_has_a_query_and_stays_on_the_grid():
+    for path in DASHBOARDS:
+        for panel in walk_panels(json.loads(path.read_text())["panels"]):
+            grid = panel["gridPos"]
+            assert grid["x"] + grid["w"] <= 24, f"{path.name}: {panel['title']}"
+            if panel["type"] != "row":
+                assert panel["targets"] and all(t["expr"].strip() for t in panel["targets"]), panel["title"]
+
+
+def test_every_exported_metric_has_a_panel():
+    from monitoring.metrics import Metrics
+
+    families = {family.name for family in Metrics().registry.collect()}
+    shown = " ".join(expr for _, _, _, expr in TARGETS)
+    missing = sorted(name for name in families if not re.search(rf"\b{name}(_total|_bucket|_sum|_count)?\b", shown))
+    assert not missing, f"metrics no panel shows: {missing}"
