@@ -1,0 +1,292 @@
+"""GPU check of the attention kernels: correctness on many shapes, CUDA-graph capture, then timings.
+
+    python scripts/kernel_check.py [--backend triton|flash] [--skip-sweep] [--out DIR]
+
+Prints a short table last; writes <out>/kernel_check_<backend>.json with every figure. Imports only
+engine.kernels, engine.attention (for the flash backend) and tests/kernel_cases.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+from kernel_cases import (GPU_SHAPES, check_decode_padding, check_shape, make_case,  # noqa: E402
+                          reference_attention, relative_error)
+
+BANDWIDTH = 3.02e12   # bytes/s, device copy on the lent H100 (shared/GPU.md)
+MATMUL = 697e12       # bf16 FLOP/s, 8192^3 matmul on the same card
+ROWS: list[tuple] = []  # (what, config, ms, floor ms, note)
+
+
+def bench_ms(fn) -> float:
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def meta_of(case, is_decode: bool) -> SimpleNamespace:
+    return SimpleNamespace(slot_mapping=None, cu_seqlens_q=case.cu_seqlens_q, seqlens_k=case.seqlens_k,
+                           block_tables=case.block_tables, max_seqlen_q=case.max_seqlen_q,
+                           max_seqlen_k=case.max_seqlen_k, is_decode=is_decode)
+
+
+def kv_bytes(case) -> int:
+    hkv, d = case.k_cache.shape[2:]
+    return int(case.seqlens_k.sum().item()) * hkv * d * case.k_cache.element_size() * 2
+
+
+def attention_flops(case) -> float:
+    """2 matmuls x 2 flops over the causal (q, k) pairs actually visible."""
+    h, d = case.q.shape[1:]
+    cu, pairs = case.cu_seqlens_q.tolist(), 0
+    for b, k in enumerate(case.seqlens_k.tolist()):
+        q = cu[b + 1] - cu[b]
+        pairs += q * k - q * (q - 1) // 2
+    return 4.0 * pairs * h * d
+
+
+# ---- correctness ----------------------------------------------------------------------------------
+
+def check_correctness(log: dict) -> bool:
+    ok = True
+    for shape in GPU_SHAPES:
+        res = check_shape(shape, "cuda")
+        log["correctness"][shape.name] = res
+        ok &= report(shape.name, res)
+    res = check_decode_padding("cuda")
+    log["correctness"]["padding"] = res
+    ok &= report("padding", res)
+    return ok
+
+
+def report(name: str, res: dict) -> bool:
+    bad = {k: v for k, v in res.items() if not v[1] or (v[0] != 0 if "store" in k else v[0] >= 1e-2)}
+    worst = max((v[0] for k, v in res.items() if "store" not in k), default=0.0)
+    print(f"  {name:28s} {'ok ' if not bad else 'BAD'} worst rel err {worst:.2e} {bad or ''}", flush=True)
+    return not bad
+
+
+def check_backend(backend, log: dict) -> bool:
+    """A backend (flash) through the contract against the fp32 reference on a few shapes."""
+    ok = True
+    for page in (256, 128, 16):
+        for name, q_lens, k_lens in (("mixed", [1, 300, 1, 17, 1000], [900, 300, 40, 2100, 1500]),
+                                     ("decode", [1] * 64, [int(x) for x in torch.randint(1, 3000, (64,))])):
+            case = make_case(q_lens, k_lens, 16, 8, 128, page, torch.bfloat16, "cuda", seed=page)
+            try:
+                out = backend.forward(case.q, case.k_cache, case.v_cache, meta_of(case, name == "decode"), case.scale)
+                err = relative_error(out, reference_attention(case))
+                res = {f"{name}_page{page}": (err, not out.isnan().any().item())}
+            except Exception as e:  # report and carry on: one unsupported page size is not the whole answer
+                res = {f"{name}_page{page}": (float("inf"), False)}
+                log.setdefault("errors", []).append(f"{name} page {page}: {e!r}")
+                print(f"  {name} page {page}: {e!r}")
+            log["correctness"].update(res)
+            ok &= report(f"{backend.name} {name} page {page}", res)
+    return ok
+
+
+def check_graphs(log: dict) -> bool:
+    """Capture paged_decode in a CUDA graph, change the inputs in place, replay, compare with eager."""
+    from engine.kernels import paged_decode
+    ok = True
+    for batch, ctx, splits in ((256, 1024, None), (4, 3000, None), (32, 2000, 4)):
+        case = make_case([1] * batch, [ctx] * batch, 16, 8, 128, 256, torch.bfloat16, "cuda", seed=batch)
+        out = torch.empty_like(case.q)
+        max_k = case.block_tables.shape[1] * 256
+        for _ in range(2):  # compile before capture
+            paged_decode(case.q, case.k_cache, case.v_cache, case.seqlens_k, case.block_tables, max_k,
+                         case.scale, out=out, num_splits=splits)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            paged_decode(case.q, case.k_cache, case.v_cache, case.seqlens_k, case.block_tables, max_k,
+                         case.scale, out=out, num_splits=splits)
+        case.seqlens_k.copy_(torch.randint(1, ctx + 1, (batch,), device="cuda", dtype=torch.int32))
+        case.q.copy_(torch.randn_like(case.q))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        err = relative_error(out, reference_attention(case))
+        res = {f"graph_b{batch}": (err, not out.isnan().any().item())}
+        log["correctness"].update(res)
+        ok &= report(f"cuda graph decode b={batch}", res)
+    return ok
+
+
+# ---- timing ---------------------------------------------------------------------------------------
+
+def fmt(config) -> str:
+    """Short label of a timing variant: split count and/or tile config."""
+    if config is None:
+        return ""
+    if isinstance(config, tuple):
+        splits, cfg = config
+        return " ".join(x for x in (f"splits={splits}" if splits else "", fmt(cfg)) if x)
+    fields = {"block_m": "bm", "block_n": "bn", "num_warps": "w", "num_stages": "s"}
+    return " ".join(f"{short}{getattr(config, name)}" for name, short in fields.items() if hasattr(config, name))
+
+
+def time_decode(attend, tag: str, batch: int, ctx: int, page: int, configs, log: dict) -> None:
+    case = make_case([1] * batch, [ctx] * batch, 16, 8, 128, page, torch.bfloat16, "cuda", seed=1)
+    floor = kv_bytes(case) / BANDWIDTH * 1e3
+    for config in configs:
+        try:
+            ms = bench_ms(lambda: attend(case, True, config))
+        except Exception as e:
+            print(f"  decode {tag} {config}: {e!r}")
+            continue
+        row = (f"decode b={batch} ctx={ctx} page={page}", (tag + " " + fmt(config)).strip(), ms, floor,
+               f"{kv_bytes(case) / ms / 1e9:.0f} GB/s")
+        ROWS.append(row)
+        log["timing"].append(dict(zip(("what", "config", "ms", "floor_ms", "note"), row)))
+
+
+def time_prefill(attend, tag: str, name: str, q_lens, k_lens, page: int, configs, log: dict) -> None:
+    case = make_case(q_lens, k_lens, 16, 8, 128, page, torch.bfloat16, "cuda", seed=2)
+    flops = attention_flops(case)
+    floor = max(flops / MATMUL, kv_bytes(case) / BANDWIDTH) * 1e3
+    for config in configs:
+        try:
+            ms = bench_ms(lambda: attend(case, False, config))
+        except Exception as e:
+            print(f"  prefill {tag} {config}: {e!r}")
+            continue
+        row = (f"{name} page={page}", (tag + " " + fmt(config)).strip(), ms, floor,
+               f"{flops / ms / 1e9:.0f} TFLOP/s")
+        ROWS.append(row)
+        log["timing"].append(dict(zip(("what", "config", "ms", "floor_ms", "note"), row)))
+
+
+def triton_attend(case, is_decode: bool, config):
+    from engine.kernels import paged_decode, paged_prefill
+    if is_decode:
+        splits, cfg = config if config else (None, None)
+        return paged_decode(case.q, case.k_cache, case.v_cache, case.seqlens_k, case.block_tables,
+                            case.max_seqlen_k, case.scale, num_splits=splits, config=cfg)
+    return paged_prefill(case.q, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seqlens_k,
+                         case.block_tables, case.max_seqlen_q, case.scale, config=config)
+
+
+def sdpa_prefill(batch: int, length: int, log: dict) -> None:
+    """Yardstick: torch's fused causal attention on contiguous (unpaged) K/V of the same prompts."""
+    import torch.nn.functional as F
+    q = torch.randn(batch, 16, length, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, 8, length, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    ms = bench_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    flops = 4.0 * batch * 16 * 128 * length * (length + 1) / 2
+    row = (f"fresh prefill {batch}x{length} (contiguous)", "torch sdpa", ms, flops / MATMUL * 1e3,
+           f"{flops / ms / 1e9:.0f} TFLOP/s")
+    ROWS.append(row)
+    log["timing"].append(dict(zip(("what", "config", "ms", "floor_ms", "note"), row)))
+
+
+def time_store(log: dict) -> None:
+    from engine.kernels import store_kvcache
+    n, hkv, d = 16384, 8, 128
+    key = torch.randn(n, hkv, d, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.empty(n // 256 + 8, 256, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.empty_like(k_cache)
+    slots = torch.randperm(k_cache.shape[0] * 256, device="cuda")[:n]
+    ms = bench_ms(lambda: store_kvcache(key, key, k_cache, v_cache, slots))
+    nbytes = 4 * key.numel() * 2
+    row = (f"store_kvcache {n} tokens", "", ms, nbytes / BANDWIDTH * 1e3, f"{nbytes / ms / 1e9:.0f} GB/s")
+    ROWS.append(row)
+    log["timing"].append(dict(zip(("what", "config", "ms", "floor_ms", "note"), row)))
+
+
+def mixed_lengths(seed: int = 3):
+    """One 2048-token chunk over a 2048 cached prefix beside 255 decodes of ~1k context (a bench step)."""
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randint(200, 2000, (255,), generator=gen).tolist()
+    return [2048] + [1] * 255, [4096] + k
+
+
+def run_timing(backend: str, sweep: bool, log: dict) -> None:
+    from engine.kernels import DecodeConfig, PrefillConfig
+    if backend == "triton":
+        attend = triton_attend
+        dec_cfgs = [None]
+        pre_cfgs = [None]
+        if sweep:
+            dec_cfgs += [(1, DecodeConfig(bn, w, s)) for bn, w, s in
+                         ((32, 4, 2), (64, 4, 2), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 3), (64, 2, 3))]
+            pre_cfgs += [PrefillConfig(bm, bn, w, s) for bm, bn, w, s in
+                         ((128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2), (64, 128, 4, 2))]
+    else:
+        from engine.attention import get_backend
+        impl = get_backend(backend, torch.device("cuda"))
+        attend = lambda case, is_decode, _cfg: impl.forward(case.q, case.k_cache, case.v_cache,  # noqa: E731
+                                                            meta_of(case, is_decode), case.scale)
+        dec_cfgs = pre_cfgs = [None]
+    for page in (256, 16):
+        time_decode(attend, backend, 256, 1024, page, dec_cfgs if page == 256 else [None], log)
+    for batch, ctx in ((64, 2048), (8, 4096), (1, 8192)):
+        time_decode(attend, backend, batch, ctx, 256, [None], log)
+    if backend == "triton" and sweep:
+        for splits in (1, 2, 4, 8, 16):
+            time_decode(attend, backend, 8, 4096, 256, [(splits, None)], log)
+    time_prefill(attend, backend, "fresh prefill 8x1024", [1024] * 8, [1024] * 8, 256, pre_cfgs, log)
+    time_prefill(attend, backend, "chunk 4x2048 over 2048 cached", [2048] * 4, [4096] * 4, 256, pre_cfgs, log)
+    q_lens, k_lens = mixed_lengths()
+    time_prefill(attend, backend, "mixed 2048-chunk + 255 decodes", q_lens, k_lens, 256, [None], log)
+    time_prefill(attend, backend, "fresh prefill 8x1024", [1024] * 8, [1024] * 8, 16, [None], log)
+    if backend == "triton":
+        sdpa_prefill(8, 1024, log)
+        time_store(log)
+
+
+def print_table() -> None:
+    print(f"\n{'what':44s} {'config':56s} {'ms':>9s} {'floor':>8s} {'x floor':>7s}  rate")
+    for what, config, ms, floor, note in ROWS:
+        print(f"{what:44s} {config[:56]:56s} {ms:9.4f} {floor:8.4f} {ms / floor:7.2f}  {note}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backend", default="triton", choices=["triton", "flash"])
+    parser.add_argument("--skip-sweep", action="store_true")
+    parser.add_argument("--skip-timing", action="store_true")
+    parser.add_argument("--out", default=os.environ.get("OUT", "out"))
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "kernel_check needs a CUDA GPU"
+    import triton
+    log = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "backend": args.backend, "correctness": {}, "timing": []}
+    print(f"{log['gpu']}  torch {torch.__version__}  triton {triton.__version__}  backend {args.backend}", flush=True)
+    t0 = time.time()
+    ok = True
+    try:
+        if args.backend == "triton":
+            ok = check_correctness(log) and check_graphs(log)
+        else:
+            from engine.attention import get_backend
+            ok = check_backend(get_backend(args.backend, torch.device("cuda")), log)
+        print(f"correctness {'PASSED' if ok else 'FAILED'} ({time.time() - t0:.0f} s)", flush=True)
+        if not args.skip_timing:
+            run_timing(args.backend, not args.skip_sweep, log)
+    except Exception:
+        log["traceback"] = traceback.format_exc()
+        print(log["traceback"])
+        ok = False
+    finally:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / f"kernel_check_{args.backend}.json").write_text(json.dumps(log, indent=1, default=str))
+        print_table()
+        print(f"correctness {'PASSED' if ok else 'FAILED'}; total {time.time() - t0:.0f} s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
