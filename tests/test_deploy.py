@@ -98,6 +98,8 @@ def test_worker_reserves_gpus_restarts_and_drains(compose_config):
     assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
     assert worker["restart"] in ("always", "unless-stopped", "on-failure")
     assert seconds(worker["stop_grace_period"]) >= 120
+    # the worker's own drain deadline ends early enough to hand unfinished jobs back before SIGKILL
+    assert float(worker["environment"]["REDLINE_DRAIN_TIMEOUT"]) + 30 <= seconds(worker["stop_grace_period"])
     assert worker["depends_on"]["redis"]["condition"] == "service_healthy"
     assert worker["init"] is True
     assert "container_name" not in worker and "ports" not in worker  # both would break --scale
