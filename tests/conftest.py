@@ -67,3 +67,13 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
                                  pad_token_id=0)
             outs.append(gen[0, len(p):].tolist())
     return outs
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need CUDA; without it they are skipped, saying so."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_check.sh on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,71 @@
+"""bf16 engine on the GPU against transformers bf16 on the same checkpoint (run on a GPU machine)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.model_runner import _prefill_inputs
+from tests.conftest import make_checkpoint
+
+pytestmark = pytest.mark.gpu
+MAX_NEW = 32
+
+
+@pytest.fixture(scope="module", params=[dict(head_dim=64, num_attention_heads=8, num_key_value_heads=2),
+                                        dict(head_dim=128, num_attention_heads=8, num_key_value_heads=8)],
+                ids=["gqa4-d64", "mha-d128"])
+def gpu_checkpoint(request, tmp_path_factory):
+    shape = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, initializer_range=0.05,
+                 **request.param)
+    return make_checkpoint("qwen3", tmp_path_factory.mktemp("gpu-qwen3"), **shape)
+
+
+@pytest.fixture(scope="module")
+def hf_model(gpu_checkpoint):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(gpu_checkpoint, dtype=torch.bfloat16).cuda().eval()
+
+
+def _prompts(n=32, seed=3):
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 500) for _ in range(300)]
+    return [(shared if i % 2 else []) + [rng.randrange(3, 500) for _ in range(rng.randint(5, 400))] for i in range(n)]
+
+
+def test_prompt_logits_match_transformers_bf16(gpu_checkpoint, hf_model):
+    llm = LLM(str(gpu_checkpoint), device="cuda", dtype="bfloat16", kvcache_block_size=16,
+              num_kvcache_blocks=512, enforce_eager=True)
+    runner = llm.runner
+    for prompt in _prompts(6):
+        inputs = _prefill_inputs([prompt], 16, -(-len(prompt) // 16))
+        inputs.logits_indices = torch.arange(len(prompt))
+        with torch.inference_mode():
+            ours = runner.compute_logits(runner.forward(inputs), inputs)
+            ref = hf_model(torch.tensor([prompt], device="cuda")).logits[0].float()
+        rel = (ours - ref).norm() / ref.norm()
+        assert rel < 1e-2, f"prompt of {len(prompt)} tokens: relative error {rel:.2e}"
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    dict(),                                                           # CUDA graphs, prefix cache
+    dict(max_num_batched_tokens=256, num_kvcache_blocks=70, kvcache_block_size=16),  # chunked + preempted
+], ids=["graphs", "chunked-preempted"])
+def test_greedy_tokens_mostly_equal_transformers_bf16(gpu_checkpoint, hf_model, engine_kwargs):
+    prompts = _prompts()
+    llm = LLM(str(gpu_checkpoint), device="cuda", dtype="bfloat16", max_model_len=1024, **engine_kwargs)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
+    same = 0
+    with torch.inference_mode():
+        for p, o in zip(prompts, outs):
+            ids = torch.tensor([p], device="cuda")
+            ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                    max_new_tokens=MAX_NEW, eos_token_id=2, pad_token_id=0)[0, len(p):].tolist()
+            same += ref == o.token_ids
+    assert same >= 0.8 * len(prompts), f"only {same}/{len(prompts)} sequences equal transformers"
+    assert llm.block_manager.num_cache_hits > 0
+    if "num_kvcache_blocks" in engine_kwargs:
+        assert llm.scheduler.num_preemptions > 0
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
