@@ -107,8 +107,9 @@ class LLMEngine:
 
     # ---- the step ---------------------------------------------------------------------------------
 
-    def step(self) -> StepResult:
-        """One scheduling decision and one forward pass."""
+    def step(self, finished_only: bool = False) -> StepResult:
+        """One scheduling decision and one forward pass. Outputs cover every request that got tokens in
+        this step, or with `finished_only` just the finished ones (cheaper when nobody streams)."""
         start = time.perf_counter()
         bm, sched = self.block_manager, self.scheduler
         queries, hits, preemptions = bm.num_cache_queries, bm.num_cache_hits, sched.num_preemptions
@@ -127,7 +128,7 @@ class LLMEngine:
             inputs = self.runner.prepare_inputs(batch)
             st, num_logprobs = self._sampling_tensors(to_sample)
             token_ids, logprobs = self.runner.execute(inputs, st, num_logprobs)
-            outputs += self._postprocess(batch, to_sample, token_ids, logprobs)
+            outputs += self._postprocess(batch, to_sample, token_ids, logprobs, finished_only)
         stats.num_running, stats.num_waiting = len(sched.running), len(sched.waiting)
         stats.kv_cache_usage = bm.usage
         stats.num_preemptions = sched.num_preemptions - preemptions
@@ -162,7 +163,8 @@ class LLMEngine:
             seq.generator = torch.Generator(device=self.runner.device).manual_seed(seq.params.seed)
         return seq.generator
 
-    def _postprocess(self, batch: ScheduledBatch, sampled: list[Sequence], token_ids: list[int], logprobs):
+    def _postprocess(self, batch: ScheduledBatch, sampled: list[Sequence], token_ids: list[int], logprobs,
+                     finished_only: bool):
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
             self.block_manager.register_computed(seq)
@@ -180,7 +182,8 @@ class LLMEngine:
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 seq.finished_time = now
-            outputs.append(self._output(seq))
+            if reason is not None or not finished_only:
+                outputs.append(self._output(seq))
         return outputs
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
@@ -198,6 +201,7 @@ class LLMEngine:
         return None
 
     def _output(self, seq: Sequence) -> RequestOutput:
+        """The request's output; token lists are the sequence's own (no copies on the hot path)."""
         completion = seq.completion_token_ids
         new = completion[seq.num_reported_tokens:]
         seq.num_reported_tokens = len(completion)
@@ -247,16 +251,23 @@ class LLMEngine:
         wanted = set(ids)
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        prefill = decode = 0  # tokens and seconds of steps that did mostly prefill / mostly decode
+        prefill_s = decode_s = 1e-9
         while len(results) < len(ids):
-            res = self.step()
+            res = self.step(finished_only=True)
             for out in res.finished:
                 if out.request_id in wanted:
                     results[out.request_id] = out
                     bar.update(1)
             s = res.stats
-            if use_tqdm and s.step_seconds > 0:
-                bar.set_postfix(prefill=f"{s.num_prefill_tokens / s.step_seconds:.0f}tok/s",
-                                decode=f"{s.num_decode_tokens / s.step_seconds:.0f}tok/s")
+            prefill, decode = prefill + s.num_prefill_tokens, decode + s.num_decode_tokens
+            if s.num_prefill_tokens > s.num_decode_tokens:
+                prefill_s += s.step_seconds
+            else:
+                decode_s += s.step_seconds
+            if use_tqdm:
+                bar.set_postfix(prefill=f"{prefill / prefill_s:.0f}tok/s", decode=f"{decode / decode_s:.0f}tok/s",
+                                refresh=False)
         bar.close()
         return [results[rid] for rid in ids]
 

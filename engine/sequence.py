@@ -25,6 +25,8 @@ class Sequence:
         self.params = params
         self.block_size = block_size
         self.token_ids = list(token_ids)
+        self.prompt_token_ids = list(token_ids)      # never changes
+        self.completion_token_ids: list[int] = []    # grows with token_ids
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0   # tokens whose K/V are in the cache
         self.num_cached_tokens = 0     # prompt tokens served by the prefix cache at the last admission
@@ -52,15 +54,7 @@ class Sequence:
 
     @property
     def num_completion_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
-
-    @property
-    def completion_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return len(self.completion_token_ids)
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -75,3 +69,4 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        self.completion_token_ids.append(token_id)
