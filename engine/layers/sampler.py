@@ -27,14 +27,10 @@ def sample(logits: torch.Tensor, st: SamplingTensors, shared_gen: torch.Generato
     if st.needs_filter:
         scores = _filter(scores, st)
     probs = scores.softmax(dim=-1)
-    noise = torch.empty_like(probs)
+    noise = torch.empty_like(probs).exponential_(generator=shared_gen)
     for i, gen in enumerate(st.generators):
-        if gen is not None:
+        if gen is not None:  # a seeded request draws from its own stream, whatever shares its batch
             noise[i].exponential_(generator=gen)
-    if any(g is None for g in st.generators):
-        shared = torch.empty_like(probs).exponential_(generator=shared_gen)
-        seeded = torch.tensor([g is not None for g in st.generators], device=probs.device)
-        noise = torch.where(seeded.unsqueeze(1), noise, shared)
     # argmax of p / Exp(1) draws from p (the exponential race), without a CDF search
     sampled = (probs / noise).argmax(dim=-1)
     return torch.where(st.temperatures > 0, sampled, greedy)
