@@ -1,11 +1,11 @@
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from engine.layers.fusion import silu_and_mul
 
 
 class SiluAndMul(nn.Module):
     """silu(gate) * up over a packed [gate | up] input."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, -1)
-        return F.silu(gate) * up
+        return silu_and_mul(x)

@@ -6,6 +6,8 @@ import math
 import torch
 from torch import nn
 
+from engine.layers.fusion import rotate
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -52,10 +54,4 @@ class RotaryEmbedding(nn.Module):
         """q: [T, H, D], k: [T, Hkv, D]; rotates the two halves of D."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return rotate(q, cos, sin), rotate(k, cos, sin)

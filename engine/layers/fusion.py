@@ -1,0 +1,58 @@
+"""Elementwise chains fused by torch.compile on CUDA; plain eager torch elsewhere.
+
+Each function is compiled once (dynamic shapes) the first time it sees a CUDA tensor. Set
+REDLINE_COMPILE=0 to keep everything eager.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+
+def fused(fn):
+    compiled = None
+
+    def run(x: torch.Tensor, *args):
+        nonlocal compiled
+        if x.is_cuda and os.environ.get("REDLINE_COMPILE", "1") != "0":
+            if compiled is None:
+                compiled = torch.compile(fn, dynamic=True)
+            return compiled(x, *args)
+        return fn(x, *args)
+
+    run.__doc__ = fn.__doc__
+    return run
+
+
+@fused
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+@fused
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(rms_norm(x + residual), x + residual)."""
+    residual = x + residual
+    dtype = residual.dtype
+    h = residual.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype), residual
+
+
+@fused
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, -1)
+    return F.silu(gate) * up
+
+
+@fused
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding over the two halves of the last dimension; cos/sin broadcast over heads."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
