@@ -202,8 +202,8 @@ def describe_validation_error(err: ValidationError) -> str:
     """One line per problem, e.g. `sampling.max_tokens: Input should be greater than or equal to 1`."""
     parts = []
     for e in err.errors(include_url=False):
-        where = ".".join(str(p) for p in e["loc"]) or "job"
-        parts.append(f"{where}: {e['msg']}")
+        where = ".".join(str(p) for p in e["loc"])
+        parts.append(f"{where}: {e['msg']}" if where else e["msg"])
     return "; ".join(parts)
 
 

@@ -1,0 +1,312 @@
+"""Reading jobs from the consumer group: fresh entries, reclaimed ones, heartbeats and dead letters.
+
+Every entry this worker holds is a `Job` in `InFlight` until its result is written and acked (or it is
+handed back). Entries that cannot run (malformed, cancelled, past their deadline, already finished,
+delivered too often) are settled here, in the reader thread, and never reach the engine.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import redis
+
+from producer import protocol as p
+from producer.client import final_args
+from producer.scripts import Scripts
+
+log = logging.getLogger("redline.worker")
+
+
+@dataclass
+class Job:
+    """One delivered stream entry, from admission until its entry is acked."""
+
+    job_id: str
+    stream: str
+    entry_id: str
+    spec: p.JobSpec | None = None
+    attempt: int = 1
+    queue_s: float = 0.0  # enqueue → admission, by the Redis clock
+    admitted_at: float = field(default_factory=time.monotonic)
+    handed_at: float | None = None  # when the engine took it
+    abort_reason: str | None = None  # "cancel" | "lost" | "handback" once the engine is told to stop it
+
+
+@dataclass
+class Entry:
+    stream: str
+    entry_id: str
+    fields: dict
+    deliveries: int = 1
+
+
+class InFlight:
+    """The jobs this worker holds, by job id; shared by the reader, engine and writer threads."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, Job] = {}
+        self._lock = threading.Lock()
+        self._early_cancels: OrderedDict[str, None] = OrderedDict()  # cancels seen before their job
+
+    def add(self, job: Job) -> None:
+        with self._lock:
+            self._jobs[job.job_id] = job
+            if job.job_id in self._early_cancels:
+                del self._early_cancels[job.job_id]
+                job.abort_reason = "cancel"
+
+    def cancel(self, job_id: str) -> Job | None:
+        """Mark a job cancelled; returns it if the engine must abort it now. A cancel for a job not
+        (yet) held is remembered, so a job admitted a moment later still sees it."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None:
+                self._early_cancels[job_id] = None
+                while len(self._early_cancels) > 10_000:
+                    self._early_cancels.popitem(last=False)
+                return None
+            if job.abort_reason is not None:
+                return None
+            job.abort_reason = "cancel"
+            return job
+
+    def get(self, job_id: str) -> Job | None:
+        return self._jobs.get(job_id)
+
+    def pop(self, job_id: str) -> Job | None:
+        with self._lock:
+            return self._jobs.pop(job_id, None)
+
+    def entry_ids(self) -> set[str]:
+        with self._lock:
+            return {j.entry_id for j in self._jobs.values()}
+
+    def by_stream(self) -> dict[str, list[str]]:
+        with self._lock:
+            out: dict[str, list[str]] = {}
+            for job in self._jobs.values():
+                out.setdefault(job.stream, []).append(job.entry_id)
+            return out
+
+    def jobs(self) -> list[Job]:
+        with self._lock:
+            return list(self._jobs.values())
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+
+def _text(value: bytes) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def parse_entry(entry: Entry, max_job_bytes: int) -> tuple[str, p.JobSpec | None, str | None]:
+    """(job id, spec, error). The job id falls back to the entry id when the entry has no valid one."""
+    fields = {_text(k): v for k, v in entry.fields.items()}
+    job_id, error = entry.entry_id, None
+    if "job_id" not in fields:
+        error = "the entry has no job_id field"
+    else:
+        try:
+            job_id = p.check_job_id(_text(fields["job_id"]))
+        except ValueError as e:
+            error = str(e)
+    if error is None and "job" not in fields:
+        error = f"the entry has no job field (it has: {', '.join(sorted(fields)) or 'nothing'})"
+    if error is not None:
+        return job_id, None, error
+    raw = fields["job"]
+    if len(raw) > max_job_bytes:
+        return job_id, None, f"the job is {len(raw):,} bytes; this worker takes at most {max_job_bytes:,} (max_job_bytes)"
+    try:
+        return job_id, p.JobSpec.model_validate_json(raw), None
+    except p.ValidationError as e:
+        return job_id, None, f"invalid job: {p.describe_validation_error(e)}"
+
+
+class Consumer:
+    """The reader thread's view of the queue."""
+
+    def __init__(self, client: redis.Redis, keys: p.Keys, scripts: Scripts, settings, metrics) -> None:
+        self.redis, self.keys, self.scripts = client, keys, scripts
+        self.settings, self.metrics = settings, metrics
+        self.name = settings.worker_name
+        self.streams = keys.all_jobs()
+        self._claim_cursor = {s: "0-0" for s in self.streams}
+
+    def ensure_groups(self) -> None:
+        for stream in self.streams:
+            try:
+                self.redis.xgroup_create(stream, p.GROUP, id="0", mkstream=True)
+            except redis.ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
+
+    # ---- reading ----
+
+    def read(self, n: int, block_ms: int) -> list[Entry]:
+        """Up to `n` new entries, highest priority first; blocks up to block_ms only if all are empty.
+        A blocking read may return one entry per stream, so more than `n` when n < number of streams."""
+        entries: list[Entry] = []
+        for stream in self.streams:
+            if len(entries) >= n:
+                return entries
+            reply = self.redis.xreadgroup(p.GROUP, self.name, {stream: ">"}, count=n - len(entries))
+            entries += self._entries(reply)
+        if entries or block_ms <= 0:
+            return entries
+        per_stream = max(1, n // len(self.streams))
+        reply = self.redis.xreadgroup(p.GROUP, self.name, {s: ">" for s in self.streams},
+                                      count=per_stream, block=block_ms)
+        return self._entries(reply)
+
+    @staticmethod
+    def _entries(reply) -> list[Entry]:
+        out = []
+        for stream, items in reply or []:
+            for entry_id, fields in items:
+                if fields is not None:
+                    out.append(Entry(_text(stream), _text(entry_id), fields))
+        return out
+
+    def reclaim(self, n: int, held: set[str]) -> list[Entry]:
+        """Take over up to `n` entries idle longer than the claim timeout (their worker died), with
+        their delivery counts. Entries deleted from the stream while pending are acked and dropped:
+        Redis 7 reports them apart (and drops them itself); Redis 6.2 returns them as nil."""
+        min_idle = int(self.settings.claim_timeout * 1000)
+        found: list[Entry] = []
+        for stream in self.streams:
+            if len(found) >= n:
+                break
+            reply = self.redis.execute_command("XAUTOCLAIM", stream, p.GROUP, self.name, min_idle,
+                                               self._claim_cursor[stream], "COUNT", n - len(found))
+            self._claim_cursor[stream] = _text(reply[0])
+            claimed = [(_text(i), f) for i, f in reply[1] if i is not None]
+            has_deleted = len(claimed) < len(reply[1]) or (len(reply) > 2 and reply[2])
+            fresh = [(i, f) for i, f in claimed if i not in held]  # ours already: only refreshed
+            if not fresh and not has_deleted:
+                continue
+            mine = self.redis.xpending_range(stream, p.GROUP, "-", "+", 10_000, consumername=self.name)
+            deliveries = {_text(m["message_id"]): m["times_delivered"] for m in mine}
+            claimed_ids = {i for i, _ in claimed}
+            orphans = [i for i in deliveries if i not in claimed_ids and i not in held]
+            if orphans and has_deleted:  # 6.2: deleted entries stay pending, owned by us now
+                gone = [i for i in orphans if not self.redis.xrange(stream, i, i)]
+                if gone:
+                    self.redis.xack(stream, p.GROUP, *gone)
+                    log.info("acked %d entries deleted from %s while pending", len(gone), stream)
+            for entry_id, fields in fresh:
+                found.append(Entry(stream, entry_id, fields, deliveries.get(entry_id, 1)))
+        if found:
+            self.metrics.job_redelivered(len(found))
+            log.info("reclaimed %d entries from workers idle over %.1f s", len(found), self.settings.claim_timeout)
+        return found
+
+    # ---- admission ----
+
+    def admit(self, entries: list[Entry]) -> list[Job]:
+        """Settle what cannot run; mark the rest running (one attempt each) and return them."""
+        s = self.settings
+        pipe = self.redis.pipeline(transaction=False)
+        starts: list[Job] = []
+        for entry in entries:
+            job_id, spec, error = parse_entry(entry, s.max_job_bytes)
+            if error is None and entry.deliveries > s.max_deliveries:
+                self._dead_letter(entry, job_id)
+                continue
+            if error is not None:
+                log.info("job %s (entry %s) fails: %s", job_id, entry.entry_id, error)
+                self._finish_call(pipe, job_id, entry, p.FAILED, error)
+                continue
+            ks = [self.keys.job(job_id), self.keys.tokens(job_id), self.keys.done(job_id), self.keys.results,
+                  entry.stream]
+            cancelled, cancelled_end = final_args(job_id, p.CANCELLED, "cancelled before it started")
+            expired, expired_end = final_args(
+                job_id, p.EXPIRED, f"the deadline of {spec.deadline_s:g} s after enqueue passed before it started"
+                if spec.deadline_s else "")
+            self.scripts.start(keys=ks, args=[job_id, entry.entry_id, self.name,
+                                              "" if spec.deadline_s is None else repr(spec.deadline_s),
+                                              s.result_ttl, p.RESULTS_FEED_MAXLEN, cancelled, cancelled_end,
+                                              expired, expired_end], client=pipe)
+            starts.append(Job(job_id, entry.stream, entry.entry_id, spec))
+        replies = pipe.execute() if len(pipe) else []
+        jobs: list[Job] = []
+        outcomes = [r for r in replies if isinstance(r, list)]
+        for job, (outcome, attempts, queue_ms) in zip(starts, outcomes):
+            outcome = _text(outcome)
+            if outcome == "run":
+                job.attempt, job.queue_s = int(attempts), max(int(queue_ms), 0) / 1000
+                jobs.append(job)
+            elif outcome in (p.CANCELLED, p.EXPIRED):
+                self.metrics.job_completed(outcome)
+            else:
+                log.info("job %s: entry %s is %s; acked without running", job.job_id, job.entry_id, outcome)
+        self.metrics.job_received(len(entries))
+        return jobs
+
+    def _finish_call(self, pipe, job_id: str, entry: Entry, status: str, error: str) -> None:
+        result, end = final_args(job_id, status, error)
+        ks = [self.keys.job(job_id), self.keys.tokens(job_id), self.keys.done(job_id), self.keys.results,
+              entry.stream]
+        self.scripts.finish(keys=ks, args=[job_id, entry.entry_id, status, result, end,
+                                           self.settings.result_ttl, p.RESULTS_FEED_MAXLEN], client=pipe)
+        self.metrics.job_completed(status)
+
+    def _dead_letter(self, entry: Entry, job_id: str) -> None:
+        last_error = self.redis.hget(self.keys.job(job_id), "last_error")
+        error = (f"delivered {entry.deliveries} times without a result (max_deliveries is "
+                 f"{self.settings.max_deliveries}): each worker that took it stopped before finishing")
+        if last_error:
+            error += f"; last error: {_text(last_error)}"
+        result, end = final_args(job_id, p.FAILED, error)
+        ks = [self.keys.job(job_id), self.keys.tokens(job_id), self.keys.done(job_id), self.keys.results,
+              entry.stream, self.keys.dead]
+        moved = self.scripts.dead_letter(keys=ks, args=[job_id, entry.entry_id, entry.deliveries, error, result,
+                                                        end, self.settings.result_ttl, p.RESULTS_FEED_MAXLEN])
+        if moved:
+            log.warning("job %s dead-lettered: %s", job_id, error)
+            self.metrics.job_dead_lettered()
+            self.metrics.job_completed(p.FAILED)
+
+    # ---- upkeep ----
+
+    def heartbeat(self, in_flight: InFlight) -> list[str]:
+        """Refresh the idle time of every entry this worker holds; return the job ids it lost."""
+        lost_entries: set[str] = set()
+        for stream, entry_ids in in_flight.by_stream().items():
+            for i in range(0, len(entry_ids), 2000):
+                lost = self.scripts.heartbeat(keys=[stream], args=[self.name, *entry_ids[i:i + 2000]])
+                lost_entries.update(_text(e) for e in lost)
+        if not lost_entries:
+            return []
+        return [j.job_id for j in in_flight.jobs() if j.entry_id in lost_entries]
+
+    def hand_back(self, job: Job) -> None:
+        """Give a job this worker will not finish back to its stream, for any worker to take."""
+        self.scripts.handback(keys=[self.keys.job(job.job_id), job.stream], args=[job.job_id, job.entry_id])
+
+    def queue_depths(self) -> tuple[dict[str, int], int]:
+        """(entries not yet delivered, per priority), and entries delivered but not acked."""
+        pipe = self.redis.pipeline(transaction=False)
+        for stream in self.streams:
+            pipe.xlen(stream)
+            pipe.xpending(stream, p.GROUP)
+        replies = pipe.execute()
+        depths, pending = {}, 0
+        for priority, (length, summary) in zip(p.PRIORITIES, zip(replies[::2], replies[1::2])):
+            n = summary["pending"] if isinstance(summary, dict) else 0
+            depths[str(priority)] = max(length - n, 0)
+            pending += n
+        return depths, pending
+
+    def forget_dead_consumers(self, idle_s: float) -> None:
+        """Remove consumers with nothing pending that have not been seen for idle_s (killed workers)."""
+        for stream in self.streams:
+            for c in self.redis.xinfo_consumers(stream, p.GROUP):
+                name = _text(c["name"])
+                if name != self.name and c["pending"] == 0 and c["idle"] > idle_s * 1000:
+                    self.redis.xgroup_delconsumer(stream, p.GROUP, name)

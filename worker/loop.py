@@ -1,0 +1,307 @@
+"""The worker: one loop drives the engine; Redis I/O runs beside it on three threads.
+
+    reader  (consumer.py)  waits for engine room, reads/reclaims that many jobs, settles bad ones
+    engine  (this file)    add_request / abort / step, hands each step's outputs to the writer
+    writer  (results.py)   token deltas, results + acks, heartbeats
+    cancels (this file)    watches the cancel stream and tells the engine loop which jobs to abort
+
+The engine thread never waits on Redis: it exchanges plain Python objects with the others through
+queues, and publishes how many more jobs the engine can start (`Capacity`).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import redis
+
+from producer import protocol as p
+from producer.scripts import Scripts
+
+from .consumer import Consumer, InFlight, Job
+from .results import STOP, ResultWriter
+
+log = logging.getLogger("redline.worker")
+
+
+class Capacity:
+    """How many more jobs the engine can start, less those already on their way to it."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._free = 0
+        self._in_transit = 0
+
+    def publish(self, free_slots: int, received: int = 0) -> None:
+        with self._cond:
+            self._free = free_slots
+            self._in_transit -= received
+            if self._free > self._in_transit:
+                self._cond.notify_all()
+
+    def wait_for_room(self, timeout: float) -> int:
+        with self._cond:
+            self._cond.wait_for(lambda: self._free > self._in_transit, timeout)
+            return max(self._free - self._in_transit, 0)
+
+    def sending(self, n: int) -> None:
+        with self._cond:
+            self._in_transit += n
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+
+class NullMetrics:
+    """Stands in when monitoring is not installed: every hook does nothing."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def make_metrics(settings, model_name: str):
+    try:
+        from monitoring.metrics import Metrics, start_metrics_server
+    except ImportError:
+        if settings.metrics_port:
+            log.warning("monitoring.metrics is not importable; no metrics on port %s", settings.metrics_port)
+        return NullMetrics()
+    metrics = Metrics(queue=settings.queue, model=model_name)
+    if settings.metrics_port:
+        start_metrics_server(settings.metrics_port, metrics)
+        log.info("metrics on :%d/metrics", settings.metrics_port)
+    return metrics
+
+
+class Worker:
+    """Serve one queue with one engine until `stop()`; `run()` returns the exit code."""
+
+    def __init__(self, settings, engine, client: redis.Redis, metrics=None) -> None:
+        self.settings, self.engine, self.redis = settings, engine, client
+        self.metrics = metrics or NullMetrics()
+        self.keys = p.Keys(settings.queue)
+        self.scripts = Scripts(client)
+        self.in_flight = InFlight()
+        self.capacity = Capacity()
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()  # ("run", Job) | ("abort", job_id)
+        self.consumer = Consumer(client, self.keys, self.scripts, settings, self.metrics)
+        self.writer = ResultWriter(client, self.keys, self.scripts, self.consumer, self.in_flight, settings,
+                                   self.metrics, getattr(engine, "tokenizer", None), self._abort_lost)
+        self.stopping = threading.Event()
+        self.reader_done = threading.Event()
+        self.drain_deadline: float | None = None
+        self.ready = threading.Event()  # set once the consumer group exists and the loop is running
+        self.closed = threading.Event()  # set once the writer has written everything
+        self._held: list[Job] = []  # read beyond the engine's room; handed over first next time
+
+    # ---- control ----
+
+    def stop(self, now: bool = False) -> None:
+        """Drain: read no more jobs, let running ones finish (up to drain_timeout), hand back the rest."""
+        if not self.stopping.is_set():
+            log.info("draining: %d jobs in flight", len(self.in_flight))
+            self.drain_deadline = time.monotonic() + self.settings.drain_timeout
+        if now:
+            self.drain_deadline = time.monotonic()
+        self.stopping.set()
+        self.capacity.wake()
+        self.commands.put(("wake", None))
+
+    def run(self) -> int:
+        self.consumer.ensure_groups()
+        writer = threading.Thread(target=self._guard(self.writer.run), name="redline-writer", daemon=True)
+        others = [threading.Thread(target=self._guard(self._read_loop), name="redline-reader", daemon=True),
+                  threading.Thread(target=self._guard(self._cancel_loop), name="redline-cancels", daemon=True)]
+        for t in [writer, *others]:
+            t.start()
+        log.info("worker %s serving queue %r", self.settings.worker_name, self.settings.queue)
+        self.ready.set()
+        code = 0
+        try:
+            self._engine_loop()
+        except Exception:
+            log.exception("the engine failed; in-flight jobs stay pending for other workers to reclaim")
+            self._record_error("the engine failed on worker " + self.settings.worker_name)
+            code = 1
+            self.stop(now=True)
+        self.writer.outbox.put(STOP)
+        writer.join()
+        self.closed.set()
+        for t in others:
+            t.join(timeout=10)
+        if code == 0 and not len(self.in_flight):
+            try:
+                for stream in self.consumer.streams:
+                    self.redis.xgroup_delconsumer(stream, p.GROUP, self.settings.worker_name)
+            except redis.RedisError:
+                pass
+        log.info("worker %s stopped", self.settings.worker_name)
+        return code
+
+    def _guard(self, target):
+        def run() -> None:
+            try:
+                target()
+            except Exception:
+                log.exception("%s failed; stopping the worker", threading.current_thread().name)
+                self.stop(now=True)
+        return run
+
+    # ---- the engine thread ----
+
+    def _engine_loop(self) -> None:
+        engine = self.engine
+        self.capacity.publish(engine.num_free_slots())
+        while True:
+            received = self._apply_commands(block=not engine.has_unfinished())
+            if engine.has_unfinished():
+                result = engine.step()
+                self.metrics.observe_step(result.stats)
+                if result.outputs:
+                    self.writer.outbox.put(("step", result.outputs))
+            elif self.stopping.is_set() and self.reader_done.is_set() and self.commands.empty():
+                return
+            self.capacity.publish(engine.num_free_slots(), received)
+            if self.stopping.is_set() and time.monotonic() >= self.drain_deadline:
+                self._hand_back_running()
+
+    def _apply_commands(self, block: bool) -> int:
+        """Add new jobs to the engine and abort cancelled ones; returns how many jobs arrived."""
+        received = 0
+        try:
+            command = self.commands.get(timeout=0.5) if block else self.commands.get_nowait()
+        except queue.Empty:
+            return 0
+        while True:
+            kind, value = command
+            if kind == "run":
+                received += 1
+                self._start(value)
+            elif kind == "abort":
+                self.engine.abort(value)
+            try:
+                command = self.commands.get_nowait()
+            except queue.Empty:
+                return received
+
+    def _start(self, job: Job) -> None:
+        if job.abort_reason == "cancel":
+            self.writer.outbox.put(("cancelled", job, "cancelled before it started"))
+            return
+        if job.abort_reason is not None:
+            self.in_flight.pop(job.job_id)
+            return
+        spec = job.spec
+        try:
+            prompt = spec.prompt_token_ids or spec.prompt
+            if spec.messages is not None:
+                prompt = self.engine.encode_chat([m.model_dump() for m in spec.messages])
+            self.engine.add_request(prompt, spec.sampling.model_dump(exclude_none=True), request_id=job.job_id)
+        except ValueError as e:
+            self.writer.outbox.put(("failed", job, str(e)))
+            return
+        except Exception as e:  # a template or tokenizer error is the job's problem, not the worker's
+            log.exception("job %s could not start", job.job_id)
+            self.writer.outbox.put(("failed", job, f"could not start: {type(e).__name__}: {e}"))
+            return
+        job.handed_at = time.monotonic()
+        self.metrics.observe_queue_time(job.queue_s + job.handed_at - job.admitted_at)
+
+    def _hand_back_running(self) -> None:
+        for job in self.in_flight.jobs():
+            if job.abort_reason is None and job.handed_at is not None:
+                job.abort_reason = "handback"
+                self.engine.abort(job.job_id)
+
+    def _abort_lost(self, job_ids: list[str]) -> None:
+        for job_id in job_ids:
+            job = self.in_flight.get(job_id)
+            if job is not None and job.abort_reason is None:
+                job.abort_reason = "lost"
+                self.commands.put(("abort", job_id))
+
+    # ---- the reader thread ----
+
+    def _read_loop(self) -> None:
+        reclaim_every = max(self.settings.claim_timeout / 2, 0.05)
+        next_reclaim = time.monotonic()
+        next_upkeep = time.monotonic() + 5.0
+        while not self.stopping.is_set():
+            room = self.capacity.wait_for_room(timeout=min(reclaim_every, 1.0))
+            if self.stopping.is_set():
+                break
+            try:
+                jobs = self._held[:room]
+                self._held = self._held[room:]
+                if room > len(jobs) and time.monotonic() >= next_reclaim:
+                    entries = self.consumer.reclaim(room - len(jobs), self.in_flight.entry_ids())
+                    jobs += self._admit(entries)
+                    next_reclaim = time.monotonic() + reclaim_every
+                if room > len(jobs):
+                    entries = self.consumer.read(room - len(jobs), block_ms=0 if jobs else 1000)
+                    jobs += self._admit(entries)
+                if time.monotonic() >= next_upkeep:
+                    self._upkeep()
+                    next_upkeep = time.monotonic() + 5.0
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                log.warning("reading jobs failed (%s); retrying in 1 s", e)
+                time.sleep(1.0)
+                continue
+            if len(jobs) > room:
+                jobs, self._held = jobs[:room], jobs[room:] + self._held
+            self.capacity.sending(len(jobs))
+            for job in jobs:
+                self.commands.put(("run", job))
+        for job in self._held:  # never given to the engine
+            self.consumer.hand_back(job)
+            self.in_flight.pop(job.job_id)
+        self.reader_done.set()
+        self.commands.put(("wake", None))
+
+    def _admit(self, entries) -> list[Job]:
+        if not entries:
+            return []
+        jobs = self.consumer.admit(entries)
+        for job in jobs:
+            self.in_flight.add(job)
+        return jobs
+
+    def _upkeep(self) -> None:
+        if not isinstance(self.metrics, NullMetrics):
+            depths, pending = self.consumer.queue_depths()
+            for priority, depth in depths.items():
+                self.metrics.set_queue_depth(priority, depth)
+            self.metrics.set_pending(pending)
+        self.consumer.forget_dead_consumers(max(60.0, 10 * self.settings.claim_timeout))
+
+    # ---- the cancel thread ----
+
+    def _cancel_loop(self) -> None:
+        newest = self.redis.xrevrange(self.keys.cancels, count=1)
+        last = newest[0][0] if newest else "0-0"
+        while not self.closed.is_set():
+            try:
+                reply = self.redis.xread({self.keys.cancels: last}, count=100, block=500)
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                log.warning("watching cancels failed (%s); retrying in 1 s", e)
+                time.sleep(1.0)
+                continue
+            for _, entries in reply or []:
+                for entry_id, fields in entries:
+                    last = entry_id
+                    job = self.in_flight.cancel(p.decode(fields.get(b"job_id", b"")))
+                    if job is not None:
+                        log.info("cancelling job %s", job.job_id)
+                        self.commands.put(("abort", job.job_id))
+
+    def _record_error(self, error: str) -> None:
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for job in self.in_flight.jobs():
+                pipe.hset(self.keys.job(job.job_id), "last_error", error)
+            pipe.execute()
+        except redis.RedisError:
+            pass

@@ -1,0 +1,258 @@
+"""The writer thread: token deltas, results and heartbeats go to Redis here, never on the engine thread.
+
+The engine thread puts whole steps' outputs in `outbox` and moves on. This thread coalesces each job's
+new tokens into one delta per `stream_interval`, writes every finished job's result and acks its entry
+in one script call (first writer wins), and keeps this worker's in-flight entries fresh.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import redis
+
+from producer import protocol as p
+from producer.client import final_args
+from producer.scripts import Scripts
+
+from .consumer import Consumer, InFlight, Job
+
+log = logging.getLogger("redline.worker")
+
+STOP = object()  # put in the outbox after the engine's last output
+
+
+class IncrementalText:
+    """Decodes a growing list of token ids into text pieces whose concatenation is the decoded whole.
+
+    Only the last few tokens are re-decoded each time, so the cost per piece stays flat. A piece is held
+    back while it ends in an incomplete UTF-8 sequence, and `holdback` characters are kept back so a stop
+    string that the engine will cut off is never sent.
+    """
+
+    def __init__(self, tokenizer, holdback: int = 0) -> None:
+        self.tokenizer = tokenizer
+        self.holdback = holdback
+        self.ids: list[int] = []
+        self.prefix = 0  # ids[prefix:read] were decoded last time, as context for the next piece
+        self.read = 0
+        self.ready = ""  # decoded but not yet sent (held back)
+        self.sent = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, new_ids: list[int]) -> str:
+        self.ids += new_ids
+        if self.tokenizer is None:
+            return ""
+        before = self._decode(self.ids[self.prefix:self.read])
+        now = self._decode(self.ids[self.prefix:])
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self.ready += now[len(before):]
+            self.prefix, self.read = self.read, len(self.ids)
+        cut = max(len(self.ready) - self.holdback, 0)
+        piece, self.ready = self.ready[:cut], self.ready[cut:]
+        self.sent += piece
+        return piece
+
+
+@dataclass
+class _Op:
+    """One write: `command(pipe)` queues one command (or none); `after(reply)` runs once it is done."""
+
+    command: Callable | None
+    after: Callable | None = None
+
+
+@dataclass
+class _Stream:
+    """What the writer knows of one job's token stream."""
+
+    text: IncrementalText
+    index: int = 0  # tokens already written to the stream
+    pending: list[int] = field(default_factory=list)
+
+
+class ResultWriter:
+    def __init__(self, client: redis.Redis, keys: p.Keys, scripts: Scripts, consumer: Consumer,
+                 in_flight: InFlight, settings, metrics, tokenizer, on_lost: Callable[[list[str]], None]) -> None:
+        self.redis, self.keys, self.scripts, self.consumer = client, keys, scripts, consumer
+        self.in_flight, self.settings, self.metrics = in_flight, settings, metrics
+        self.tokenizer, self.on_lost = tokenizer, on_lost
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.streams: dict[str, _Stream] = {}
+        self.heartbeat_every = max(settings.claim_timeout / 4, 0.05)
+
+    # ---- the thread ----
+
+    def run(self) -> None:
+        next_flush = next_heartbeat = time.monotonic()
+        stopping = False
+        while not stopping:
+            now = time.monotonic()
+            wait = next_heartbeat - now
+            if any(s.pending for s in self.streams.values()):
+                wait = min(wait, next_flush - now)
+            items = self._take(max(wait, 0))
+            stopping = STOP in items
+            finished = [i for i in items if i is not STOP and self._collect(i)]
+            now = time.monotonic()
+            if finished or now >= next_flush or stopping:
+                self._flush(finished)
+                next_flush = now + self.settings.stream_interval
+            if now >= next_heartbeat:
+                self._heartbeat()
+                next_heartbeat = now + self.heartbeat_every
+
+    def _take(self, timeout: float) -> list:
+        try:
+            items = [self.outbox.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                items.append(self.outbox.get_nowait())
+            except queue.Empty:
+                return items
+
+    def _collect(self, item) -> bool:
+        """Record new tokens; return True for an item that ends a job."""
+        kind = item[0]
+        if kind != "step":
+            return True
+        for out in item[1]:
+            if out.finished:
+                continue
+            job = self.in_flight.get(out.request_id)
+            if job is None or not job.spec.stream or not out.new_token_ids:
+                continue
+            stream = self.streams.get(job.job_id)
+            if stream is None:
+                stop = job.spec.sampling.stop or []
+                holdback = max((len(s) for s in stop), default=1) - 1
+                stream = self.streams[job.job_id] = _Stream(IncrementalText(self.tokenizer, holdback))
+            stream.pending += out.new_token_ids
+        return any(out.finished for out in item[1])
+
+    # ---- writing ----
+
+    def _flush(self, finished_items: list) -> None:
+        """One pipelined round trip: every pending delta, then every finished job."""
+        ops: list[_Op] = []
+        for job_id, stream in self.streams.items():
+            if stream.pending:
+                ops.append(self._delta_op(job_id, stream))
+        for item in finished_items:
+            ops += self._finish_ops(item)
+        if ops:
+            self._execute(ops)
+
+    def _delta_op(self, job_id: str, stream: _Stream):
+        job = self.in_flight.get(job_id)
+        ids, stream.pending = stream.pending, []
+        text = stream.text.push(ids)
+        delta = p.TokenDelta(index=stream.index, token_ids=ids, text=text, attempt=job.attempt if job else 1)
+        stream.index += len(ids)
+        key, data = self.keys.tokens(job_id), delta.model_dump_json()
+        return _Op(lambda pipe: pipe.xadd(key, {"data": data}))
+
+    def _finish_ops(self, item) -> list:
+        kind = item[0]
+        if kind == "step":
+            ops = []
+            for out in item[1]:
+                if out.finished:
+                    job = self.in_flight.get(out.request_id)
+                    if job is not None:
+                        ops.append(self._engine_finish_op(job, out))
+            return ops
+        job, error = item[1], item[2]
+        status = p.CANCELLED if kind == "cancelled" else p.FAILED
+        result, end = final_args(job.job_id, status, error)
+        return [self._finish_op(job, status, result, end)]
+
+    def _engine_finish_op(self, job: Job, out):
+        self.metrics.observe_finished(out)
+        stream = self.streams.pop(job.job_id, None)
+        if out.finish_reason == "abort" and job.abort_reason in ("lost", "handback"):
+            hand_back = None
+            if job.abort_reason == "handback":
+                ks, args = [self.keys.job(job.job_id), job.stream], [job.job_id, job.entry_id]
+                hand_back = lambda pipe: self.scripts.handback(keys=ks, args=args, client=pipe)  # noqa: E731
+            return _Op(hand_back, lambda reply: self._done(job))
+        status = p.CANCELLED if out.finish_reason == "abort" else p.SUCCEEDED
+        text = out.text or ""
+        error = "cancelled while running" if status == p.CANCELLED else None
+        index = stream.index if stream else 0
+        sent = stream.text.sent if stream else ""
+        if text.startswith(sent):
+            end = p.TokenDelta(index=index, token_ids=out.token_ids[index:], text=text[len(sent):])
+        else:  # the streamed text and the final decode disagree: resend it all
+            end = p.TokenDelta(index=0, token_ids=out.token_ids, text=text, restart=True)
+        end.attempt, end.finished, end.status = job.attempt, True, status
+        end.finish_reason, end.error = out.finish_reason, error
+        handed = job.handed_at or job.admitted_at
+        queue_s = job.queue_s + max(handed - job.admitted_at, 0)
+        timings = p.Timings(
+            queue_s=round(queue_s, 6),
+            ttft_s=round(out.first_token_time - out.arrival_time, 6) if out.first_token_time else None,
+            e2e_s=round(queue_s + (out.finished_time or time.monotonic()) - out.arrival_time, 6))
+        result = p.JobResult(
+            job_id=job.job_id, status=status, text=text, token_ids=out.token_ids, finish_reason=out.finish_reason,
+            error=error, usage=p.Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
+                                       cached_tokens=out.num_cached_tokens),
+            timings=timings, logprobs=out.logprobs, attempts=job.attempt, worker=self.settings.worker_name)
+        return self._finish_op(job, status, result.model_dump_json(), end.model_dump_json())
+
+    def _finish_op(self, job: Job, status: str, result: str, end: str):
+        ks = [self.keys.job(job.job_id), self.keys.tokens(job.job_id), self.keys.done(job.job_id),
+              self.keys.results, job.stream]
+        args = [job.job_id, job.entry_id, status, result, end, self.settings.result_ttl, p.RESULTS_FEED_MAXLEN]
+
+        def after(written) -> None:
+            if written:
+                self.metrics.job_completed(status)
+            self._done(job)
+        return _Op(lambda pipe: self.scripts.finish(keys=ks, args=args, client=pipe), after)
+
+    def _done(self, job: Job) -> None:
+        self.streams.pop(job.job_id, None)
+        self.in_flight.pop(job.job_id)
+
+    def _execute(self, ops: list) -> None:
+        """Run the ops in one pipeline, retrying while Redis is unreachable (every op is idempotent
+        except a delta's XADD, which a retry after a partial write can repeat)."""
+        while True:
+            pipe = self.redis.pipeline(transaction=False)
+            for op in ops:
+                if op.command is not None:
+                    op.command(pipe)
+            try:
+                replies = pipe.execute() if len(pipe) else []
+                break
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                log.warning("writing results failed (%s); retrying in 1 s", e)
+                time.sleep(1.0)
+        replies = iter(replies)
+        for op in ops:
+            reply = next(replies) if op.command is not None else None
+            if op.after is not None:
+                op.after(reply)
+
+    def _heartbeat(self) -> None:
+        self.metrics.heartbeat()
+        if not len(self.in_flight):
+            return
+        try:
+            lost = self.consumer.heartbeat(self.in_flight)
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            log.warning("heartbeat failed: %s", e)
+            return
+        if lost:
+            log.warning("%d jobs were taken over by other workers (this worker stalled past the claim "
+                        "timeout); stopping them here", len(lost))
+            self.on_lost(lost)
