@@ -1,0 +1,206 @@
+"""`redline bench`: the engine alone (engine.bench), or with `--through-queue` the same jobs end to end.
+
+Through the queue, one process holds one engine and runs, after a warm-up:
+  raw    llm.generate(workload)                              (the engine alone)
+  queue  producer → Redis → worker → engine → Redis → producer (the same jobs, the same engine)
+and then measures the producer's pipelined submit rate. It prints one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import threading
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    # The real options come from engine.bench, which imports torch: parse them in the handler, so that
+    # building the `redline` parser for other subcommands stays light. '+' prefix: every arg is kept.
+    parser = subparsers.add_parser("bench", help="throughput: the engine alone, or --through-queue end to end",
+                                   add_help=False, prefix_chars="+")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    parser.set_defaults(func=run_bench)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from engine import bench as engine_bench
+
+    parser = argparse.ArgumentParser(prog="redline bench", description=__doc__.splitlines()[0])
+    engine_bench.add_arguments(parser)
+    q = parser.add_argument_group("through the queue")
+    q.add_argument("--through-queue", action="store_true",
+                   help="also run the workload as jobs through Redis and the worker, and compare")
+    q.add_argument("--redis-url", default=None, help="default: an embedded redis-server")
+    q.add_argument("--stream", action="store_true", help="jobs ask for token deltas (default: results only)")
+    q.add_argument("--submit-jobs", type=int, default=20_000, help="jobs for the submit-rate measurement")
+    return parser
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from engine import bench as engine_bench
+
+    opts = build_parser().parse_args(args.args)
+    if not opts.through_queue:
+        engine_bench.run(opts)
+        return 0
+    from producer.embedded import RedisServer
+
+    server = None if opts.redis_url else RedisServer().start()
+    try:
+        record = run_through_queue(opts, opts.redis_url or server.url)
+    finally:
+        if server is not None:
+            server.stop()
+    print(json.dumps(record), flush=True)
+    return 0
+
+
+def sampling_dict(sp) -> dict:
+    """A SamplingParams as the wire's sampling object (only the fields the wire knows, set ones)."""
+    from producer.protocol import Sampling
+
+    values = dataclasses.asdict(sp)
+    return {k: v for k, v in values.items() if k in Sampling.model_fields and v not in (None, [])}
+
+
+def forget_prefix_cache(llm) -> None:
+    """Empty the prefix cache of an idle engine, so the second run of a workload gets no hits."""
+    bm = llm.block_manager
+    if bm.num_free_blocks != bm.num_blocks:
+        raise RuntimeError("the engine still holds KV blocks")
+    bm.hash_to_block_id.clear()
+    for block in bm.blocks:
+        block.hash, block.token_ids = -1, []
+
+
+def run_through_queue(opts: argparse.Namespace, url: str) -> dict:
+    from engine import bench as engine_bench
+
+    prompts, params = engine_bench.make_workload(opts)
+    llm = engine_bench.build_llm(opts)
+    engine_bench.warm_up(llm, opts)
+
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    raw_s = time.perf_counter() - start
+    raw_tokens = sum(len(o.token_ids) for o in outputs)
+    print(f"engine alone:      {raw_tokens} tokens in {raw_s:.2f} s = {raw_tokens / raw_s:,.0f} tok/s", flush=True)
+    forget_prefix_cache(llm)
+
+    jobs = [{"prompt_token_ids": prompt, "sampling": sampling_dict(sp), "stream": opts.stream}
+            for prompt, sp in zip(prompts, params)]
+    queue_s, queue_tokens = _through_queue(llm, url, jobs, opts)
+    ratio = (queue_tokens / queue_s) / (raw_tokens / raw_s)
+    print(f"through the queue: {queue_tokens} tokens in {queue_s:.2f} s = {queue_tokens / queue_s:,.0f} tok/s "
+          f"({ratio:.3f} of the engine alone)", flush=True)
+
+    submit_s = measure_submit_rate(url, opts.submit_jobs)
+    print(f"producer submit:   {opts.submit_jobs} jobs in {submit_s:.2f} s = {opts.submit_jobs / submit_s:,.0f} jobs/s",
+          flush=True)
+    return {
+        "gpu": engine_bench.gpu_name(), "commit": engine_bench.git_commit(),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "model": Path(engine_bench.resolve_model(opts.model)).name,
+        "num_seqs": opts.num_seqs, "stream": opts.stream,
+        "raw_tokens": raw_tokens, "raw_seconds": round(raw_s, 3), "raw_tok_s": round(raw_tokens / raw_s, 1),
+        "queue_tokens": queue_tokens, "queue_seconds": round(queue_s, 3),
+        "queue_tok_s": round(queue_tokens / queue_s, 1), "queue_vs_raw": round(ratio, 4),
+        "submit_jobs": opts.submit_jobs, "submit_seconds": round(submit_s, 3),
+        "submit_jobs_per_s": round(opts.submit_jobs / submit_s, 1),
+    }
+
+
+def _through_queue(llm, url: str, jobs: list[dict], opts) -> tuple[float, int]:
+    """Run a worker on this thread (where the engine was built) and a producer beside it; time from the
+    first submit to the last result read back."""
+    import redis
+
+    from producer import Client
+
+    from .loop import Worker
+    from .settings import WorkerSettings
+
+    queue = f"bench-{uuid.uuid4().hex[:8]}"
+    settings = WorkerSettings(model=str(opts.model), redis_url=url, queue=queue, worker_name="bench-worker")
+    worker = Worker(settings, llm, redis.Redis.from_url(url))
+    client = Client(url, queue)
+    outcome: dict = {}
+
+    def produce() -> None:
+        try:
+            worker.ready.wait()
+            warm = [{"prompt_token_ids": job["prompt_token_ids"][:32],
+                     "sampling": {**job["sampling"], "max_tokens": 8}} for job in jobs[:8]]
+            collect(client, client.submit_many(warm))
+            start = time.perf_counter()
+            ids = client.submit_many(jobs)
+            results = collect(client, ids)
+            outcome["seconds"] = time.perf_counter() - start
+            outcome["tokens"] = sum(r.usage.completion_tokens for r in results)
+            bad = [r for r in results if not r.ok]
+            if bad:
+                outcome["error"] = f"{len(bad)} jobs did not succeed, e.g. {bad[0].error}"
+        except Exception as e:  # reported after the worker stops
+            outcome["error"] = f"{type(e).__name__}: {e}"
+        finally:
+            worker.stop()
+
+    producer = threading.Thread(target=produce, name="bench-producer")
+    producer.start()
+    worker.run()
+    producer.join()
+    if "error" in outcome:
+        raise RuntimeError(f"through-queue run failed: {outcome['error']}")
+    return outcome["seconds"], outcome["tokens"]
+
+
+def collect(client, ids: list[str]) -> list:
+    """Read results as the feed announces them (one blocking read for many jobs), in `ids` order."""
+    from producer.protocol import JobResult
+
+    wanted, results = set(ids), {}
+    last = "0-0"
+    while wanted:
+        reply = client.redis.xread({client.keys.results: last}, count=1000, block=60_000)
+        if not reply:
+            raise TimeoutError(f"no results for 60 s; {len(wanted)} jobs outstanding")
+        done = []
+        for entry_id, fields in reply[0][1]:
+            last = entry_id
+            job_id = fields[b"job_id"].decode()
+            if job_id in wanted:
+                wanted.discard(job_id)
+                done.append(job_id)
+        if done:
+            pipe = client.redis.pipeline(transaction=False)
+            for job_id in done:
+                pipe.hget(client.keys.job(job_id), "result")
+            for job_id, raw in zip(done, pipe.execute()):
+                results[job_id] = JobResult.model_validate_json(raw)
+    return [results[i] for i in ids]
+
+
+def measure_submit_rate(url: str, n: int) -> float:
+    """Seconds for one pipelined submit_many of `n` small text jobs (into a queue no worker reads)."""
+    from producer import Client
+
+    client = Client(url, f"submit-rate-{uuid.uuid4().hex[:8]}")
+    jobs = [{"prompt": f"Summarize support ticket #{i} in one sentence.", "sampling": {"max_tokens": 64}}
+            for i in range(n)]
+    start = time.perf_counter()
+    ids = client.submit_many(jobs)
+    seconds = time.perf_counter() - start
+    pipe = client.redis.pipeline(transaction=False)
+    for i in range(0, len(ids), 1000):
+        pipe.delete(*[client.keys.job(j) for j in ids[i:i + 1000]])
+    pipe.delete(*client.keys.all_jobs())
+    pipe.execute()
+    return seconds
+
+
+if __name__ == "__main__":
+    sys.exit(run_bench(argparse.Namespace(args=sys.argv[1:])))
