@@ -130,6 +130,8 @@ def fmt(config) -> str:
     """Short label of a timing variant: split count and/or tile config."""
     if config is None:
         return ""
+    if isinstance(config, str):
+        return config
     if isinstance(config, tuple):
         splits, cfg = config
         return " ".join(x for x in (f"splits={splits}" if splits else "", fmt(cfg)) if x)
@@ -147,7 +149,7 @@ def time_decode(attend, tag: str, batch: int, ctx: int, page: int, configs, log:
             print(f"  decode {tag} {config}: {e!r}")
             continue
         row = (f"decode b={batch} ctx={ctx} page={page}", (tag + " " + fmt(config)).strip(), ms, floor,
-               f"{kv_bytes(case) / ms / 1e9:.0f} GB/s")
+               f"{kv_bytes(case) / ms / 1e9:.2f} TB/s")
         ROWS.append(row)
         log["timing"].append(dict(zip(("what", "config", "ms", "floor_ms", "note"), row)))
 
@@ -174,8 +176,13 @@ def triton_attend(case, is_decode: bool, config):
         splits, cfg = config if config else (None, None)
         return paged_decode(case.q, case.k_cache, case.v_cache, case.seqlens_k, case.block_tables,
                             case.max_seqlen_k, case.scale, num_splits=splits, config=cfg)
-    return paged_prefill(case.q, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seqlens_k,
-                         case.block_tables, case.max_seqlen_q, case.scale, config=config)
+    if config == "unrouted":  # every row through the prefill kernel (the first version)
+        return paged_prefill(case.q, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seqlens_k,
+                             case.block_tables, case.max_seqlen_q, case.scale)
+    out = paged_prefill(case.q, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seqlens_k,
+                        case.block_tables, case.max_seqlen_q, case.scale, config=config, skip_decodes=True)
+    return paged_decode(case.q, case.k_cache, case.v_cache, case.seqlens_k, case.block_tables,
+                        case.max_seqlen_k, case.scale, out=out, cu_seqlens_q=case.cu_seqlens_q)
 
 
 def sdpa_prefill(batch: int, length: int, log: dict) -> None:
@@ -196,12 +203,13 @@ def time_store(log: dict) -> None:
     from engine.kernels import store_kvcache
     n, hkv, d = 16384, 8, 128
     key = torch.randn(n, hkv, d, device="cuda", dtype=torch.bfloat16)
+    value = torch.randn_like(key)
     k_cache = torch.empty(n // 256 + 8, 256, hkv, d, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.empty_like(k_cache)
     slots = torch.randperm(k_cache.shape[0] * 256, device="cuda")[:n]
-    ms = bench_ms(lambda: store_kvcache(key, key, k_cache, v_cache, slots))
+    ms = bench_ms(lambda: store_kvcache(key, value, k_cache, v_cache, slots))
     nbytes = 4 * key.numel() * 2
-    row = (f"store_kvcache {n} tokens", "", ms, nbytes / BANDWIDTH * 1e3, f"{nbytes / ms / 1e9:.0f} GB/s")
+    row = (f"store_kvcache {n} tokens", "", ms, nbytes / BANDWIDTH * 1e3, f"{nbytes / ms / 1e9:.2f} TB/s")
     ROWS.append(row)
     log["timing"].append(dict(zip(("what", "config", "ms", "floor_ms", "note"), row)))
 
@@ -223,7 +231,7 @@ def run_timing(backend: str, sweep: bool, log: dict) -> None:
             dec_cfgs += [(1, DecodeConfig(bn, w, s)) for bn, w, s in
                          ((32, 4, 2), (64, 4, 2), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 3), (64, 2, 3))]
             pre_cfgs += [PrefillConfig(bm, bn, w, s) for bm, bn, w, s in
-                         ((128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2), (64, 128, 4, 2))]
+                         ((128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 128, 4, 2), (256, 64, 8, 2), (64, 128, 8, 2))]
     else:
         from engine.attention import get_backend
         impl = get_backend(backend, torch.device("cuda"))
@@ -240,7 +248,8 @@ def run_timing(backend: str, sweep: bool, log: dict) -> None:
     time_prefill(attend, backend, "fresh prefill 8x1024", [1024] * 8, [1024] * 8, 256, pre_cfgs, log)
     time_prefill(attend, backend, "chunk 4x2048 over 2048 cached", [2048] * 4, [4096] * 4, 256, pre_cfgs, log)
     q_lens, k_lens = mixed_lengths()
-    time_prefill(attend, backend, "mixed 2048-chunk + 255 decodes", q_lens, k_lens, 256, [None], log)
+    mixed_cfgs = [None, "unrouted"] if backend == "triton" else [None]
+    time_prefill(attend, backend, "mixed 2048-chunk + 255 decodes", q_lens, k_lens, 256, mixed_cfgs, log)
     time_prefill(attend, backend, "fresh prefill 8x1024", [1024] * 8, [1024] * 8, 16, [None], log)
     if backend == "triton":
         sdpa_prefill(8, 1024, log)

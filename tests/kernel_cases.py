@@ -166,6 +166,15 @@ def check_shape(shape: Shape, device: str, dtype: torch.dtype = torch.bfloat16) 
     paged_prefill(case.q, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seqlens_k,
                   case.block_tables, case.max_seqlen_q, case.scale, out=out, config=prefill_config)
     results["prefill"] = (relative_error(out, ref), not out.isnan().any().item())
+    # the backend's split: chunks through prefill, one-token rows through split-KV decode
+    for splits in (None, 3):
+        out = torch.full_like(case.q, float("nan"))
+        paged_prefill(case.q, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seqlens_k,
+                      case.block_tables, case.max_seqlen_q, case.scale, out=out, config=prefill_config,
+                      skip_decodes=True)
+        paged_decode(case.q, case.k_cache, case.v_cache, case.seqlens_k, case.block_tables, case.max_seqlen_k,
+                     case.scale, out=out, num_splits=splits, cu_seqlens_q=case.cu_seqlens_q)
+        results[f"mixed_routed_splits_{splits or 'auto'}"] = (relative_error(out, ref), not out.isnan().any().item())
 
     # decode: the last position of every sequence
     dec = make_case([1] * len(k_lens), k_lens, shape.num_heads, shape.num_kv_heads, shape.head_dim,

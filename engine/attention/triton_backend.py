@@ -26,5 +26,8 @@ class TritonBackend:
         if meta.is_decode:
             return paged_decode(q, k_cache, v_cache, meta.seqlens_k, meta.block_tables,
                                 meta.max_seqlen_k, scale)
-        return paged_prefill(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqlens_k,
-                             meta.block_tables, meta.max_seqlen_q, scale)
+        # chunks through the prefill kernel; one-token rows of a mixed batch through split-KV decode
+        out = paged_prefill(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqlens_k,
+                            meta.block_tables, meta.max_seqlen_q, scale, skip_decodes=True)
+        return paged_decode(q, k_cache, v_cache, meta.seqlens_k, meta.block_tables, meta.max_seqlen_k,
+                            scale, out=out, cu_seqlens_q=meta.cu_seqlens_q)

@@ -29,17 +29,22 @@ class DecodeConfig:
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    seqlens_k_ptr, block_tables_ptr,
+    seqlens_k_ptr, block_tables_ptr, cu_seqlens_q_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_page, stride_slot, stride_khead, stride_bt,
     qk_scale, num_heads, num_splits,
     DIRECT: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, MIXED: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    token = seq
+    if MIXED:  # a varlen batch: act only on its one-token sequences, the prefill kernel does the rest
+        token = tl.load(cu_seqlens_q_ptr + seq)
+        if tl.load(cu_seqlens_q_ptr + seq + 1) - token != 1:
+            return
     seqlen = tl.load(seqlens_k_ptr + seq)
     per_split = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
@@ -50,7 +55,7 @@ def _decode_split_kernel(
     g_mask = offs_g < GROUP
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+    q = tl.load(q_ptr + token.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
 
     m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
@@ -76,7 +81,7 @@ def _decode_split_kernel(
     has_keys = l_i > 0.0  # false for an empty split or a zero-length padding sequence
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     if DIRECT:
-        o_ptrs = out_ptr + seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        o_ptrs = out_ptr + token.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
     else:
         # scratch layout: part_out [B, H, num_splits, BLOCK_D], part_lse [B, H, num_splits] (log2 domain)
@@ -88,11 +93,16 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_heads, num_splits,
-    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    part_out_ptr, part_lse_ptr, out_ptr, cu_seqlens_q_ptr, stride_ot, stride_oh, num_heads, num_splits,
+    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MIXED: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    token = seq
+    if MIXED:
+        token = tl.load(cu_seqlens_q_ptr + seq)
+        if tl.load(cu_seqlens_q_ptr + seq + 1) - token != 1:
+            return
     row0 = (seq.to(tl.int64) * num_heads + head) * num_splits
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, BLOCK_D)
@@ -105,7 +115,7 @@ def _decode_reduce_kernel(
                     mask=s_mask[:, None], other=0.0)
     total = tl.sum(weight, 0)
     out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
 
 
@@ -135,11 +145,16 @@ def default_decode_config(q: torch.Tensor) -> DecodeConfig:
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  seqlens_k: torch.Tensor, block_tables: torch.Tensor, max_seqlen_k: int,
                  scale: float, out: torch.Tensor | None = None, num_splits: int | None = None,
-                 config: DecodeConfig | None = None) -> torch.Tensor:
-    """One query token per sequence (q: [B, H, D]) over its paged context of seqlens_k[b] positions."""
+                 config: DecodeConfig | None = None, cu_seqlens_q: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token per sequence (q: [B, H, D]) over its paged context of seqlens_k[b] positions.
+
+    With cu_seqlens_q, q is a varlen batch: only its one-token sequences are computed (into their
+    rows of `out`), the rest are left for paged_prefill(..., skip_decodes=True).
+    """
     num_heads, num_kv_heads, group = check_paged_inputs(q, k_cache, v_cache)
-    num_seqs, head_dim = q.shape[0], q.shape[2]
-    assert seqlens_k.shape[0] == num_seqs, "decode needs one query token per sequence"
+    num_seqs, head_dim = seqlens_k.shape[0], q.shape[2]
+    mixed = cu_seqlens_q is not None
+    assert mixed or q.shape[0] == num_seqs, "decode needs one query token per sequence"
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_seqs == 0:
@@ -156,17 +171,18 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         part_out = part_lse = out  # unused
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_lse, seqlens_k, block_tables,
+        cu_seqlens_q if mixed else seqlens_k,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         scale * LOG2E, num_heads, num_splits,
         DIRECT=num_splits == 1, GROUP=group, GROUP_PAD=max(16, group_pad(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=k_cache.shape[1], BLOCK_N=config.block_n,
-        UPCAST=upcast_dot(q), num_warps=config.num_warps, num_stages=config.num_stages,
+        UPCAST=upcast_dot(q), MIXED=mixed, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, out, out.stride(0), out.stride(1), num_heads, num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4,
+            part_out, part_lse, out, cu_seqlens_q if mixed else seqlens_k, out.stride(0), out.stride(1),
+            num_heads, num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, MIXED=mixed, num_warps=4,
         )
     return out

@@ -21,9 +21,9 @@ from engine.kernels.paged_tiles import LOG2E, check_paged_inputs, group_pad, kv_
 @dataclass(frozen=True)
 class PrefillConfig:
     block_m: int = 128     # packed rows (tokens x padded group) per program
-    block_n: int = 64      # KV positions per inner step
+    block_n: int = 128     # KV positions per inner step
     num_warps: int = 8
-    num_stages: int = 3
+    num_stages: int = 2
 
 
 @triton.jit
@@ -64,7 +64,7 @@ def _paged_prefill_kernel(
     qk_scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, SKIP_DECODES: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -73,6 +73,8 @@ def _paged_prefill_kernel(
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     if q_tile * BLOCK_Q >= q_len:
         return
+    if SKIP_DECODES and q_len == 1:
+        return  # paged_decode(..., cu_seqlens_q=...) computes the one-token sequences
     seqlen = tl.load(seqlens_k_ptr + seq)
     first_q_pos = seqlen - q_len  # cache position of the chunk's first query token
 
@@ -123,8 +125,11 @@ def default_prefill_config(q: torch.Tensor) -> PrefillConfig:
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor, block_tables: torch.Tensor,
                   max_seqlen_q: int, scale: float, out: torch.Tensor | None = None,
-                  config: PrefillConfig | None = None) -> torch.Tensor:
-    """Causal attention of each sequence's query chunk over its paged context. q: [num_tokens, H, D]."""
+                  config: PrefillConfig | None = None, skip_decodes: bool = False) -> torch.Tensor:
+    """Causal attention of each sequence's query chunk over its paged context. q: [num_tokens, H, D].
+
+    skip_decodes leaves one-token sequences alone (a tall query tile would waste its rows on them).
+    """
     num_heads, num_kv_heads, group = check_paged_inputs(q, k_cache, v_cache)
     head_dim = q.shape[2]
     if out is None:
@@ -146,6 +151,6 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         GROUP=group, GROUP_PAD=gpad, BLOCK_Q=block_q,
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=config.block_n, UPCAST=upcast_dot(q),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        SKIP_DECODES=skip_decodes, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
