@@ -119,11 +119,11 @@ return lost
 # re-added at the end of its stream (a fresh delivery count) and the old one acked. Returns 1 if re-added.
 HANDBACK = _COMMON + """
 local st = redis.call('HMGET', KEYS[1], 'status', 'entry')
-if is_final(st[1]) or st[2] ~= ARGV[2] then ack(KEYS[2], ARGV[2]); return 0 end
+if is_final(st[1]) or (st[2] and st[2] ~= ARGV[2]) then ack(KEYS[2], ARGV[2]); return 0 end
 local e = redis.call('XRANGE', KEYS[2], ARGV[2], ARGV[2])
 if #e == 0 then ack(KEYS[2], ARGV[2]); return 0 end
 local id = redis.call('XADD', KEYS[2], '*', unpack(e[1][2]))
-redis.call('HSET', KEYS[1], 'status', 'queued', 'entry', id)
+redis.call('HSET', KEYS[1], 'status', 'queued', 'entry', id, 'stream', KEYS[2])
 ack(KEYS[2], ARGV[2])
 return 1
 """

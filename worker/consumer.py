@@ -131,8 +131,10 @@ def parse_entry(entry: Entry, max_job_bytes: int) -> tuple[str, p.JobSpec | None
 class Consumer:
     """The reader thread's view of the queue."""
 
-    def __init__(self, client: redis.Redis, keys: p.Keys, scripts: Scripts, settings, metrics) -> None:
+    def __init__(self, client: redis.Redis, keys: p.Keys, scripts: Scripts, settings, metrics,
+                 blocking_client: redis.Redis | None = None) -> None:
         self.redis, self.keys, self.scripts = client, keys, scripts
+        self.blocking = blocking_client or client  # for the blocking read only: a connection of its own
         self.settings, self.metrics = settings, metrics
         self.name = settings.worker_name
         self.streams = keys.all_jobs()
@@ -160,8 +162,8 @@ class Consumer:
         if entries or block_ms <= 0:
             return entries
         per_stream = max(1, n // len(self.streams))
-        reply = self.redis.xreadgroup(p.GROUP, self.name, {s: ">" for s in self.streams},
-                                      count=per_stream, block=block_ms)
+        reply = self.blocking.xreadgroup(p.GROUP, self.name, {s: ">" for s in self.streams},
+                                         count=per_stream, block=block_ms)
         return self._entries(reply)
 
     @staticmethod
@@ -285,9 +287,15 @@ class Consumer:
             return []
         return [j.job_id for j in in_flight.jobs() if j.entry_id in lost_entries]
 
-    def hand_back(self, job: Job) -> None:
-        """Give a job this worker will not finish back to its stream, for any worker to take."""
-        self.scripts.handback(keys=[self.keys.job(job.job_id), job.stream], args=[job.job_id, job.entry_id])
+    def hand_back(self, job_id: str, stream: str, entry_id: str) -> None:
+        """Give an entry this worker will not finish back to its stream, for any worker to take."""
+        self.scripts.handback(keys=[self.keys.job(job_id), stream], args=[job_id, entry_id])
+
+    def hand_back_unread(self, entries: list[Entry]) -> None:
+        """Hand back entries read but never admitted (the worker began to drain meanwhile)."""
+        for entry in entries:
+            job_id, _, _ = parse_entry(entry, self.settings.max_job_bytes)
+            self.hand_back(job_id, entry.stream, entry.entry_id)
 
     def queue_depths(self) -> tuple[dict[str, int], int]:
         """(entries not yet delivered, per priority), and entries delivered but not acked."""

@@ -87,7 +87,11 @@ class Worker:
         self.in_flight = InFlight()
         self.capacity = Capacity()
         self.commands: queue.SimpleQueue = queue.SimpleQueue()  # ("run", Job) | ("abort", job_id)
-        self.consumer = Consumer(client, self.keys, self.scripts, settings, self.metrics)
+        # The threads that block in Redis get connections of their own, so stop() can unblock them.
+        self.reader_redis = redis.Redis(connection_pool=client.connection_pool, single_connection_client=True)
+        self.cancels_redis = redis.Redis(connection_pool=client.connection_pool, single_connection_client=True)
+        self._client_ids: dict[str, int] = {}
+        self.consumer = Consumer(client, self.keys, self.scripts, settings, self.metrics, self.reader_redis)
         self.writer = ResultWriter(client, self.keys, self.scripts, self.consumer, self.in_flight, settings,
                                    self.metrics, getattr(engine, "tokenizer", None), self._abort_lost)
         self.stopping = threading.Event()
@@ -109,6 +113,15 @@ class Worker:
         self.stopping.set()
         self.capacity.wake()
         self.commands.put(("wake", None))
+        self._unblock("reader")
+
+    def _unblock(self, name: str) -> None:
+        client_id = self._client_ids.get(name)
+        if client_id is not None:
+            try:
+                self.redis.client_unblock(client_id)
+            except redis.RedisError:
+                pass  # the blocking call times out by itself within a second
 
     def run(self) -> int:
         self.consumer.ensure_groups()
@@ -130,6 +143,7 @@ class Worker:
         self.writer.outbox.put(STOP)
         writer.join()
         self.closed.set()
+        self._unblock("cancels")
         for t in others:
             t.join(timeout=10)
         if code == 0 and not len(self.in_flight):
@@ -194,6 +208,9 @@ class Worker:
         if job.abort_reason is not None:
             self.in_flight.pop(job.job_id)
             return
+        if self.stopping.is_set() and time.monotonic() >= self.drain_deadline:
+            self.writer.outbox.put(("handback", job, None))
+            return
         spec = job.spec
         try:
             prompt = spec.prompt_token_ids or spec.prompt
@@ -229,6 +246,7 @@ class Worker:
         reclaim_every = max(self.settings.claim_timeout / 2, 0.05)
         next_reclaim = time.monotonic()
         next_upkeep = time.monotonic() + 5.0
+        self._client_ids["reader"] = self.reader_redis.client_id()
         while not self.stopping.is_set():
             room = self.capacity.wait_for_room(timeout=min(reclaim_every, 1.0))
             if self.stopping.is_set():
@@ -236,27 +254,33 @@ class Worker:
             try:
                 jobs = self._held[:room]
                 self._held = self._held[room:]
+                entries = []
                 if room > len(jobs) and time.monotonic() >= next_reclaim:
                     entries = self.consumer.reclaim(room - len(jobs), self.in_flight.entry_ids())
-                    jobs += self._admit(entries)
                     next_reclaim = time.monotonic() + reclaim_every
-                if room > len(jobs):
-                    entries = self.consumer.read(room - len(jobs), block_ms=0 if jobs else 1000)
-                    jobs += self._admit(entries)
+                if room > len(jobs) + len(entries):
+                    block = 0 if jobs or entries else 1000
+                    entries += self.consumer.read(room - len(jobs) - len(entries), block_ms=block)
+                if self.stopping.is_set():  # began draining while we read: these never start here
+                    self.consumer.hand_back_unread(entries)
+                    self._held = jobs + self._held
+                    break
+                jobs += self._admit(entries)
                 if time.monotonic() >= next_upkeep:
                     self._upkeep()
                     next_upkeep = time.monotonic() + 5.0
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 log.warning("reading jobs failed (%s); retrying in 1 s", e)
                 time.sleep(1.0)
+                self._client_ids["reader"] = self._client_id(self.reader_redis)
                 continue
             if len(jobs) > room:
                 jobs, self._held = jobs[:room], jobs[room:] + self._held
             self.capacity.sending(len(jobs))
             for job in jobs:
                 self.commands.put(("run", job))
-        for job in self._held:  # never given to the engine
-            self.consumer.hand_back(job)
+        for job in self._held:  # admitted, never given to the engine
+            self.consumer.hand_back(job.job_id, job.stream, job.entry_id)
             self.in_flight.pop(job.job_id)
         self.reader_done.set()
         self.commands.put(("wake", None))
@@ -280,14 +304,16 @@ class Worker:
     # ---- the cancel thread ----
 
     def _cancel_loop(self) -> None:
-        newest = self.redis.xrevrange(self.keys.cancels, count=1)
+        self._client_ids["cancels"] = self.cancels_redis.client_id()
+        newest = self.cancels_redis.xrevrange(self.keys.cancels, count=1)
         last = newest[0][0] if newest else "0-0"
         while not self.closed.is_set():
             try:
-                reply = self.redis.xread({self.keys.cancels: last}, count=100, block=500)
+                reply = self.cancels_redis.xread({self.keys.cancels: last}, count=100, block=1000)
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 log.warning("watching cancels failed (%s); retrying in 1 s", e)
                 time.sleep(1.0)
+                self._client_ids["cancels"] = self._client_id(self.cancels_redis)
                 continue
             for _, entries in reply or []:
                 for entry_id, fields in entries:
@@ -296,6 +322,13 @@ class Worker:
                     if job is not None:
                         log.info("cancelling job %s", job.job_id)
                         self.commands.put(("abort", job.job_id))
+
+    @staticmethod
+    def _client_id(client: redis.Redis) -> int | None:
+        try:
+            return client.client_id()
+        except redis.RedisError:
+            return None
 
     def _record_error(self, error: str) -> None:
         try:

@@ -171,6 +171,10 @@ class ResultWriter:
                         ops.append(self._engine_finish_op(job, out))
             return ops
         job, error = item[1], item[2]
+        if kind == "handback":
+            ks, args = [self.keys.job(job.job_id), job.stream], [job.job_id, job.entry_id]
+            return [_Op(lambda pipe: self.scripts.handback(keys=ks, args=args, client=pipe),
+                        lambda reply: self._done(job))]
         status = p.CANCELLED if kind == "cancelled" else p.FAILED
         result, end = final_args(job.job_id, status, error)
         return [self._finish_op(job, status, result, end)]

