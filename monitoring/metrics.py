@@ -92,10 +92,11 @@ class Metrics:
         self._redelivered = one(Counter, "jobs_redelivered",
                                 "Jobs delivered again after their worker lost them")
         self._dead_lettered = one(Counter, "jobs_dead_lettered", "Jobs moved to the dead-letter stream")
-        self._stream_length = family(Gauge, "queue_stream_length", "Entries in the job stream, per priority",
+        self._stream_length = family(Gauge, "queue_stream_length",
+                                     "Jobs in the stream not yet delivered to any worker, per priority",
                                      ("priority",))
         self._pending = one(Gauge, "queue_pending_entries",
-                            "Entries delivered to this worker and not yet acked")
+                            "Entries delivered to the consumer group's workers and not yet acked")
         self._heartbeat = one(Gauge, "worker_heartbeat_timestamp_seconds",
                               "Unix time of the worker's last heartbeat")
 
@@ -165,10 +166,11 @@ class Metrics:
         self._dead_lettered.inc(n)
 
     def set_queue_depth(self, priority: str, length: int) -> None:
-        """Set the length of the job stream for one priority level."""
+        """Set how many jobs of one priority level wait to be delivered."""
         self._stream_length.labels(self.queue, self.model, str(priority)).set(length)
 
     def set_pending(self, n: int) -> None:
+        """Set how many entries the consumer group holds delivered and unacknowledged."""
         self._pending.set(n)
 
     def heartbeat(self) -> None:

@@ -147,69 +147,61 @@ class Prometheus:
         self.log.close()
 
 
-# The worker that Prometheus scrapes. It uses the real Metrics object over HTTP and feeds it the
-# sequence of hooks a worker makes while draining jobs.
-STANDIN_WORKER = r"""
-import sys, time
-from types import SimpleNamespace as NS
-from monitoring.metrics import Metrics, start_metrics_server
-port, queue, num_jobs = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-m = Metrics(queue=queue, model="tiny")
-start_metrics_server(port, m)
-m.heartbeat(); m.set_queue_depth("0", 0); m.set_pending(0)
-print("ready", flush=True)
-sys.stdin.readline()
-m.set_queue_depth("0", num_jobs); m.job_received(num_jobs); m.set_pending(num_jobs)
-for i in range(num_jobs):
-    m.observe_queue_time(0.05 * (i + 1))
-    t0 = time.monotonic()
-    m.observe_step(NS(num_prefill_tokens=40, num_decode_tokens=0, num_running=1, num_waiting=num_jobs - i - 1,
-                      kv_cache_usage=0.3, num_preemptions=0, prefix_cache_queries=40, prefix_cache_hits=16,
-                      step_seconds=0.02, batch_size=1))
-    for _ in range(7):
-        time.sleep(0.01)
-        m.observe_step(NS(num_prefill_tokens=0, num_decode_tokens=1, num_running=1, num_waiting=0,
-                          kv_cache_usage=0.3, num_preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0,
-                          step_seconds=0.01, batch_size=1))
-    m.observe_finished(NS(request_id=str(i), prompt_token_ids=list(range(40)), token_ids=list(range(8)),
-                          finish_reason="length", num_cached_tokens=16, arrival_time=t0,
-                          first_scheduled_time=t0, first_token_time=t0 + 0.02, finished_time=time.monotonic()))
-    m.job_completed("succeeded")
-    m.set_pending(num_jobs - i - 1); m.set_queue_depth("0", num_jobs - i - 1)
-    m.heartbeat()
-print("done", flush=True)
-while True:
-    time.sleep(0.5); m.heartbeat()
-"""
+def worker_env() -> dict:
+    # Settings come from the flags alone: no REDLINE_* or REDIS_URL leaking in from the caller.
+    return {k: v for k, v in os.environ.items() if not k.startswith("REDLINE_") and k != "REDIS_URL"}
+
+
+def metrics_text(port: int) -> str | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            return resp.read().decode()
+    except OSError:
+        return None
 
 
 @pytest.fixture(scope="module")
 def scraped(tmp_path_factory):
-    """A Prometheus that has scraped a worker before, during and after it processed NUM_JOBS jobs."""
+    """A Prometheus that scraped a real `redline worker` before, while and after it processed jobs."""
+    if PROMETHEUS is None:
+        pytest.skip(needs_prometheus.kwargs["reason"])
+    from engine.builtin import TINY_MODEL_DIR
+    from producer import Client
+    from producer.embedded import RedisServer
+
     tmp = tmp_path_factory.mktemp("prometheus")
     port = free_port()
-    worker = subprocess.Popen([sys.executable, "-c", STANDIN_WORKER, str(port), QUEUE, str(NUM_JOBS)],
-                              cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    redis_server = RedisServer().start()
+    worker_log = open(tmp / "worker.log", "w")
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "worker.cli", "worker", "--model", TINY_MODEL_DIR, "--load-format", "dummy",
+         "--device", "cpu", "--redis-url", redis_server.url, "--queue", QUEUE, "--metrics-port", str(port)],
+        cwd=ROOT, env=worker_env(), stdout=worker_log, stderr=subprocess.STDOUT)
     prometheus = None
     try:
-        assert worker.stdout.readline().strip() == "ready"
+        wait_until(lambda: metrics_text(port), 120, "the worker's /metrics", worker)
         prometheus = Prometheus(tmp, [f"127.0.0.1:{port}"])
-        # rate() needs a sample from before the jobs: wait for the first successful scrape.
+        # rate() needs samples from before the jobs; the queue gauges appear at the worker's first upkeep.
         wait_until(lambda: prometheus.scalar(f'up{{job="{WORKER_JOB}"}}') == 1, 60, "the first scrape")
+        wait_until(lambda: prometheus.scalar("count(redline_queue_stream_length)"), 60,
+                   "the worker's first queue-depth report")
         start = time.time()
-        worker.stdin.write("go\n")
-        worker.stdin.flush()
-        assert worker.stdout.readline().strip() == "done"
+        with Client(redis_server.url, queue=QUEUE) as client:
+            job_ids = [client.submit(prompt=f"job {i}: tell me about queues and caches",
+                                     sampling={"max_tokens": 8, "ignore_eos": True}, priority=2 if i % 2 else 0)
+                       for i in range(NUM_JOBS)]
+            results = [client.result(job_id, timeout=120) for job_id in job_ids]
+        assert [r.status for r in results] == ["succeeded"] * NUM_JOBS
         done = f'sum(redline_jobs_completed_total{{queue="{QUEUE}",status="succeeded"}})'
         wait_until(lambda: prometheus.scalar(done) == NUM_JOBS, 60, "Prometheus to see every job finished")
         time.sleep(3 * SCRAPE_SECONDS)  # a few more scrapes so every rate window closes over the jobs
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-            exposition = resp.read().decode()
-        yield {"prometheus": prometheus, "start": start, "end": time.time(), "exposition": exposition}
+        yield {"prometheus": prometheus, "start": start, "end": time.time(), "exposition": metrics_text(port)}
     finally:
         if prometheus is not None:
             prometheus.close()
         stop(worker)
+        worker_log.close()
+        redis_server.stop()
 
 
 def grafana_variables(start: float, end: float) -> dict[str, str]:
