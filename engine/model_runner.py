@@ -47,6 +47,7 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.block_size = config.kvcache_block_size
         self.ctx = ForwardContext(get_backend(config.attention_backend, self.device))
+        self.graphs = None  # decode CUDA graphs, captured once the KV cache exists
         hf = config.hf_config
         with torch.device(self.device):
             self.model = model_class(hf.architectures)(hf, tp, self.ctx).to(self.dtype)
@@ -55,7 +56,6 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager and getattr(self.ctx.backend, "supports_cuda_graphs", False):
             from engine.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self)
