@@ -8,7 +8,7 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>&1 | tee "$OUT/gpu.txt"
 status=0
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -x -q -m gpu -p no:cacheprovider ${TESTS:-tests/test_kernels.py tests/test_gpu_engine.py} 2>&1 \
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest ${PYTEST_ARGS:--x -q} -m gpu -p no:cacheprovider ${TESTS:-tests/test_kernels.py tests/test_gpu_engine.py} 2>&1 \
     | tee "$OUT/gpu_tests.log" || status=1
 fi
 # nano-vllm's workload on the Qwen3-0.6B shape, then decode at batch 1 (512-token prompt, 512 new tokens)
