@@ -87,7 +87,8 @@ def test_compose_has_redis_worker_prometheus_grafana(compose_config):
 
 def test_redis_persists_and_reports_health(compose_config):
     redis = compose_config["services"]["redis"]
-    assert "--appendonly" in redis["command"] and redis["command"][redis["command"].index("--appendonly") + 1] == "yes"
+    command = redis["command"]
+    assert "--appendonly" in command and command[command.index("--appendonly") + 1] == "yes"
     assert any(v["target"] == "/data" and v["type"] == "volume" for v in redis["volumes"])
     assert "redis-cli" in redis["healthcheck"]["test"]
 
@@ -222,7 +223,8 @@ def entrypoint(tmp_path) -> dict:
         pytest.skip(needs_dockerfile_parser.kwargs["reason"])
     if shutil.which("flock") is None or shutil.which("bash") is None:
         pytest.skip("needs bash and flock (util-linux)")
-    copies = [c for c in dockerfile_commands() if c.cmd == "COPY" and "/usr/local/bin/redline-entrypoint" in c.value]
+    copies = [c for c in dockerfile_commands()
+              if c.cmd == "COPY" and "/usr/local/bin/redline-entrypoint" in c.value]
     assert len(copies) == 1 and copies[0].heredocs, "the Dockerfile writes no redline-entrypoint heredoc"
     script = tmp_path / "redline-entrypoint"
     script.write_text(copies[0].heredocs[0].content)

@@ -1,8 +1,10 @@
 """Every Grafana panel query, evaluated by a real Prometheus that scraped a worker which processed jobs.
 
-Prometheus is Debian's `prometheus` package (`.ci/run` installs it); without the binary these tests skip
-and say so. The test starts its own Prometheus on a free port with a config derived from
-monitoring/prometheus.yml (same job name, 1 s scrapes) and never touches a system service.
+The worker is a real `redline worker` process (tiny built-in model, dummy weights, CPU) serving an
+embedded redis-server, fed jobs through `producer.Client`. Prometheus is Debian's `prometheus` package
+(`.ci/run` installs it); without the binary these tests skip and say so. The test starts its own
+Prometheus on a free port with a config derived from monitoring/prometheus.yml (same job name, 1 s
+scrapes) and never touches a system service.
 """
 from __future__ import annotations
 
@@ -311,5 +313,6 @@ def test_every_exported_metric_has_a_panel():
 
     families = {family.name for family in Metrics().registry.collect()}
     shown = " ".join(expr for _, _, _, expr in TARGETS)
-    missing = sorted(name for name in families if not re.search(rf"\b{name}(_total|_bucket|_sum|_count)?\b", shown))
+    missing = sorted(name for name in families
+                     if not re.search(rf"\b{name}(_total|_bucket|_sum|_count)?\b", shown))
     assert not missing, f"metrics no panel shows: {missing}"
