@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from engine.attention import AttentionMetadata, ForwardContext, get_backend
 from engine.config import EngineConfig
@@ -69,6 +70,10 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> int:
         cfg = self.config
         num_blocks = cfg.num_kvcache_blocks or self._fitting_num_blocks()
+        if self.tp.size > 1:  # one block table serves every rank: all hold as many blocks as the tightest one
+            count = torch.tensor([num_blocks], device=self.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MIN)
+            num_blocks = int(count.item())
         if num_blocks < cfg.max_blocks_per_seq:
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens, fewer than one sequence of "

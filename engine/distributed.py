@@ -1,0 +1,448 @@
+"""Tensor parallelism: rank 0 in the engine's process drives ranks 1..N-1, one spawned process each.
+
+Every rank holds a ModelRunner over its slice of the weights and KV heads. Rank 0 schedules, builds the
+step's inputs and samples; each step it sends the inputs to every other rank over that rank's pipe, runs
+its own share of the forward pass (the ranks meet in torch.distributed collectives: NCCL on GPUs, gloo
+on CPU), and waits for every rank's acknowledgement before it samples. A pipe delivers each command
+whole and in order, and no command is sent before the previous step was acknowledged by all ranks.
+
+A rank that dies, raises or stops answering stops the engine: rank 0 raises RankFailedError naming the
+rank, and every rank process is ended. NCCL would wait forever on a dead peer, so on GPUs a watcher
+thread aborts rank 0's communicator the moment a worker process exits.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import weakref
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from multiprocessing import get_context
+from multiprocessing.connection import Connection, wait
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from engine.config import EngineConfig
+from engine.layers.parallel import TPGroup
+from engine.layers.sampler import SamplingTensors
+from engine.model_runner import ModelRunner, StepInputs
+from engine.scheduler import ScheduledBatch
+
+HOST = "127.0.0.1"
+# Backstops only: a dead or failed rank is noticed through its process and pipe within a second.
+GROUP_TIMEOUT_S = 300    # rendezvous, and any single collective
+STEP_TIMEOUT_S = 300     # one step's acknowledgements
+STOP_GRACE_S = 10        # a worker told to exit gets this long before it is killed
+FAILURE_GRACE_S = 2      # after rank 0's own collective failed, how long to wait for the peer's news
+
+
+class RankFailedError(RuntimeError):
+    """A tensor-parallel rank died, raised or stopped answering; the engine has stopped."""
+
+
+class TPDriver:
+    """Rank 0 of a tensor-parallel engine, with ModelRunner's surface: prepare_inputs, execute,
+    num_kvcache_blocks, device; shutdown() ends the other ranks."""
+
+    def __init__(self, config: EngineConfig):
+        size = config.tensor_parallel_size
+        backend = _backend_for(config)
+        if dist.is_initialized():
+            raise RuntimeError("torch.distributed is already initialized in this process (is another tensor-parallel "
+                               "engine still running?); shut that engine down before starting this one")
+        if backend == "nccl":  # on an NCCL error abort the communicator, but never kill the engine's process
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        else:  # the ranks share the host's cores; spinning idle threads would starve the peer's collectives
+            torch.set_num_threads(min(torch.get_num_threads(), _cpu_share(size)))
+        self._workers = workers = _Workers(backend)
+        self._finalizer = weakref.finalize(self, workers.close)
+        try:
+            workers.store = dist.TCPStore(HOST, 0, size, is_master=True, wait_for_workers=False,
+                                          timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+            workers.start(_config_kwargs(config), size)
+            workers.wait_joined()
+            dist.init_process_group(backend, store=workers.store, rank=0, world_size=size,
+                                    timeout=timedelta(seconds=GROUP_TIMEOUT_S), **_device_id(backend, 0))
+            workers.group = dist.group.WORLD
+            self.runner = ModelRunner(config, TPGroup(0, size))
+            workers.collect("ready", expect=self.runner.num_kvcache_blocks, timeout=GROUP_TIMEOUT_S)
+        except BaseException as e:
+            workers.fail(e, "while starting")
+        self.device = self.runner.device
+        self.num_kvcache_blocks = self.runner.num_kvcache_blocks
+        self.ctx = self.runner.ctx
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of ranks 1..N-1."""
+        return [w.process.pid for w in self._workers.workers]
+
+    def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
+        return self.runner.prepare_inputs(batch)
+
+    def execute(self, inputs: StepInputs, st: SamplingTensors | None, num_logprobs: int):
+        """One forward pass on every rank, then sampling on rank 0: (token ids, logprobs or None)."""
+        workers = self._workers
+        workers.check_running()
+        need_logits = st is not None  # the other ranks join the LM head's gather only when rank 0 samples
+        try:
+            workers.send(("execute", _to_wire(inputs), need_logits))
+            hidden = self.runner.forward(inputs)
+            logits = self.runner.compute_logits(hidden, inputs) if need_logits else None
+            workers.collect("ok")
+        except BaseException as e:
+            workers.fail(e, "during a step")
+        if logits is None:
+            return [], None
+        return self.runner.sample(logits, st, num_logprobs)
+
+    def shutdown(self) -> None:
+        """Tell the other ranks to exit, end any that do not, release the process group. Idempotent."""
+        self._finalizer()
+
+
+@dataclass
+class _Worker:
+    rank: int
+    process: object  # multiprocessing's SpawnProcess
+    conn: Connection
+    error: str | None = None  # traceback text the rank sent before it exited
+
+    def describe(self) -> str:
+        who = f"tensor-parallel rank {self.rank} (pid {self.process.pid})"
+        if self.error:
+            return f"{who} raised an error"
+        self.process.join(timeout=1)
+        code = self.process.exitcode
+        if code is None:
+            return f"{who} stopped answering"
+        if code < 0:
+            return f"{who} was killed by signal {_signal_name(-code)}"
+        return f"{who} exited with code {code}"
+
+
+class _Workers:
+    """Ranks 1..N-1 as seen from rank 0: their processes and pipes, and the process group's lifetime.
+    Holds no reference to the TPDriver, so the driver's finalizer can close it."""
+
+    def __init__(self, backend: str):
+        self.backend = backend
+        self.workers: list[_Worker] = []
+        self.store = None
+        self.group = None
+        self.failure: str | None = None
+        self.closed = False
+        self._stop_watch = threading.Event()
+        self._watch: threading.Thread | None = None
+
+    # ---- start ------------------------------------------------------------------------------------
+
+    def start(self, config_kwargs: dict, size: int) -> None:
+        ctx = get_context("spawn")
+        for rank in range(1, size):
+            parent_end, child_end = ctx.Pipe()
+            process = ctx.Process(target=_worker_main, name=f"redline-tp-rank{rank}", daemon=True,
+                                  args=(rank, size, self.backend, self.store.port, config_kwargs, child_end))
+            process.start()
+            child_end.close()
+            self.workers.append(_Worker(rank, process, parent_end))
+        if self.backend == "nccl":
+            self._watch = threading.Thread(target=self._abort_on_death, name="redline-tp-watch", daemon=True)
+            self._watch.start()
+
+    def wait_joined(self) -> None:
+        """Wait until every rank reached the rendezvous, watching for ranks that die on the way."""
+        keys = [f"joined/{w.rank}" for w in self.workers]
+        deadline = time.monotonic() + GROUP_TIMEOUT_S
+        while not self.store.check(keys):
+            self._raise_if_any_died(timeout=0.05)
+            if time.monotonic() > deadline:
+                self.stop(f"tensor-parallel ranks did not start within {GROUP_TIMEOUT_S} s")
+
+    def _abort_on_death(self) -> None:
+        sentinels = [w.process.sentinel for w in self.workers]
+        while not wait(sentinels, timeout=0.2):
+            if self._stop_watch.is_set():
+                return
+        while self.group is None:  # died before the group was made: abort it once it is
+            if self._stop_watch.wait(0.05):
+                return
+        if not self._stop_watch.is_set():
+            try:
+                self.group.abort()  # kernels waiting on the dead peer return; rank 0 then raises
+            except Exception:
+                pass
+
+    # ---- the command channel ----------------------------------------------------------------------
+
+    def check_running(self) -> None:
+        if self.failure is not None:
+            raise RankFailedError(f"the tensor-parallel engine stopped earlier: {self.failure}")
+        if self.closed:
+            raise RuntimeError("the tensor-parallel engine was shut down; create a new one")
+
+    def send(self, message: tuple) -> None:
+        for w in self.workers:
+            try:
+                w.conn.send(message)
+            except OSError:  # the rank's end of the pipe is gone
+                self._read_news(w)
+                self.stop(w.describe(), w)
+
+    def collect(self, kind: str, expect=None, timeout: float = STEP_TIMEOUT_S) -> None:
+        """Wait for every rank's answer to the last command; any other news stops the engine."""
+        pending = {w.conn: w for w in self.workers}
+        by_sentinel = {w.process.sentinel: w for w in self.workers}
+        deadline = time.monotonic() + timeout
+        while pending:
+            watched = [*pending, *(w.process.sentinel for w in pending.values())]
+            ready = wait(watched, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                w = next(iter(pending.values()))
+                self.stop(f"tensor-parallel rank {w.rank} (pid {w.process.pid}) did not answer within {timeout:.0f} s")
+            for obj in ready:
+                w = pending.get(obj) or by_sentinel.get(obj)
+                if w is None or w.conn not in pending:
+                    continue
+                reply = self._read_news(w)
+                if reply is None and obj is not w.conn:
+                    reply = ("dead",)
+                if reply is None:
+                    continue
+                if reply[0] != kind:
+                    self.stop(w.describe(), w)
+                if expect is not None and reply[1] != expect:
+                    self.stop(f"tensor-parallel rank {w.rank} sized its KV cache to {reply[1]} blocks, rank 0 to {expect}")
+                del pending[w.conn]
+
+    def _read_news(self, w: _Worker) -> tuple | None:
+        """The rank's next message if one is waiting; ("dead",) when its pipe is closed."""
+        try:
+            if not w.conn.poll():
+                return None
+            reply = w.conn.recv()
+        except (EOFError, OSError):
+            return ("dead",)
+        if reply[0] == "error":
+            w.error = reply[1]
+        return reply
+
+    def _raise_if_any_died(self, timeout: float) -> None:
+        sentinels = {w.process.sentinel: w for w in self.workers}
+        for s in wait(list(sentinels), timeout=timeout):
+            w = sentinels[s]
+            self._read_news(w)
+            self.stop(w.describe(), w)
+
+    # ---- failure and shutdown ---------------------------------------------------------------------
+
+    def stop(self, message: str, worker: _Worker | None = None, cause: BaseException | None = None):
+        """End every rank and raise RankFailedError: `message`, then the failed rank's traceback if it sent one."""
+        self.failure = message
+        text = f"{message}; the engine has stopped, create a new one to go on"
+        if worker is not None and worker.error:
+            text += f"\n--- rank {worker.rank} traceback ---\n{worker.error.rstrip()}"
+        self.close(failed=True)
+        raise RankFailedError(text) from cause
+
+    def fail(self, exc: BaseException, when: str):
+        """Rank 0 raised `exc`: blame the rank whose failure caused it, if any, else re-raise it. Either way
+        the ranks may now disagree on how far the step went, so the engine stops."""
+        if isinstance(exc, RankFailedError):
+            raise exc
+        culprit = self._failed_worker(grace=0 if isinstance(exc, KeyboardInterrupt) else FAILURE_GRACE_S)
+        if culprit is not None:
+            self.stop(f"{culprit.describe()} {when}", culprit, cause=exc)
+        self.failure = f"rank 0 raised {type(exc).__name__} {when}: {exc}"
+        self.close(failed=True)
+        raise exc
+
+    def _failed_worker(self, grace: float) -> _Worker | None:
+        deadline = time.monotonic() + grace
+        while True:
+            for w in self.workers:
+                while (news := self._read_news(w)) is not None and news[0] == "ok":
+                    pass  # the rank finished its part of the step
+                if w.error is not None or news == ("dead",) or not w.process.is_alive():
+                    return w
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            wait([*(w.conn for w in self.workers), *(w.process.sentinel for w in self.workers)], timeout=left)
+
+    def close(self, failed: bool = False) -> None:
+        """Stop the watcher, tell live ranks to exit, release the process group, end stragglers."""
+        if self.closed:
+            return
+        self.closed = True
+        self._stop_watch.set()
+        if not failed:
+            for w in self.workers:
+                try:
+                    w.conn.send(("shutdown",))
+                except OSError:
+                    pass
+        self._release_group()
+        deadline = time.monotonic() + (1 if failed else STOP_GRACE_S)
+        for w in self.workers:
+            w.process.join(timeout=max(0.0, deadline - time.monotonic()))
+        for w in self.workers:
+            for end in (w.process.terminate, w.process.kill):
+                if w.process.is_alive():
+                    end()
+                    w.process.join(timeout=2)
+            w.conn.close()
+        if self._watch is not None:
+            self._watch.join(timeout=1)
+        self.store = None
+
+    def _release_group(self) -> None:
+        if self.group is None or not dist.is_initialized() or dist.group.WORLD is not self.group:
+            return
+        self.group = None
+        try:
+            if self.backend == "nccl":  # abort never waits on peers, which may be dead or gone
+                dist.distributed_c10d._abort_process_group()
+            else:
+                dist.destroy_process_group()
+        except Exception:
+            if dist.is_initialized():
+                try:
+                    dist.destroy_process_group()
+                except Exception:
+                    pass
+
+
+# ---- the other ranks ------------------------------------------------------------------------------
+
+def _worker_main(rank: int, size: int, backend: str, port: int, config_kwargs: dict, conn: Connection) -> None:
+    """Entry point of rank `rank` (a spawned process): build the runner, then run rank 0's commands."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; it ends this process
+    _exit_with_parent()
+    code = 1
+    try:
+        runner = _start_rank(rank, size, backend, port, config_kwargs)
+        conn.send(("ready", runner.num_kvcache_blocks))
+        _serve(runner, conn)
+        _leave_group(backend)
+        code = 0
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except OSError:
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown, which could wait on a communicator whose peers are gone
+
+
+def _start_rank(rank: int, size: int, backend: str, port: int, config_kwargs: dict) -> ModelRunner:
+    config = EngineConfig(**config_kwargs)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(_cpu_share(size))
+    store = dist.TCPStore(HOST, port, size, is_master=False, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    store.set(f"joined/{rank}", "1")
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+                            timeout=timedelta(seconds=GROUP_TIMEOUT_S), **_device_id(backend, rank))
+    return ModelRunner(config, TPGroup(rank, size))
+
+
+def _serve(runner: ModelRunner, conn: Connection) -> None:
+    """Run each step rank 0 sends and acknowledge it once this rank's part is done; return on shutdown."""
+    while True:
+        message = conn.recv()
+        if message[0] == "shutdown":
+            return
+        _, wire, need_logits = message
+        inputs = _from_wire(wire)
+        hidden = runner.forward(inputs)
+        if need_logits:
+            runner.compute_logits(hidden, inputs)
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+        conn.send(("ok",))
+
+
+def _exit_with_parent() -> None:
+    """End this rank when rank 0's process is gone, even while it waits on a collective."""
+    from multiprocessing import parent_process
+
+    parent = parent_process()
+
+    def watch():
+        wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="redline-tp-parent", daemon=True).start()
+
+
+def _leave_group(backend: str) -> None:
+    try:
+        if backend == "nccl":
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+# ---- helpers --------------------------------------------------------------------------------------
+
+def _backend_for(config: EngineConfig) -> str:
+    size = config.tensor_parallel_size
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        if device.index is not None:
+            raise ValueError(f"device={config.device!r} names one GPU, but tensor_parallel_size={size} puts rank r "
+                             f"on cuda:r; pass device='cuda' (choose GPUs with CUDA_VISIBLE_DEVICES)")
+        if torch.cuda.device_count() < size:
+            raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs; {torch.cuda.device_count()} are visible")
+        return "nccl"
+    if device.type == "cpu":
+        return "gloo"
+    raise ValueError(f"tensor parallelism runs on CUDA GPUs or the CPU, not on {device.type!r}")
+
+
+def _cpu_share(size: int) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // size)
+
+
+def _device_id(backend: str, rank: int) -> dict:
+    # binding the communicator to its GPU creates it now, before the first collective or graph capture
+    return {"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}
+
+
+def _config_kwargs(config: EngineConfig) -> dict:
+    """The engine's settings as constructor arguments, already resolved (the ranks never download)."""
+    kwargs = {f.name: getattr(config, f.name) for f in fields(config) if f.init}
+    kwargs["model"] = config.model_dir
+    return kwargs
+
+
+def _to_wire(inputs: StepInputs) -> dict:
+    # numpy arrays pickle as plain bytes; CPU tensors would go through torch's shared-memory reducer
+    wire = {}
+    for f in fields(StepInputs):
+        value = getattr(inputs, f.name)
+        wire[f.name] = value.numpy() if isinstance(value, torch.Tensor) else value
+    return wire
+
+
+def _from_wire(wire: dict) -> StepInputs:
+    return StepInputs(**{k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in wire.items()})
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)

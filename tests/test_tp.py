@@ -1,0 +1,117 @@
+"""Tensor parallelism on CPU (gloo): TP=2 gives TP=1's tokens, and a failed rank stops the engine cleanly."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+
+import psutil
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.distributed import RankFailedError
+
+MAX_NEW = 20
+# a KV cache this small preempts sequences; the repeated prompts hit the prefix cache
+TIGHT_CACHE = dict(device="cpu", kvcache_block_size=4, num_kvcache_blocks=40, max_model_len=128,
+                   max_num_batched_tokens=32, enable_prefix_caching=True)
+
+
+def _prompts(seed: int = 1) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 500) for _ in range(24)]
+    fresh = [[rng.randrange(3, 500) for _ in range(rng.randint(1, 50))] for _ in range(12)]
+    shared = [prefix + [rng.randrange(3, 500) for _ in range(rng.randint(1, 12))] for _ in range(4)]
+    return fresh + shared + shared[:2]
+
+
+def _assert_gone(pids: list[int]) -> None:
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    assert not [pid for pid in pids if pid in children or psutil.pid_exists(pid)]
+
+
+def _run(llm: LLM, prompts, params) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_tp_size_must_divide_attention_and_kv_heads(qwen3_checkpoint):
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) must be divisible by tensor_parallel_size \(3\)"):
+        LLM(str(qwen3_checkpoint), device="cpu", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match=r"num_key_value_heads \(2\) must be divisible by tensor_parallel_size \(4\)"):
+        LLM(str(qwen3_checkpoint), device="cpu", tensor_parallel_size=4)
+
+
+@pytest.mark.timeout(300)
+def test_tp2_tokens_equal_tp1_with_prefix_cache_and_preemption(checkpoint):
+    prompts = _prompts()
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    seeded = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=8, logprobs=2) for i in range(len(prompts))]
+    tp1 = LLM(str(checkpoint), **TIGHT_CACHE)
+    expected_greedy = _run(tp1, prompts, greedy)
+    expected_seeded = tp1.generate(prompts, seeded, use_tqdm=False)
+
+    llm = LLM(str(checkpoint), tensor_parallel_size=2, **TIGHT_CACHE)
+    pids = llm.runner.worker_pids
+    try:
+        assert llm.block_manager.num_blocks == 40
+        assert _run(llm, prompts, greedy) == expected_greedy
+        assert llm.scheduler.num_preemptions > 0
+        assert llm.block_manager.num_cache_hits > 0
+        assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+        got_seeded = llm.generate(prompts, seeded, use_tqdm=False)
+        assert [o.token_ids for o in got_seeded] == [o.token_ids for o in expected_seeded]
+        for got, want in zip(got_seeded, expected_seeded):
+            assert [lp["logprob"] for lp in got.logprobs] == pytest.approx([lp["logprob"] for lp in want.logprobs], abs=1e-4)
+    finally:
+        llm.shutdown()
+    _assert_gone(pids)
+
+
+@pytest.mark.timeout(120)
+def test_killed_rank_makes_generate_raise_and_leaves_no_process(qwen3_checkpoint):
+    llm = LLM(str(qwen3_checkpoint), device="cpu", tensor_parallel_size=2, kvcache_block_size=8)
+    pids = llm.runner.worker_pids
+    steps = 0
+    execute = llm.runner.execute
+
+    def execute_then_kill(*args):
+        nonlocal steps
+        steps += 1
+        if steps == 4:
+            os.kill(pids[0], signal.SIGKILL)
+        return execute(*args)
+
+    llm.runner.execute = execute_then_kill
+    with pytest.raises(RankFailedError, match=r"rank 1 \(pid \d+\) was killed by signal SIGKILL"):
+        _run(llm, _prompts(), SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    assert steps == 4
+    _assert_gone(pids)
+    with pytest.raises(RuntimeError, match="stopped earlier"):
+        _run(llm, _prompts()[:1], SamplingParams(temperature=0, max_tokens=2))
+    llm.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_rank_that_raises_stops_the_engine_with_its_traceback(qwen3_checkpoint):
+    llm = LLM(str(qwen3_checkpoint), device="cpu", tensor_parallel_size=2, kvcache_block_size=8)
+    pids = llm.runner.worker_pids
+    assert _run(llm, _prompts()[:2], SamplingParams(temperature=0, max_tokens=4))
+    workers = llm.runner._workers
+    workers.send(("execute", {"not": "step inputs"}, False))  # rank 1 fails to build its step
+    with pytest.raises(RankFailedError, match=r"rank 1 \(pid \d+\) raised an error") as failure:
+        workers.collect("ok")
+    assert "TypeError" in str(failure.value) and "rank 1 traceback" in str(failure.value)
+    _assert_gone(pids)
+    llm.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_engine_after_a_failed_one_starts_and_matches_tp1(qwen3_checkpoint):
+    prompts = _prompts()[:4]
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    expected = _run(LLM(str(qwen3_checkpoint), device="cpu"), prompts, greedy)
+    llm = LLM(str(qwen3_checkpoint), device="cpu", tensor_parallel_size=2)
+    try:
+        assert _run(llm, prompts, greedy) == expected
+    finally:
+        llm.shutdown()
