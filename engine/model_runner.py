@@ -115,7 +115,8 @@ class ModelRunner:
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache = scratch[0, i], scratch[1, i]
         torch.cuda.reset_peak_memory_stats(self.device)
-        tokens = [list(range(seq_len)) for _ in range(num_seqs)]
+        vocab = self.config.hf_config.vocab_size
+        tokens = [[i % vocab for i in range(seq_len)] for _ in range(num_seqs)]
         inputs = _prefill_inputs(tokens, self.block_size, blocks_per_seq)
         hidden = self.forward(inputs)
         self.model.compute_logits(hidden[inputs.logits_indices.to(self.device)])
