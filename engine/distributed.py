@@ -113,6 +113,7 @@ class _Worker:
     process: object  # multiprocessing's SpawnProcess
     conn: Connection
     error: str | None = None  # traceback text the rank sent before it exited
+    started: bool = False     # it reported its runner ready
 
     def describe(self) -> str:
         who = f"tensor-parallel rank {self.rank} (pid {self.process.pid})"
@@ -124,6 +125,9 @@ class _Worker:
             return f"{who} stopped answering"
         if code < 0:
             return f"{who} was killed by signal {_signal_name(-code)}"
+        if not self.started:  # it died before it could send its traceback
+            return (f"{who} exited with code {code} while starting (its traceback is on stderr). Ranks are spawned "
+                    f"processes that import the main module: start the engine under `if __name__ == '__main__':`")
         return f"{who} exited with code {code}"
 
 
@@ -219,6 +223,7 @@ class _Workers:
                     self.stop(w.describe(), w)
                 if expect is not None and reply[1] != expect:
                     self.stop(f"tensor-parallel rank {w.rank} sized its KV cache to {reply[1]} blocks, rank 0 to {expect}")
+                w.started = True
                 del pending[w.conn]
 
     def _read_news(self, w: _Worker) -> tuple | None:
@@ -252,11 +257,12 @@ class _Workers:
         raise RankFailedError(text) from cause
 
     def fail(self, exc: BaseException, when: str):
-        """Rank 0 raised `exc`: blame the rank whose failure caused it, if any, else re-raise it. Either way
-        the ranks may now disagree on how far the step went, so the engine stops."""
+        """Rank 0 raised `exc`: if it came from a collective (a RuntimeError) and a rank failed, blame that
+        rank; else re-raise `exc` (a ValueError, say, is rank 0's own and clearest). Either way the ranks may
+        now disagree on how far the step went, so the engine stops."""
         if isinstance(exc, RankFailedError):
             raise exc
-        culprit = self._failed_worker(grace=0 if isinstance(exc, KeyboardInterrupt) else FAILURE_GRACE_S)
+        culprit = self._failed_worker(FAILURE_GRACE_S) if isinstance(exc, RuntimeError) else None
         if culprit is not None:
             self.stop(f"{culprit.describe()} {when}", culprit, cause=exc)
         self.failure = f"rank 0 raised {type(exc).__name__} {when}: {exc}"

@@ -25,9 +25,20 @@ def _prompts(seed: int = 1) -> list[list[int]]:
     return fresh + shared + shared[:2]
 
 
+def _spawned_children() -> list[int]:
+    pids = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if any("spawn_main" in part for part in p.cmdline()):
+                pids.append(p.pid)
+        except psutil.Error:  # exited while we looked
+            pass
+    return pids
+
+
 def _assert_gone(pids: list[int]) -> None:
-    children = {p.pid for p in psutil.Process().children(recursive=True)}
-    assert not [pid for pid in pids if pid in children or psutil.pid_exists(pid)]
+    assert not [pid for pid in pids if psutil.pid_exists(pid)]
+    assert _spawned_children() == []
 
 
 def _run(llm: LLM, prompts, params) -> list[list[int]]:
@@ -103,6 +114,14 @@ def test_rank_that_raises_stops_the_engine_with_its_traceback(qwen3_checkpoint):
     assert "TypeError" in str(failure.value) and "rank 1 traceback" in str(failure.value)
     _assert_gone(pids)
     llm.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_startup_error_is_raised_as_is_and_leaves_no_process(qwen3_checkpoint):
+    with pytest.raises(ValueError, match="the KV cache holds 2 blocks"):
+        LLM(str(qwen3_checkpoint), device="cpu", tensor_parallel_size=2, kvcache_block_size=4,
+            num_kvcache_blocks=2, max_model_len=64)
+    assert _spawned_children() == []
 
 
 @pytest.mark.timeout(120)

@@ -1,0 +1,179 @@
+"""Tensor parallelism on a 2-GPU machine: TP=2 vs TP=1 greedy agreement, then nano-bench at each size.
+
+    python scripts/tp_check.py --out $OUT            (Qwen3-8B shape, dummy weights)
+    python scripts/tp_check.py --out $OUT --enforce-eager --skip-bench
+
+One engine per tensor-parallel size, one after the other, each freed before the next. On each: greedy
+completions of --num-prompts random prompts (ignore_eos, --max-new tokens), then engine.bench's workload
+timed after its warm-up. Prints one JSON line per bench run, and a last JSON line with the throughput
+ratio and the greedy agreement (bf16 TP sums in another order, so a few late divergences are expected).
+Needs only torch, triton, transformers and the engine (no redis, no pydantic).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+
+# NVLink multicast stays off on shared hosts; spawned ranks inherit these
+for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_name, _value)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+TARGET_RATIO = 1.7
+LOG = None
+
+
+def log(*parts) -> None:
+    line = " ".join(str(p) for p in parts)
+    print(line, flush=True)
+    if LOG is not None:
+        LOG.write(line + "\n")
+        LOG.flush()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from engine import bench
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    bench.add_arguments(parser)
+    parser.add_argument("--out", default="out", help="folder for tp_check.log and tp_check.json")
+    parser.add_argument("--sizes", default="1,2", help="tensor-parallel sizes to run, in order")
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--max-new", type=int, default=64)
+    parser.add_argument("--skip-bench", action="store_true")
+    parser.set_defaults(model="qwen3-8b")
+    return parser.parse_args(argv)
+
+
+def greedy_prompts(n: int, max_token_id: int, max_len: int, seed: int = 7) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randint(0, max_token_id) for _ in range(rng.randint(min(16, max_len), max_len))] for _ in range(n)]
+
+
+def greedy_tokens(llm, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def time_bench(llm, args: argparse.Namespace) -> dict:
+    """engine.bench's workload on an engine already built: warm up, time one generate, one record."""
+    from engine import bench
+
+    prompts, params = bench.make_workload(args)
+    bench.warm_up(llm, args)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outputs)
+    gpu = bench.gpu_name()
+    bandwidth = args.bandwidth or bench.default_bandwidth(gpu)
+    config = llm.config
+    floor = (bench.floor_seconds(config.hf_config, prompts, params, bandwidth, config.torch_dtype.itemsize,
+                                 config.tensor_parallel_size) if bandwidth else None)
+    return {"gpu": gpu, "commit": bench.git_commit(), "date": time.strftime("%Y-%m-%d", time.gmtime()),
+            "model": Path(bench.resolve_model(args.model)).name, "backend": llm.runner.ctx.backend.name,
+            "tensor_parallel_size": config.tensor_parallel_size, "enforce_eager": args.enforce_eager,
+            "num_seqs": args.num_seqs, "tokens": tokens, "expected_tokens": sum(p.max_tokens for p in params),
+            "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 1),
+            "floor_seconds": round(floor, 3) if floor else None,
+            "ratio_to_floor": round(seconds / floor, 2) if floor else None}
+
+
+def run_size(tp: int, args: argparse.Namespace, prompts) -> dict:
+    import torch
+
+    from engine import bench
+
+    args.tensor_parallel_size = tp
+    result: dict = {"tensor_parallel_size": tp}
+    t0 = time.perf_counter()
+    llm = bench.build_llm(args)
+    try:
+        result["build_seconds"] = round(time.perf_counter() - t0, 1)
+        result["num_kvcache_blocks"] = llm.block_manager.num_blocks
+        rank0 = getattr(llm.runner, "runner", llm.runner)  # TP>1: the TPDriver's own ModelRunner
+        graphs = getattr(rank0, "graphs", None)
+        result["graph_batch_sizes"] = len(graphs.sizes) if graphs is not None else 0
+        log(f"TP={tp}: engine built in {result['build_seconds']} s, {result['num_kvcache_blocks']} KV blocks, "
+            f"backend {rank0.ctx.backend.name}, CUDA graphs for {result['graph_batch_sizes']} batch sizes")
+        t0 = time.perf_counter()
+        result["greedy"] = greedy_tokens(llm, prompts, args.max_new)
+        log(f"TP={tp}: greedy check in {time.perf_counter() - t0:.1f} s")
+        if not args.skip_bench:
+            record = time_bench(llm, args)
+            result["bench"] = record
+            log(f"TP={tp}: {record['tokens']} tokens in {record['seconds']} s = {record['tok_s']:,.0f} tok/s")
+            print(json.dumps(record), flush=True)
+            if LOG is not None:
+                LOG.write(json.dumps(record) + "\n")
+    finally:
+        llm.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    return result
+
+
+def compare(reference: list[list[int]], other: list[list[int]]) -> dict:
+    firsts = []
+    for a, b in zip(reference, other):
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if first is None and len(a) != len(b):
+            first = min(len(a), len(b))
+        firsts.append(first)
+    diverged = sorted(f for f in firsts if f is not None)
+    return {"identical_fraction": round(sum(f is None for f in firsts) / len(firsts), 3),
+            "first_divergence_positions": diverged}
+
+
+def main(argv=None) -> int:
+    global LOG
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    LOG = open(out / "tp_check.log", "a")
+    import torch
+
+    log(f"torch {torch.__version__}, {torch.cuda.device_count()} GPU(s): "
+        + ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())))
+    log(f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}" if torch.cuda.is_available() else "no CUDA")
+    prompts = greedy_prompts(args.num_prompts, args.max_token_id, min(512, args.max_model_len - args.max_new - 1))
+    results, failed = {}, False
+    for tp in [int(s) for s in args.sizes.split(",")]:
+        start = time.perf_counter()
+        try:
+            results[tp] = run_size(tp, args, prompts)
+        except Exception:
+            failed = True
+            log(f"TP={tp} failed:\n{traceback.format_exc()}")
+        log(f"TP={tp}: {time.perf_counter() - start:.0f} s in all")
+    summary: dict = {"model": args.model, "sizes": sorted(results)}
+    sizes = sorted(results)
+    if len(sizes) >= 2:
+        base, top = sizes[0], sizes[-1]
+        summary["greedy"] = compare(results[base]["greedy"], results[top]["greedy"])
+        log(f"greedy TP={top} vs TP={base}: {summary['greedy']['identical_fraction']:.0%} of {len(prompts)} sequences "
+            f"identical; first divergences at {summary['greedy']['first_divergence_positions']}")
+        if "bench" in results[base] and "bench" in results[top]:
+            ratio = results[top]["bench"]["tok_s"] / results[base]["bench"]["tok_s"]
+            summary.update(tp_speedup=round(ratio, 3), target=TARGET_RATIO, meets_target=ratio >= TARGET_RATIO)
+            log(f"throughput TP={top} / TP={base} = {ratio:.2f}x (target {TARGET_RATIO}x)")
+    summary["runs"] = {tp: {k: v for k, v in r.items() if k != "greedy"} for tp, r in results.items()}
+    (out / "tp_check.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps({k: v for k, v in summary.items() if k != "runs"}), flush=True)
+    LOG.write(json.dumps(summary) + "\n")
+    LOG.close()
+    return 1 if failed or len(results) < 2 else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
