@@ -12,7 +12,7 @@ from engine.model_runner import _prefill_inputs
 from tests.conftest import make_checkpoint
 
 pytestmark = pytest.mark.gpu
-MAX_NEW = 32
+MAX_NEW = 16
 
 
 @pytest.fixture(scope="module", params=[dict(head_dim=64, num_attention_heads=8, num_key_value_heads=2),
@@ -101,5 +101,5 @@ def test_greedy_tokens_equal_transformers_bf16_up_to_near_ties(gpu_checkpoint, h
             logits = hf_model(torch.tensor([p + ref[:at]], device="cuda")).logits[0, -1].float()
             gaps.append(float((logits[ref[at]] - logits[o.token_ids[at]]) / logits.std()))
     print(f"{same}/{len(prompts)} equal; divergence gaps in logit std: {sorted(gaps)}")
-    assert same >= len(prompts) // 4
+    assert same >= len(prompts) // 3
     assert all(g < 0.1 for g in gaps), f"a divergence that is no near-tie: gaps {sorted(gaps)}"
