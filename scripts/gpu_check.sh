@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: kernel correctness + CUDA-graph capture + timings, then the engine bench.
+# One call on the GPU machine: kernel correctness + CUDA-graph capture + timings, the engine bench,
+# and, when .whl/fa4/fa4site.tar.xz was carried (scripts/pack_fa4.sh), the flash backend on flash-attn 4.
 #   bash scripts/gpu_check.sh            (logs under $OUT, or ./out)
 #   SKIP_BENCH=1 SKIP_SWEEP=1 bash scripts/gpu_check.sh
 set -uo pipefail
@@ -8,9 +9,14 @@ OUT="${OUT:-out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/gpu.txt"
 status=0
-python3 scripts/kernel_check.py --out "$OUT" ${SKIP_SWEEP:+--skip-sweep} 2>&1 | tee "$OUT/kernel_check.log" || status=1
+python3 scripts/kernel_check.py --out "$OUT" ${SKIP_SWEEP:+--skip-sweep} 2>&1 | tee "$OUT/kernel_check.log" | tail -70 || status=1
 if [ -z "${SKIP_BENCH:-}" ]; then
   # the engine alone on nano-vllm's workload; bounded so a slow engine cannot eat the call
-  timeout "${BENCH_TIMEOUT:-200}" python3 -m engine.bench ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || status=1
+  timeout -s INT "${BENCH_TIMEOUT:-200}" ${BENCH_CMD:-python3 -m engine.bench} 2>&1 | tee "$OUT/bench.log" | tail -8 || status=1
+fi
+if [ -f .whl/fa4/fa4site.tar.xz ]; then
+  site=/tmp/fa4site; mkdir -p "$site" && tar -C "$site" -xJf .whl/fa4/fa4site.tar.xz
+  PYTHONPATH="$site/nvidia_cutlass_dsl/dsl_packages:$site" timeout -s INT "${FLASH_TIMEOUT:-200}" \
+    python3 scripts/kernel_check.py --backend flash --out "$OUT" 2>&1 | tee "$OUT/flash.log" | tail -40 || status=1
 fi
 exit $status
