@@ -18,7 +18,7 @@ class AsyncClient:
     def __init__(self, url: str | None = None, queue: str = "default", *,
                  redis_client: aredis.Redis | None = None) -> None:
         self.url = url or default_url()
-        self.redis = redis_client or aredis.Redis.from_url(self.url)
+        self.redis = redis_client or aredis.Redis.from_url(self.url, socket_timeout=None)
         self.keys = p.Keys(queue)
         self.scripts = Scripts(self.redis)
 

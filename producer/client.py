@@ -121,7 +121,8 @@ class Client:
     def __init__(self, url: str | None = None, queue: str = "default", *,
                  redis_client: redis.Redis | None = None) -> None:
         self.url = url or default_url()
-        self.redis = redis_client or redis.Redis.from_url(self.url)
+        # no socket timeout: result() and stream() block in Redis for as long as they are asked to
+        self.redis = redis_client or redis.Redis.from_url(self.url, socket_timeout=None)
         self.keys = p.Keys(queue)
         self.scripts = Scripts(self.redis)
 

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -55,6 +56,19 @@ def new_queue() -> str:
     return f"t{uuid.uuid4().hex[:10]}"
 
 
+@contextlib.contextmanager
+def one_torch_thread():
+    """Run CPU torch on one thread: many threads on a busy machine can stall each other badly."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def tiny_engine(**kwargs):
     from engine import LLMEngine
 
@@ -85,8 +99,17 @@ def start_worker_process(url: str, queue: str, name: str, *extra: str) -> subpro
     """`python -m worker` on the tiny model, as a separate process."""
     cmd = [sys.executable, "-m", "worker", "--model", TINY_MODEL_DIR, "--load-format", "dummy", "--device", "cpu",
            "--redis-url", url, "--queue", queue, "--worker-name", name, "--log-level", "WARNING", *extra]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # one torch thread per worker: several workers share the CI machine's few cores
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"redline-worker-{name}-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc.log_path = log.name
+    return proc
+
+
+def log_of(proc: subprocess.Popen) -> str:
+    with open(proc.log_path) as f:
+        return f.read()[-4000:]
 
 
 def wait_for(condition, timeout: float, what: str, every: float = 0.05):
