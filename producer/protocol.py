@@ -203,7 +203,8 @@ def describe_validation_error(err: ValidationError) -> str:
     parts = []
     for e in err.errors(include_url=False):
         where = ".".join(str(p) for p in e["loc"])
-        parts.append(f"{where}: {e['msg']}" if where else e["msg"])
+        msg = e["msg"].removeprefix("Value error, ")
+        parts.append(f"{where}: {msg}" if where else msg)
     return "; ".join(parts)
 
 
