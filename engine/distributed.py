@@ -7,11 +7,14 @@ on CPU), and waits for every rank's acknowledgement before it samples. A pipe de
 whole and in order, and no command is sent before the previous step was acknowledged by all ranks.
 
 A rank that dies, raises or stops answering stops the engine: rank 0 raises RankFailedError naming the
-rank, and every rank process is ended. NCCL would wait forever on a dead peer, so on GPUs a watcher
-thread aborts rank 0's communicator the moment a worker process exits.
+rank, and every rank process is ended. NCCL would wait forever on a dead peer, so on GPUs rank 0 never
+blocks on its own GPU work before every rank acknowledged the step; it watches the pipes and the
+processes instead, and on a failure aborts its communicator, which releases the waiting kernels. NCCL
+cannot abort a communicator while CUDA graphs that captured it exist, so rank 0's graphs go first.
 """
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -56,8 +59,8 @@ class TPDriver:
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialized in this process (is another tensor-parallel "
                                "engine still running?); shut that engine down before starting this one")
-        if backend == "nccl":  # on an NCCL error abort the communicator, but never kill the engine's process
-            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        if backend == "nccl":  # the driver aborts the communicator itself, graphs first; the default ends the process
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
         else:  # the ranks share the host's cores; spinning idle threads would starve the peer's collectives
             torch.set_num_threads(min(torch.get_num_threads(), _cpu_share(size)))
         self._workers = workers = _Workers(backend)
@@ -70,8 +73,12 @@ class TPDriver:
             dist.init_process_group(backend, store=workers.store, rank=0, world_size=size,
                                     timeout=timedelta(seconds=GROUP_TIMEOUT_S), **_device_id(backend, 0))
             workers.group = dist.group.WORLD
-            self.runner = ModelRunner(config, TPGroup(0, size))
+            self.runner = workers.rank0 = ModelRunner(config, TPGroup(0, size), capture_graphs=False)
             workers.collect("ready", expect=self.runner.num_kvcache_blocks, timeout=GROUP_TIMEOUT_S)
+            workers.stop_watch()  # graphs are next, and an abort would wait for them to be freed
+            workers.send(("capture",))
+            self.runner.capture_graphs()
+            workers.collect("ok", timeout=GROUP_TIMEOUT_S)
         except BaseException as e:
             workers.fail(e, "while starting")
         self.device = self.runner.device
@@ -96,6 +103,7 @@ class TPDriver:
             hidden = self.runner.forward(inputs)
             logits = self.runner.compute_logits(hidden, inputs) if need_logits else None
             workers.collect("ok")
+            workers.wait_for_device(self.device)
         except BaseException as e:
             workers.fail(e, "during a step")
         if logits is None:
@@ -140,6 +148,7 @@ class _Workers:
         self.workers: list[_Worker] = []
         self.store = None
         self.group = None
+        self.rank0: ModelRunner | None = None
         self.failure: str | None = None
         self.closed = False
         self._stop_watch = threading.Event()
@@ -156,7 +165,7 @@ class _Workers:
             process.start()
             child_end.close()
             self.workers.append(_Worker(rank, process, parent_end))
-        if self.backend == "nccl":
+        if self.backend == "nccl":  # while rank 0 builds its runner it blocks on the GPU: watch for it
             self._watch = threading.Thread(target=self._abort_on_death, name="redline-tp-watch", daemon=True)
             self._watch.start()
 
@@ -169,7 +178,15 @@ class _Workers:
             if time.monotonic() > deadline:
                 self.stop(f"tensor-parallel ranks did not start within {GROUP_TIMEOUT_S} s")
 
+    def stop_watch(self) -> None:
+        self._stop_watch.set()
+        if self._watch is not None:
+            self._watch.join()
+            self._watch = None
+
     def _abort_on_death(self) -> None:
+        """Before any graph exists: on a worker's death, abort the communicator so that rank 0's GPU work
+        waiting on the dead peer returns and its next collective raises."""
         sentinels = [w.process.sentinel for w in self.workers]
         while not wait(sentinels, timeout=0.2):
             if self._stop_watch.is_set():
@@ -238,6 +255,15 @@ class _Workers:
             w.error = reply[1]
         return reply
 
+    def wait_for_device(self, device: torch.device) -> None:
+        """Wait for rank 0's own GPU work of the step, watching the other ranks' processes meanwhile."""
+        if device.type != "cuda":
+            return
+        done = torch.cuda.Event()
+        done.record()
+        while not done.query():
+            self._raise_if_any_died(timeout=0.0002)
+
     def _raise_if_any_died(self, timeout: float) -> None:
         sentinels = {w.process.sentinel: w for w in self.workers}
         for s in wait(list(sentinels), timeout=timeout):
@@ -262,6 +288,8 @@ class _Workers:
         now disagree on how far the step went, so the engine stops."""
         if isinstance(exc, RankFailedError):
             raise exc
+        if self.backend == "nccl":  # a half-built runner in the traceback may hold graphs that pin the communicator
+            traceback.clear_frames(exc.__traceback__)
         culprit = self._failed_worker(FAILURE_GRACE_S) if isinstance(exc, RuntimeError) else None
         if culprit is not None:
             self.stop(f"{culprit.describe()} {when}", culprit, cause=exc)
@@ -287,13 +315,14 @@ class _Workers:
         if self.closed:
             return
         self.closed = True
-        self._stop_watch.set()
+        self.stop_watch()
         if not failed:
             for w in self.workers:
                 try:
                     w.conn.send(("shutdown",))
                 except OSError:
                     pass
+        self._free_graphs()
         self._release_group()
         deadline = time.monotonic() + (1 if failed else STOP_GRACE_S)
         for w in self.workers:
@@ -304,9 +333,14 @@ class _Workers:
                     end()
                     w.process.join(timeout=2)
             w.conn.close()
-        if self._watch is not None:
-            self._watch.join(timeout=1)
         self.store = None
+
+    def _free_graphs(self) -> None:
+        """NCCL's abort and destroy wait until every CUDA graph that captured the communicator is freed."""
+        if self.rank0 is not None and self.rank0.graphs is not None:
+            self.rank0.graphs = None
+        if self.backend == "nccl":
+            gc.collect()
 
     def _release_group(self) -> None:
         if self.group is None or not dist.is_initialized() or dist.group.WORLD is not self.group:
@@ -336,7 +370,6 @@ def _worker_main(rank: int, size: int, backend: str, port: int, config_kwargs: d
         runner = _start_rank(rank, size, backend, port, config_kwargs)
         conn.send(("ready", runner.num_kvcache_blocks))
         _serve(runner, conn)
-        _leave_group(backend)
         code = 0
     except BaseException:
         try:
@@ -345,7 +378,7 @@ def _worker_main(rank: int, size: int, backend: str, port: int, config_kwargs: d
             pass
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # skip interpreter teardown, which could wait on a communicator whose peers are gone
+    os._exit(code)  # no teardown: the group needs none from a process that ends, and NCCL's could wait on graphs
 
 
 def _start_rank(rank: int, size: int, backend: str, port: int, config_kwargs: dict) -> ModelRunner:
@@ -358,7 +391,7 @@ def _start_rank(rank: int, size: int, backend: str, port: int, config_kwargs: di
     store.set(f"joined/{rank}", "1")
     dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                             timeout=timedelta(seconds=GROUP_TIMEOUT_S), **_device_id(backend, rank))
-    return ModelRunner(config, TPGroup(rank, size))
+    return ModelRunner(config, TPGroup(rank, size), capture_graphs=False)
 
 
 def _serve(runner: ModelRunner, conn: Connection) -> None:
@@ -367,11 +400,14 @@ def _serve(runner: ModelRunner, conn: Connection) -> None:
         message = conn.recv()
         if message[0] == "shutdown":
             return
-        _, wire, need_logits = message
-        inputs = _from_wire(wire)
-        hidden = runner.forward(inputs)
-        if need_logits:
-            runner.compute_logits(hidden, inputs)
+        if message[0] == "capture":
+            runner.capture_graphs()
+        else:
+            _, wire, need_logits = message
+            inputs = _from_wire(wire)
+            hidden = runner.forward(inputs)
+            if need_logits:
+                runner.compute_logits(hidden, inputs)
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
         conn.send(("ok",))
@@ -388,16 +424,6 @@ def _exit_with_parent() -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="redline-tp-parent", daemon=True).start()
-
-
-def _leave_group(backend: str) -> None:
-    try:
-        if backend == "nccl":
-            dist.distributed_c10d._abort_process_group()
-        else:
-            dist.destroy_process_group()
-    except Exception:
-        pass
 
 
 # ---- helpers --------------------------------------------------------------------------------------

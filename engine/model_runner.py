@@ -37,7 +37,7 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, tp: TPGroup = TPGroup()):
+    def __init__(self, config: EngineConfig, tp: TPGroup = TPGroup(), capture_graphs: bool = True):
         self.config = config
         self.tp = tp
         self.device = torch.device(config.device)
@@ -57,7 +57,12 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        if self.device.type == "cuda" and not config.enforce_eager and getattr(self.ctx.backend, "supports_cuda_graphs", False):
+        if capture_graphs:
+            self.capture_graphs()
+
+    def capture_graphs(self) -> None:
+        """Decode CUDA graphs, where the device and backend allow (tensor-parallel ranks call this together)."""
+        if self.device.type == "cuda" and not self.config.enforce_eager and getattr(self.ctx.backend, "supports_cuda_graphs", False):
             from engine.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self)
 
@@ -178,7 +183,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
-        rows = hidden[inputs.logits_indices.to(self.device)]
+        index = inputs.logits_indices
+        if self.device.type == "cuda":  # no host sync: under TP, rank 0 must not block on a dead peer's collective
+            index = index.pin_memory().to(self.device, non_blocking=True)
+        rows = hidden[index]
         return self.model.compute_logits(rows).float()
 
     def execute(self, inputs: StepInputs, st: SamplingTensors | None, num_logprobs: int):
