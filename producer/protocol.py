@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 GROUP = "workers"  # the consumer group every worker reads through
 PRIORITIES = (2, 1, 0)  # priority levels, read in this order: higher first; 0 is the default
 MAX_JOB_BYTES = 4 * 1024 * 1024  # default limit on one job's JSON; workers may lower or raise it
-RESULT_TTL_S = 24 * 3600  # a final job's hash, token stream and done list expire this long after it ends
+RESULT_TTL_S = 24 * 3600  # a final job's hash and done list expire this long after it ends
+TOKENS_TTL_S = 3600  # its token stream sooner (at most this); stream() then replays the result instead
 RESULTS_FEED_MAXLEN = 100_000  # the results feed keeps about this many recent entries
 JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
 

@@ -7,10 +7,11 @@ Key arguments always come from `protocol.Keys`; all keys of a queue share one cl
 """
 from __future__ import annotations
 
-from .protocol import GROUP
+from .protocol import GROUP, TOKENS_TTL_S
 
 _COMMON = """
 local GROUP = '%s'
+local TOKENS_TTL = %d
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -31,11 +32,11 @@ local function finish(job, tokens, done, results, job_id, status, result_json, e
   redis.call('XADD', tokens, '*', 'data', end_json)
   redis.call('RPUSH', done, '1')
   redis.call('EXPIRE', job, ttl)
-  redis.call('EXPIRE', tokens, ttl)
+  redis.call('EXPIRE', tokens, math.min(tonumber(ttl), TOKENS_TTL))
   redis.call('EXPIRE', done, ttl)
   redis.call('XADD', results, 'MAXLEN', '~', maxlen, '*', 'job_id', job_id, 'status', status)
 end
-""" % GROUP
+""" % (GROUP, TOKENS_TTL_S)
 
 # KEYS: the job streams of every priority, then one job hash per job. ARGV: per job, its index into
 # KEYS for the stream, its id and its JSON. Returns per job 1 if enqueued, 0 if the id already exists.

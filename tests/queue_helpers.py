@@ -76,12 +76,12 @@ def tiny_engine(**kwargs):
 
 
 @contextlib.contextmanager
-def worker_thread(url: str, queue: str, engine, **settings):
+def worker_thread(url: str, queue: str, engine, metrics=None, **settings):
     """A real worker on a thread of this process; drains (every job finishes) on exit."""
     values = dict(model=TINY_MODEL_DIR, redis_url=url, queue=queue, worker_name=f"w-{uuid.uuid4().hex[:6]}",
                   stream_interval=0.005)
     values.update(settings)
-    worker = Worker(WorkerSettings(**values), engine, redis.Redis.from_url(url))
+    worker = Worker(WorkerSettings(**values), engine, redis.Redis.from_url(url), metrics)
     exit_code: list[int] = []
     thread = threading.Thread(target=lambda: exit_code.append(worker.run()), daemon=True)
     thread.start()

@@ -71,6 +71,17 @@ def test_stream_deltas_concatenate_to_the_final_text(url, client, engine):
     assert indices == [sum(len(d.token_ids) for d in deltas[:i]) for i in range(len(deltas))]
 
 
+def test_finished_jobs_expire_and_stream_replays_the_result_once_deltas_are_gone(url, client, engine):
+    with worker_thread(url, client.keys.queue, engine, result_ttl=7200):
+        job_id = client.submit("expire me", sampling=GREEDY)
+        result = client.result(job_id, timeout=60)
+    assert 7000 < client.redis.ttl(client.keys.job(job_id)) <= 7200
+    assert 0 < client.redis.ttl(client.keys.tokens(job_id)) <= p.TOKENS_TTL_S
+    client.redis.delete(client.keys.tokens(job_id))  # as if its TTL had passed
+    [delta] = list(client.stream(job_id, timeout=5))
+    assert delta.finished and delta.text == result.text and delta.token_ids == result.token_ids
+
+
 def test_a_reader_that_reconnects_mid_stream_resumes_without_gaps(url, client, engine):
     sampling = {"temperature": 1.0, "seed": 3, "max_tokens": 150, "ignore_eos": True}
     with worker_thread(url, client.keys.queue, engine):
@@ -227,6 +238,26 @@ def test_drain_with_no_time_left_hands_running_jobs_back(url, client, engine):
     assert restart, "the second attempt announces itself on the token stream"
     after = deltas[restart[-1]:]
     assert [t for d in after for t in d.token_ids] == results[0].token_ids
+
+
+def test_the_worker_reports_to_its_metrics(url, client, engine):
+    from monitoring.metrics import Metrics
+
+    metrics = Metrics(queue=client.keys.queue, model="tiny")
+    client.redis.xadd(client.keys.jobs(0), {"job_id": "broken", "job": "{"})
+    ids = client.submit_many([{"prompt": "a", "sampling": GREEDY}, {"prompt": "b", "sampling": GREEDY}])
+    with worker_thread(url, client.keys.queue, engine, metrics=metrics):
+        for job_id in [*ids, "broken"]:
+            client.result(job_id, timeout=30)
+        _wait_until_acked(client)
+
+    def value(name: str, **labels) -> float:
+        return metrics.registry.get_sample_value(name, {"queue": client.keys.queue, "model_name": "tiny", **labels})
+    assert value("redline_jobs_received_total") == 3
+    assert value("redline_jobs_completed_total", status="succeeded") == 2
+    assert value("redline_jobs_completed_total", status="failed") == 1
+    assert value("redline_request_success_total", finished_reason="length") == 2
+    assert value("redline_worker_heartbeat_timestamp_seconds") > 0
 
 
 def _ensure_group(client: Client) -> None:

@@ -42,9 +42,15 @@ def run_worker(args: argparse.Namespace) -> int:
         url = server.url
         print(f"no --redis-url: started an embedded redis-server at {url} (producers: REDIS_URL={url})",
               flush=True)
+    client = redis.Redis.from_url(url)
+    try:
+        client.ping()
+    except redis.RedisError as e:
+        print(f"redline worker: cannot reach Redis at {url}: {e}", file=sys.stderr)
+        return 1
     engine = LLMEngine(settings.model, **settings.engine_kwargs)
     metrics = make_metrics(settings, os.path.basename(settings.model.rstrip("/")))
-    worker = Worker(settings, engine, redis.Redis.from_url(url), metrics)
+    worker = Worker(settings, engine, client, metrics)
 
     def on_signal(signum, frame) -> None:
         # the first signal drains; a second one hands running jobs back at once

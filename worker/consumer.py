@@ -214,7 +214,7 @@ class Consumer:
         """Settle what cannot run; mark the rest running (one attempt each) and return them."""
         s = self.settings
         pipe = self.redis.pipeline(transaction=False)
-        starts: list[Job] = []
+        starts: list[Job | None] = []  # one per script call: None for a FINISH
         for entry in entries:
             job_id, spec, error = parse_entry(entry, s.max_job_bytes)
             if error is None and entry.deliveries > s.max_deliveries:
@@ -223,6 +223,7 @@ class Consumer:
             if error is not None:
                 log.info("job %s (entry %s) fails: %s", job_id, entry.entry_id, error)
                 self._finish_call(pipe, job_id, entry, p.FAILED, error)
+                starts.append(None)
                 continue
             ks = [self.keys.job(job_id), self.keys.tokens(job_id), self.keys.done(job_id), self.keys.results,
                   entry.stream]
@@ -237,8 +238,12 @@ class Consumer:
             starts.append(Job(job_id, entry.stream, entry.entry_id, spec))
         replies = pipe.execute() if len(pipe) else []
         jobs: list[Job] = []
-        outcomes = [r for r in replies if isinstance(r, list)]
-        for job, (outcome, attempts, queue_ms) in zip(starts, outcomes):
+        for job, reply in zip(starts, replies):
+            if job is None:  # a FINISH of a malformed entry: 1 if this wrote its result
+                if reply:
+                    self.metrics.job_completed(p.FAILED)
+                continue
+            outcome, attempts, queue_ms = reply
             outcome = _text(outcome)
             if outcome == "run":
                 job.attempt, job.queue_s = int(attempts), max(int(queue_ms), 0) / 1000
@@ -256,7 +261,6 @@ class Consumer:
               entry.stream]
         self.scripts.finish(keys=ks, args=[job_id, entry.entry_id, status, result, end,
                                            self.settings.result_ttl, p.RESULTS_FEED_MAXLEN], client=pipe)
-        self.metrics.job_completed(status)
 
     def _dead_letter(self, entry: Entry, job_id: str) -> None:
         last_error = self.redis.hget(self.keys.job(job_id), "last_error")

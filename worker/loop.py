@@ -87,14 +87,15 @@ class Worker:
         self.in_flight = InFlight()
         self.capacity = Capacity()
         self.commands: queue.SimpleQueue = queue.SimpleQueue()  # ("run", Job) | ("abort", job_id)
+        self.stopping = threading.Event()
         # The threads that block in Redis get connections of their own, so stop() can unblock them.
         self.reader_redis = redis.Redis(connection_pool=client.connection_pool, single_connection_client=True)
         self.cancels_redis = redis.Redis(connection_pool=client.connection_pool, single_connection_client=True)
         self._client_ids: dict[str, int] = {}
         self.consumer = Consumer(client, self.keys, self.scripts, settings, self.metrics, self.reader_redis)
         self.writer = ResultWriter(client, self.keys, self.scripts, self.consumer, self.in_flight, settings,
-                                   self.metrics, getattr(engine, "tokenizer", None), self._abort_lost)
-        self.stopping = threading.Event()
+                                   self.metrics, getattr(engine, "tokenizer", None), self._abort_lost,
+                                   self.stopping)
         self.reader_done = threading.Event()
         self.drain_deadline: float | None = None
         self.ready = threading.Event()  # set once the consumer group exists and the loop is running

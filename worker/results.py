@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -23,6 +24,7 @@ from .consumer import Consumer, InFlight, Job
 log = logging.getLogger("redline.worker")
 
 STOP = object()  # put in the outbox after the engine's last output
+GIVE_UP_AFTER_S = 10.0  # a stopping worker stops retrying writes after Redis has been gone this long
 
 
 class IncrementalText:
@@ -79,10 +81,11 @@ class _Stream:
 
 class ResultWriter:
     def __init__(self, client: redis.Redis, keys: p.Keys, scripts: Scripts, consumer: Consumer,
-                 in_flight: InFlight, settings, metrics, tokenizer, on_lost: Callable[[list[str]], None]) -> None:
+                 in_flight: InFlight, settings, metrics, tokenizer, on_lost: Callable[[list[str]], None],
+                 stopping: threading.Event) -> None:
         self.redis, self.keys, self.scripts, self.consumer = client, keys, scripts, consumer
         self.in_flight, self.settings, self.metrics = in_flight, settings, metrics
-        self.tokenizer, self.on_lost = tokenizer, on_lost
+        self.tokenizer, self.on_lost, self.stopping = tokenizer, on_lost, stopping
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.streams: dict[str, _Stream] = {}
         self.heartbeat_every = max(settings.claim_timeout / 4, 0.05)
@@ -230,6 +233,7 @@ class ResultWriter:
     def _execute(self, ops: list) -> None:
         """Run the ops in one pipeline, retrying while Redis is unreachable (every op is idempotent
         except a delta's XADD, which a retry after a partial write can repeat)."""
+        failing_since = None
         while True:
             pipe = self.redis.pipeline(transaction=False)
             for op in ops:
@@ -239,6 +243,12 @@ class ResultWriter:
                 replies = pipe.execute() if len(pipe) else []
                 break
             except (redis.ConnectionError, redis.TimeoutError) as e:
+                failing_since = failing_since or time.monotonic()
+                if self.stopping.is_set() and time.monotonic() - failing_since > GIVE_UP_AFTER_S:
+                    # nothing was acked: the entries stay pending and another worker will reclaim them
+                    log.error("Redis unreachable for %.0f s while stopping; leaving %d writes undone",
+                              GIVE_UP_AFTER_S, len(ops))
+                    return
                 log.warning("writing results failed (%s); retrying in 1 s", e)
                 time.sleep(1.0)
         replies = iter(replies)
