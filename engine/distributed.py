@@ -61,9 +61,10 @@ class TPDriver:
                                "engine still running?); shut that engine down before starting this one")
         if backend == "nccl":  # the driver aborts the communicator itself, graphs first; the default ends the process
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
-        else:  # the ranks share the host's cores; spinning idle threads would starve the peer's collectives
-            torch.set_num_threads(min(torch.get_num_threads(), _cpu_share(size)))
         self._workers = workers = _Workers(backend)
+        if backend == "gloo":  # the ranks share the host's cores; spinning idle threads would starve the peer's collectives
+            workers.saved_num_threads = torch.get_num_threads()
+            torch.set_num_threads(min(workers.saved_num_threads, _cpu_share(size)))
         self._finalizer = weakref.finalize(self, workers.close)
         try:
             workers.store = dist.TCPStore(HOST, 0, size, is_master=True, wait_for_workers=False,
@@ -149,6 +150,7 @@ class _Workers:
         self.store = None
         self.group = None
         self.rank0: ModelRunner | None = None
+        self.saved_num_threads: int | None = None  # this process's CPU threads before the ranks shared the cores
         self.failure: str | None = None
         self.closed = False
         self._stop_watch = threading.Event()
@@ -334,6 +336,8 @@ class _Workers:
                     w.process.join(timeout=2)
             w.conn.close()
         self.store = None
+        if self.saved_num_threads is not None:
+            torch.set_num_threads(self.saved_num_threads)
 
     def _free_graphs(self) -> None:
         """NCCL's abort and destroy wait until every CUDA graph that captured the communicator is freed."""
