@@ -129,6 +129,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        if num_full <= seq.num_hashed_blocks:
+            return
         prefix_hash = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else -1
         for i in range(seq.num_hashed_blocks, num_full):
             tokens = seq.block(i)

@@ -32,6 +32,8 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self._request_ids = count()
+        self._sampling_key: list[int] = []
+        self._sampling_cache = None
 
     def _make_runner(self, config: EngineConfig):
         if config.tensor_parallel_size > 1:
@@ -141,6 +143,9 @@ class LLMEngine:
     def _sampling_tensors(self, seqs: list[Sequence]) -> tuple[SamplingTensors | None, int]:
         if not seqs:
             return None, -1
+        key = [s.seq_id for s in seqs]
+        if key == self._sampling_key:  # same batch as last step (most decode steps): same tensors
+            return self._sampling_cache
         device = self.runner.device
         ps = [s.params for s in seqs]
         top_ks = [p.top_k if p.top_k > 0 else self.vocab_size for p in ps]
@@ -154,6 +159,7 @@ class LLMEngine:
             all_greedy=all(p.greedy for p in ps),
             needs_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in ps))
         num_logprobs = max((p.logprobs for p in ps if p.logprobs is not None), default=-1)
+        self._sampling_key, self._sampling_cache = key, (st, num_logprobs)
         return st, num_logprobs
 
     def _generator(self, seq: Sequence):

@@ -136,6 +136,8 @@ class ModelRunner:
     # ---- one step ---------------------------------------------------------------------------------
 
     def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
+        if all(n == 1 for n in batch.num_tokens) and all(s.num_uncomputed_tokens == 1 for s in batch.seqs):
+            return self._prepare_decode(batch)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -164,6 +166,24 @@ class ModelRunner:
             max_seqlen_q=max(batch.num_tokens), max_seqlen_k=max(lens_k),
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64))
 
+    def _prepare_decode(self, batch: ScheduledBatch) -> StepInputs:
+        """prepare_inputs for one new token per sequence: the hot path of long generations."""
+        seqs, bs = batch.seqs, self.block_size
+        lens = [s.num_tokens for s in seqs]
+        slots = [s.block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(seqs, lens)]
+        width = max(len(s.block_table) for s in seqs)
+        tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs]
+        i64 = torch.int64
+        return StepInputs(
+            input_ids=torch.tensor([s.token_ids[-1] for s in seqs], dtype=i64),
+            positions=torch.tensor([n - 1 for n in lens], dtype=i64),
+            slot_mapping=torch.tensor(slots, dtype=i64),
+            cu_seqlens_q=torch.arange(len(seqs) + 1, dtype=torch.int32),
+            seqlens_k=torch.tensor(lens, dtype=torch.int32),
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            max_seqlen_q=1, max_seqlen_k=max(lens),
+            logits_indices=torch.arange(len(seqs), dtype=i64))
+
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states of every scheduled token."""
@@ -187,7 +207,7 @@ class ModelRunner:
         if self.device.type == "cuda":  # no host sync: under TP, rank 0 must not block on a dead peer's collective
             index = index.pin_memory().to(self.device, non_blocking=True)
         rows = hidden[index]
-        return self.model.compute_logits(rows).float()
+        return self.model.compute_logits(rows)
 
     def execute(self, inputs: StepInputs, st: SamplingTensors | None, num_logprobs: int):
         """Forward, then sample the rows in logits_indices: (token ids, logprobs or None)."""

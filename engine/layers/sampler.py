@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.layers.fusion import fused
+
 
 @dataclass
 class SamplingTensors:
@@ -17,11 +19,24 @@ class SamplingTensors:
     needs_filter: bool
 
 
+@fused
+def gumbel_max(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """One pass over the logits: argmax(logits / t + Gumbel noise) samples softmax(logits / t); t=0 rows are greedy."""
+    scores = logits.float()
+    t = temperatures.unsqueeze(1)
+    u = torch.rand_like(scores).clamp_(min=1e-20)
+    noisy = scores / torch.where(t > 0, t, torch.ones_like(t)) - torch.log(-torch.log(u))
+    return torch.where(t > 0, noisy, scores).argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, st: SamplingTensors, shared_gen: torch.Generator | None = None) -> torch.Tensor:
-    """Token ids [S] from logits [S, V] (float32)."""
-    greedy = logits.argmax(dim=-1)
+    """Token ids [S] from logits [S, V] (any float dtype)."""
     if st.all_greedy:
-        return greedy
+        return logits.argmax(dim=-1)
+    if not st.needs_filter and all(g is None for g in st.generators):
+        return gumbel_max(logits, st.temperatures)
+    logits = logits.float()
+    greedy = logits.argmax(dim=-1)
     temps = torch.where(st.temperatures > 0, st.temperatures, torch.ones_like(st.temperatures))
     scores = logits / temps.unsqueeze(1)
     if st.needs_filter:
@@ -53,7 +68,7 @@ def _filter(scores: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int):
     """(logprob of each sampled token [S], top-`num_top` logprobs [S, n] and their ids [S, n])."""
-    logprobs = logits.log_softmax(dim=-1)
+    logprobs = logits.float().log_softmax(dim=-1)
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     top = logprobs.topk(num_top, dim=-1) if num_top else None
     return chosen, (top.values if top else None), (top.indices if top else None)
