@@ -121,11 +121,12 @@ def _decode_reduce_kernel(
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, block_n: int,
                       num_sms: int) -> int:
-    """Enough programs to fill the GPU about twice over, each split at least two KV tiles long."""
+    """Enough programs for about four per SM (one program streams its range serially, so an SM needs
+    several in flight to keep memory busy), each split at least two KV tiles long."""
     programs = num_seqs * num_kv_heads
-    if programs >= num_sms:
+    if programs >= 4 * num_sms:
         return 1
-    wanted = triton.cdiv(2 * num_sms, programs)
+    wanted = triton.cdiv(4 * num_sms, programs)
     longest = max(1, triton.cdiv(max_seqlen_k, 2 * block_n))
     return max(1, min(wanted, longest, 64))
 
