@@ -71,6 +71,15 @@ def test_stream_deltas_concatenate_to_the_final_text(url, client, engine):
     assert indices == [sum(len(d.token_ids) for d in deltas[:i]) for i in range(len(deltas))]
 
 
+def test_a_job_without_streaming_gets_one_final_delta_with_everything(url, client, engine):
+    with worker_thread(url, client.keys.queue, engine):
+        job_id = client.submit("quiet", sampling={**GREEDY, "max_tokens": 30}, stream=False)
+        result = client.result(job_id, timeout=60)
+    [delta] = list(client.stream(job_id, timeout=5))
+    assert delta.finished and delta.text == result.text and delta.token_ids == result.token_ids
+    assert len(result.token_ids) == 30
+
+
 def test_finished_jobs_expire_and_stream_replays_the_result_once_deltas_are_gone(url, client, engine):
     with worker_thread(url, client.keys.queue, engine, result_ttl=7200):
         job_id = client.submit("expire me", sampling=GREEDY)

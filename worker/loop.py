@@ -101,6 +101,7 @@ class Worker:
         self.ready = threading.Event()  # set once the consumer group exists and the loop is running
         self.closed = threading.Event()  # set once the writer has written everything
         self._held: list[Job] = []  # read beyond the engine's room; handed over first next time
+        self.streaming: set[str] = set()  # engine thread only: jobs in the engine that want token deltas
 
     # ---- control ----
 
@@ -175,8 +176,13 @@ class Worker:
             if engine.has_unfinished():
                 result = engine.step()
                 self.metrics.observe_step(result.stats)
-                if result.outputs:
-                    self.writer.outbox.put(("step", result.outputs))
+                outputs = result.outputs
+                if self.streaming:
+                    self.streaming.difference_update(o.request_id for o in outputs if o.finished)
+                else:  # no running job wants token deltas: the writer needs only the finished ones
+                    outputs = [o for o in outputs if o.finished]
+                if outputs:
+                    self.writer.outbox.put(("step", outputs))
             elif self.stopping.is_set() and self.reader_done.is_set() and self.commands.empty():
                 return
             self.capacity.publish(engine.num_free_slots(), received)
@@ -225,6 +231,8 @@ class Worker:
             log.exception("job %s could not start", job.job_id)
             self.writer.outbox.put(("failed", job, f"could not start: {type(e).__name__}: {e}"))
             return
+        if spec.stream:
+            self.streaming.add(job.job_id)
         job.handed_at = time.monotonic()
         self.metrics.observe_queue_time(job.queue_s + job.handed_at - job.admitted_at)
 
