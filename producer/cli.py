@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from .client import Client, default_url
+from .client import Client
 
 
 def register(subparsers) -> None:
@@ -45,7 +45,8 @@ def register(subparsers) -> None:
 
 
 def _connection(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--redis-url", default=None, help=f"default: REDLINE_REDIS_URL / REDIS_URL, else {default_url()}")
+    parser.add_argument("--redis-url", default=None,
+                        help="default: REDLINE_REDIS_URL / REDIS_URL, else redis://localhost:6379/0")
     parser.add_argument("--queue", default="default")
 
 

@@ -104,7 +104,8 @@ def run_through_queue(opts: argparse.Namespace, url: str) -> dict:
           flush=True)
     return {
         "gpu": engine_bench.gpu_name(), "commit": engine_bench.git_commit(),
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "model": Path(engine_bench.resolve_model(opts.model)).name,
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "model": Path(engine_bench.resolve_model(opts.model)).name,
         "num_seqs": opts.num_seqs, "stream": opts.stream,
         "raw_tokens": raw_tokens, "raw_seconds": round(raw_s, 3), "raw_tok_s": round(raw_tokens / raw_s, 1),
         "queue_tokens": queue_tokens, "queue_seconds": round(queue_s, 3),

@@ -121,7 +121,8 @@ def parse_entry(entry: Entry, max_job_bytes: int) -> tuple[str, p.JobSpec | None
         return job_id, None, error
     raw = fields["job"]
     if len(raw) > max_job_bytes:
-        return job_id, None, f"the job is {len(raw):,} bytes; this worker takes at most {max_job_bytes:,} (max_job_bytes)"
+        return job_id, None, (f"the job is {len(raw):,} bytes; this worker takes at most {max_job_bytes:,} "
+                              "(max_job_bytes)")
     try:
         return job_id, p.JobSpec.model_validate_json(raw), None
     except p.ValidationError as e:

@@ -18,7 +18,8 @@ PROMPTS = ["The quickest way to learn a language is", "Redis streams are useful 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("demo", help="embedded Redis + worker + a few jobs, end to end")
     parser.add_argument("--model", default=None, help="default: a tiny built-in model with random weights")
-    parser.add_argument("--load-format", default=None, help="auto | dummy (default: auto; dummy for the built-in model)")
+    parser.add_argument("--load-format", default=None,
+                        help="auto | dummy (default: auto; dummy for the built-in model)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--num-jobs", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=32)

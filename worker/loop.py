@@ -100,6 +100,7 @@ class Worker:
         self.drain_deadline: float | None = None
         self.ready = threading.Event()  # set once the consumer group exists and the loop is running
         self.closed = threading.Event()  # set once the writer has written everything
+        self.failed = False  # a thread or the engine failed: exit code 1
         self._held: list[Job] = []  # read beyond the engine's room; handed over first next time
         self.streaming: set[str] = set()  # engine thread only: jobs in the engine that want token deltas
 
@@ -134,13 +135,12 @@ class Worker:
             t.start()
         log.info("worker %s serving queue %r", self.settings.worker_name, self.settings.queue)
         self.ready.set()
-        code = 0
         try:
             self._engine_loop()
-        except Exception:
+        except Exception as e:
             log.exception("the engine failed; in-flight jobs stay pending for other workers to reclaim")
-            self._record_error("the engine failed on worker " + self.settings.worker_name)
-            code = 1
+            self._record_error(f"the engine failed on worker {self.settings.worker_name}: {type(e).__name__}: {e}")
+            self.failed = True
             self.stop(now=True)
         self.writer.outbox.put(STOP)
         writer.join()
@@ -148,6 +148,7 @@ class Worker:
         self._unblock("cancels")
         for t in others:
             t.join(timeout=10)
+        code = 1 if self.failed else 0
         if code == 0 and not len(self.in_flight):
             try:
                 for stream in self.consumer.streams:
@@ -163,6 +164,7 @@ class Worker:
                 target()
             except Exception:
                 log.exception("%s failed; stopping the worker", threading.current_thread().name)
+                self.failed = True
                 self.stop(now=True)
         return run
 

@@ -36,7 +36,8 @@ class WorkerSettings(BaseSettings):
     result_ttl: int = Field(protocol.RESULT_TTL_S, ge=1, description="keep results this long")
     max_job_bytes: int = Field(protocol.MAX_JOB_BYTES, ge=1024, description="larger jobs fail")
     stream_interval: float = Field(0.02, ge=0, description="write token deltas at most this often")
-    drain_timeout: float = Field(60.0, ge=0, description="on SIGTERM, let running jobs finish this long, then hand them back")
+    drain_timeout: float = Field(60.0, ge=0,
+                                 description="on SIGTERM, let running jobs finish this long, then hand them back")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
 
     load_format: str | None = Field(None, description="auto | safetensors | dummy (random weights)")
