@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 import weakref
 from dataclasses import dataclass, fields
 from datetime import timedelta
@@ -324,8 +325,7 @@ class _Workers:
                     w.conn.send(("shutdown",))
                 except OSError:
                     pass
-        self._free_graphs()
-        self._release_group()
+        self._release_group(self._free_graphs())
         deadline = time.monotonic() + (1 if failed else STOP_GRACE_S)
         for w in self.workers:
             w.process.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -339,15 +339,23 @@ class _Workers:
         if self.saved_num_threads is not None:
             torch.set_num_threads(self.saved_num_threads)
 
-    def _free_graphs(self) -> None:
-        """NCCL's abort and destroy wait until every CUDA graph that captured the communicator is freed."""
-        if self.rank0 is not None and self.rank0.graphs is not None:
-            self.rank0.graphs = None
-        if self.backend == "nccl":
-            gc.collect()
+    def _free_graphs(self) -> bool:
+        """Free rank 0's CUDA graphs: NCCL's abort and destroy wait until every graph that captured the
+        communicator is gone. False if one is still referenced elsewhere."""
+        decode_graphs = self.rank0.graphs if self.rank0 is not None else None
+        if decode_graphs is None:
+            return True
+        refs = [weakref.ref(g) for g in getattr(decode_graphs, "graphs", {}).values()]
+        self.rank0.graphs = decode_graphs = None
+        gc.collect()
+        return all(ref() is None for ref in refs)
 
-    def _release_group(self) -> None:
+    def _release_group(self, graphs_freed: bool) -> None:
         if self.group is None or not dist.is_initialized() or dist.group.WORLD is not self.group:
+            return
+        if self.backend == "nccl" and not graphs_freed:  # tearing it down would wait forever
+            warnings.warn("a CUDA graph of rank 0 is still referenced, so its NCCL communicator was left in place; "
+                          "this process cannot start another tensor-parallel engine", RuntimeWarning, stacklevel=2)
             return
         self.group = None
         try:

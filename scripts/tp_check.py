@@ -1,12 +1,15 @@
 """Tensor parallelism on a 2-GPU machine: TP=2 vs TP=1 greedy agreement, then nano-bench at each size.
 
     python scripts/tp_check.py --out $OUT            (Qwen3-8B shape, dummy weights)
-    python scripts/tp_check.py --out $OUT --enforce-eager --skip-bench
+    python scripts/tp_check.py --out $OUT --enforce-eager --skip-bench --skip-failure-check
 
 One engine per tensor-parallel size, one after the other, each freed before the next. On each: greedy
 completions of --num-prompts random prompts (ignore_eos, --max-new tokens), then engine.bench's workload
-timed after its warm-up. Prints one JSON line per bench run, and a last JSON line with the throughput
-ratio and the greedy agreement (bf16 TP sums in another order, so a few late divergences are expected).
+timed after its warm-up. Prints one JSON line per bench run, then a JSON line with the throughput ratio
+and the greedy agreement (bf16 TP sums in another order, so a few late divergences are expected).
+Then the failure path on the small Qwen3 shape: rank 1 is killed mid-generation, generate must raise
+within seconds with no process left, and a fresh engine must start after it (one more JSON line).
+Each phase has a deadline; a phase that hangs is logged and ends the script with exit code 3.
 Needs only torch, triton, transformers and the engine (no redis, no pydantic).
 """
 from __future__ import annotations
@@ -16,8 +19,11 @@ import gc
 import json
 import os
 import random
+import signal
 import sys
+import threading
 import time
+from contextlib import contextmanager
 import traceback
 from pathlib import Path
 
@@ -48,8 +54,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-new", type=int, default=64)
     parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument("--skip-failure-check", action="store_true")
+    parser.add_argument("--failure-model", default="qwen3-0.6b", help="model of the failure check (config dir or shipped name)")
     parser.set_defaults(model="qwen3-8b")
     return parser.parse_args(argv)
+
+
+@contextmanager
+def deadline(phase: str, seconds: float):
+    """End the whole script (exit code 3) if `phase` takes longer than `seconds`: a hang is a finding."""
+    def hung():
+        log(f"HUNG: {phase} did not finish within {seconds:.0f} s")
+        if LOG is not None:
+            LOG.flush()
+        os._exit(3)
+
+    timer = threading.Timer(seconds, hung)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def greedy_prompts(n: int, max_token_id: int, max_len: int, seed: int = 7) -> list[list[int]]:
@@ -96,7 +122,8 @@ def run_size(tp: int, args: argparse.Namespace, prompts) -> dict:
     args.tensor_parallel_size = tp
     result: dict = {"tensor_parallel_size": tp}
     t0 = time.perf_counter()
-    llm = bench.build_llm(args)
+    with deadline(f"TP={tp} engine start", 240):
+        llm = bench.build_llm(args)
     try:
         result["build_seconds"] = round(time.perf_counter() - t0, 1)
         result["num_kvcache_blocks"] = llm.block_manager.num_blocks
@@ -116,10 +143,70 @@ def run_size(tp: int, args: argparse.Namespace, prompts) -> dict:
             if LOG is not None:
                 LOG.write(json.dumps(record) + "\n")
     finally:
-        llm.shutdown()
+        t0 = time.perf_counter()
+        with deadline(f"TP={tp} shutdown", 60):
+            llm.shutdown()
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+        result["shutdown_seconds"] = round(time.perf_counter() - t0, 2)
+        log(f"TP={tp}: shut down in {result['shutdown_seconds']} s")
+    return result
+
+
+def failure_check(args: argparse.Namespace) -> dict:
+    """Kill rank 1 of a TP=2 engine (small shape, CUDA graphs on) mid-generation: generate must raise
+    RankFailedError, no rank process may remain, and a fresh TP=2 engine must start and generate."""
+    import torch
+
+    from engine import LLM, SamplingParams
+    from engine.distributed import RankFailedError
+
+    from engine import bench
+
+    small = dict(load_format="dummy", tensor_parallel_size=2, max_num_seqs=64, max_model_len=4096,
+                 gpu_memory_utilization=0.5, device=args.device)
+    model = bench.resolve_model(args.failure_model)
+    result: dict = {}
+    with deadline("failure check: engine start", 180):
+        llm = LLM(model, **small)
+    pid = llm.runner.worker_pids[0]
+    rng = random.Random(3)
+    prompts = [[rng.randint(0, args.max_token_id) for _ in range(rng.randint(32, 256))] for _ in range(64)]
+    params = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)  # far longer than the 2 s to the kill
+    killed_at = []
+
+    def kill():
+        killed_at.append(time.perf_counter())
+        os.kill(pid, signal.SIGKILL)
+
+    threading.Timer(2.0, kill).start()
+    with deadline("failure check: generate after SIGKILL of rank 1", 90):
+        try:
+            llm.generate(prompts, params, use_tqdm=False)
+            result["raised"] = None
+        except RankFailedError as e:
+            result["raised"] = str(e).splitlines()[0]
+            result["seconds_to_error"] = round(time.perf_counter() - killed_at[0], 2) if killed_at else None
+    try:
+        import psutil
+        result["children_left"] = [p.pid for p in psutil.Process().children(recursive=True)
+                                   if "spawn_main" in " ".join(p.cmdline())]
+    except ImportError:
+        result["children_left"] = "psutil missing"
+    import torch.distributed as dist
+    result["process_group_released"] = not dist.is_initialized()
+    with deadline("failure check: drop the failed engine", 60):
         del llm
         gc.collect()
         torch.cuda.empty_cache()
+    with deadline("failure check: a fresh engine after the failure", 180):
+        fresh = LLM(model, enforce_eager=True, **small)
+        outs = fresh.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        result["fresh_engine_tokens"] = sum(len(o.token_ids) for o in outs)
+        fresh.shutdown()
+    result["ok"] = bool(result.get("raised") and result.get("children_left") == [] and result["process_group_released"]
+                        and result["fresh_engine_tokens"] == 32)
     return result
 
 
@@ -145,7 +232,7 @@ def main(argv=None) -> int:
 
     log(f"torch {torch.__version__}, {torch.cuda.device_count()} GPU(s): "
         + ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())))
-    log(f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}" if torch.cuda.is_available() else "no CUDA")
+    log(f"NCCL {torch.cuda.nccl.version()}" if torch.cuda.is_available() else "no CUDA")
     prompts = greedy_prompts(args.num_prompts, args.max_token_id, min(512, args.max_model_len - args.max_new - 1))
     results, failed = {}, False
     for tp in [int(s) for s in args.sizes.split(",")]:
@@ -171,6 +258,16 @@ def main(argv=None) -> int:
     (out / "tp_check.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps({k: v for k, v in summary.items() if k != "runs"}), flush=True)
     LOG.write(json.dumps(summary) + "\n")
+    LOG.flush()
+    if not args.skip_failure_check and (args.device == "cpu" or torch.cuda.device_count() >= 2):
+        start = time.perf_counter()
+        try:
+            check = failure_check(args)
+        except Exception:
+            check = {"ok": False, "error": traceback.format_exc()}
+        check["seconds"] = round(time.perf_counter() - start, 1)
+        log(f"failure check: {json.dumps({'failure_check': check})}")
+        failed = failed or not check["ok"]
     LOG.close()
     return 1 if failed or len(results) < 2 else 0
 
