@@ -281,6 +281,10 @@ def main() -> int:
             ok = check_correctness(log) and check_graphs(log)
         else:
             from engine.attention import get_backend
+            from engine.attention.flash_backend import flash_import_errors
+            for error in flash_import_errors():  # say why, rather than only "needs flash_attn"
+                print(f"  import failed: {error}")
+                log.setdefault("errors", []).append(error)
             ok = check_backend(get_backend(args.backend, torch.device("cuda")), log)
         print(f"correctness {'PASSED' if ok else 'FAILED'} ({time.time() - t0:.0f} s)", flush=True)
         if not args.skip_timing:

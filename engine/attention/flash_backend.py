@@ -22,6 +22,9 @@ if TYPE_CHECKING:
     from engine.attention import AttentionMetadata
 
 
+_import_errors: list[str] = []
+
+
 @functools.cache
 def _flash_api() -> tuple[str, tuple[Callable, ...]] | None:
     """("fa2", (varlen, with_kvcache)) or ("fa4", (varlen,)) or None when nothing is importable."""
@@ -30,13 +33,20 @@ def _flash_api() -> tuple[str, tuple[Callable, ...]] | None:
     try:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
         return "fa2", (flash_attn_varlen_func, flash_attn_with_kvcache)
-    except ImportError:
-        pass
+    except Exception as e:  # ImportError, or a broken build failing to load its library
+        _import_errors.append(f"flash_attn (2): {e!r}")
     try:
         from flash_attn.cute import flash_attn_varlen_func
         return "fa4", (flash_attn_varlen_func,)
-    except ImportError:
+    except Exception as e:
+        _import_errors.append(f"flash_attn.cute (4): {e!r}")
         return None
+
+
+def flash_import_errors() -> list[str]:
+    """Why flash_attn was found but not usable (empty when it imported or is absent)."""
+    _flash_api()
+    return list(_import_errors)
 
 
 def flash_available() -> bool:

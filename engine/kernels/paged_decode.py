@@ -10,6 +10,7 @@ each program derives its range from its own seqlen on the device, so any split c
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -131,6 +132,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, block
     return max(1, min(wanted, longest, 64))
 
 
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
