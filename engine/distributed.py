@@ -63,7 +63,7 @@ class TPDriver:
         if backend == "nccl":  # the driver aborts the communicator itself, graphs first; the default ends the process
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
         self._workers = workers = _Workers(backend)
-        if backend == "gloo":  # the ranks share the host's cores; spinning idle threads would starve the peer's collectives
+        if backend == "gloo":  # the ranks share the cores; idle threads spinning would starve the peer's collectives
             workers.saved_num_threads = torch.get_num_threads()
             torch.set_num_threads(min(workers.saved_num_threads, _cpu_share(size)))
         self._finalizer = weakref.finalize(self, workers.close)
@@ -242,7 +242,8 @@ class _Workers:
                 if reply[0] != kind:
                     self.stop(w.describe(), w)
                 if expect is not None and reply[1] != expect:
-                    self.stop(f"tensor-parallel rank {w.rank} sized its KV cache to {reply[1]} blocks, rank 0 to {expect}")
+                    self.stop(f"tensor-parallel rank {w.rank} sized its KV cache to {reply[1]} blocks, "
+                              f"rank 0 to {expect}")
                 w.started = True
                 del pending[w.conn]
 

@@ -28,7 +28,8 @@ import traceback
 from pathlib import Path
 
 # NVLink multicast stays off on shared hosts; spawned ranks inherit these
-for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                       ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(_name, _value)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -55,7 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-new", type=int, default=64)
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--skip-failure-check", action="store_true")
-    parser.add_argument("--failure-model", default="qwen3-0.6b", help="model of the failure check (config dir or shipped name)")
+    parser.add_argument("--failure-model", default="qwen3-0.6b",
+                        help="model of the failure check (config dir or shipped config name)")
     parser.set_defaults(model="qwen3-8b")
     return parser.parse_args(argv)
 

@@ -72,7 +72,8 @@ def test_tp2_tokens_equal_tp1_with_prefix_cache_and_preemption(checkpoint):
         got_seeded = llm.generate(prompts, seeded, use_tqdm=False)
         assert [o.token_ids for o in got_seeded] == [o.token_ids for o in expected_seeded]
         for got, want in zip(got_seeded, expected_seeded):
-            assert [lp["logprob"] for lp in got.logprobs] == pytest.approx([lp["logprob"] for lp in want.logprobs], abs=1e-4)
+            want_logprobs = [lp["logprob"] for lp in want.logprobs]
+            assert [lp["logprob"] for lp in got.logprobs] == pytest.approx(want_logprobs, abs=1e-4)
     finally:
         llm.shutdown()
     _assert_gone(pids)
