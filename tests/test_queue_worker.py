@@ -183,13 +183,14 @@ def test_entries_of_a_dead_consumer_are_reclaimed_and_deleted_ones_dropped(url, 
 
 def test_a_running_job_is_not_stolen_while_its_worker_lives(url, client, engine):
     other_engine = tiny_engine(max_num_seqs=4)
+    # the generation outlasts the claim timeout several times over; a heartbeat is due every 0.25 s
     job_id = client.submit(prompt_token_ids=[1, 2, 3],
-                           sampling={"max_tokens": 1000, "ignore_eos": True, "temperature": 0})
+                           sampling={"max_tokens": 1500, "ignore_eos": True, "temperature": 0})
     with worker_thread(url, client.keys.queue, engine, claim_timeout=1.0) as owner:
         result = None
         with worker_thread(url, client.keys.queue, other_engine, claim_timeout=1.0):
             result = client.result(job_id, timeout=120)
-    assert result.status == "succeeded" and len(result.token_ids) == 1000
+    assert result.status == "succeeded" and len(result.token_ids) == 1500
     assert result.attempts == 1 and result.worker == owner.settings.worker_name
     assert client.redis.xlen(client.keys.results) == 1
 

@@ -24,6 +24,7 @@ from .consumer import Consumer, InFlight, Job
 log = logging.getLogger("redline.worker")
 
 STOP = object()  # put in the outbox after the engine's last output
+MAX_DELTA_DUTY = 0.05  # share of the writer's time that token deltas may take (it shares the GIL)
 GIVE_UP_AFTER_S = 10.0  # a stopping worker stops retrying writes after Redis has been gone this long
 
 
@@ -104,9 +105,13 @@ class ResultWriter:
             stopping = STOP in items
             finished = [i for i in items if i is not STOP and self._collect(i)]
             now = time.monotonic()
-            if finished or now >= next_flush or stopping:
-                self._flush(finished)
-                next_flush = now + self.settings.stream_interval
+            deltas_due = now >= next_flush or stopping
+            if finished or deltas_due:
+                self._flush(finished, deltas_due)
+            if deltas_due:
+                # at most MAX_DELTA_DUTY of this thread's time on deltas: many streams, fewer flushes
+                spent = time.monotonic() - now
+                next_flush = now + max(self.settings.stream_interval, spent / MAX_DELTA_DUTY)
             if now >= next_heartbeat:
                 self._heartbeat()
                 next_heartbeat = now + self.heartbeat_every
@@ -143,10 +148,10 @@ class ResultWriter:
 
     # ---- writing ----
 
-    def _flush(self, finished_items: list) -> None:
-        """One pipelined round trip: every pending delta, then every finished job."""
+    def _flush(self, finished_items: list, deltas: bool) -> None:
+        """One pipelined round trip: pending deltas (if due), then every finished job."""
         ops: list[_Op] = []
-        for job_id, stream in self.streams.items():
+        for job_id, stream in self.streams.items() if deltas else ():
             if stream.pending:
                 ops.append(self._delta_op(job_id, stream))
         for item in finished_items:
