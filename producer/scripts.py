@@ -99,6 +99,12 @@ ack(KEYS[5], ARGV[2])
 return written
 """
 
+# KEYS: token streams. ARGV: one TokenDelta JSON per stream.
+APPEND_DELTAS = """
+for i = 1, #KEYS do redis.call('XADD', KEYS[i], '*', 'data', ARGV[i]) end
+return #KEYS
+"""
+
 # KEYS: stream. ARGV: consumer, entry ids. Resets the idle time of the entries this consumer still
 # owns (XCLAIM JUSTID does not count a delivery) and returns the ids another consumer took over.
 HEARTBEAT = _COMMON + """
@@ -182,6 +188,7 @@ class Scripts:
         self.start = client.register_script(START)
         self.finish = client.register_script(FINISH)
         self.heartbeat = client.register_script(HEARTBEAT)
+        self.append_deltas = client.register_script(APPEND_DELTAS)
         self.handback = client.register_script(HANDBACK)
         self.dead_letter = client.register_script(DEAD_LETTER)
         self.cancel = client.register_script(CANCEL)

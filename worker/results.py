@@ -151,22 +151,23 @@ class ResultWriter:
     def _flush(self, finished_items: list, deltas: bool) -> None:
         """One pipelined round trip: pending deltas (if due), then every finished job."""
         ops: list[_Op] = []
-        for job_id, stream in self.streams.items() if deltas else ():
-            if stream.pending:
-                ops.append(self._delta_op(job_id, stream))
+        pending = [(job_id, s) for job_id, s in self.streams.items() if s.pending] if deltas else []
+        if pending:  # every delta in one script call: one command to send, not one per job
+            keys, data = zip(*(self._delta(job_id, stream) for job_id, stream in pending))
+            ops.append(_Op(lambda pipe: self.scripts.append_deltas(keys=keys, args=data, client=pipe)))
         for item in finished_items:
             ops += self._finish_ops(item)
         if ops:
             self._execute(ops)
 
-    def _delta_op(self, job_id: str, stream: _Stream):
+    def _delta(self, job_id: str, stream: _Stream) -> tuple[str, str]:
+        """(token stream key, JSON of the delta) for the job's pending tokens."""
         job = self.in_flight.get(job_id)
         ids, stream.pending = stream.pending, []
         text = stream.text.push(ids)
         delta = p.TokenDelta(index=stream.index, token_ids=ids, text=text, attempt=job.attempt if job else 1)
         stream.index += len(ids)
-        key, data = self.keys.tokens(job_id), delta.model_dump_json()
-        return _Op(lambda pipe: pipe.xadd(key, {"data": data}))
+        return self.keys.tokens(job_id), delta.model_dump_json()
 
     def _finish_ops(self, item) -> list:
         kind = item[0]
