@@ -48,15 +48,16 @@ class DecodeGraphs:
     def fits(self, inputs) -> bool:
         return len(inputs.input_ids) <= self.max_bs and inputs.block_tables.shape[1] <= self.max_blocks
 
-    def replay(self, inputs) -> torch.Tensor:
+    def replay(self, inputs, input_ids: torch.Tensor, to_device) -> torch.Tensor:
+        """Run the graph of the smallest captured size >= the batch; input_ids already on the device."""
         n = len(inputs.input_ids)
         bs = next(s for s in self.sizes if s >= n)
         width = inputs.block_tables.shape[1]
-        self.input_ids[:n].copy_(inputs.input_ids, non_blocking=True)
-        self.positions[:n].copy_(inputs.positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(inputs.slot_mapping, non_blocking=True)
-        self.seqlens_k[:n].copy_(inputs.seqlens_k, non_blocking=True)
-        self.block_tables[:n, :width].copy_(inputs.block_tables, non_blocking=True)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(to_device(inputs.positions))
+        self.slot_mapping[:n].copy_(to_device(inputs.slot_mapping))
+        self.seqlens_k[:n].copy_(to_device(inputs.seqlens_k))
+        self.block_tables[:n, :width].copy_(to_device(inputs.block_tables))
         if bs > n:  # padding rows: write nothing, read one valid slot
             self.slot_mapping[n:bs] = -1
             self.seqlens_k[n:bs] = 1

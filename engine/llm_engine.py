@@ -33,6 +33,9 @@ class LLMEngine:
         self._aborted: list[Sequence] = []
         self._request_ids = count()
         self._sampling_key: list[int] = []
+        # async scheduling: the launch whose tokens are still on their way (resolved in the next step)
+        self.async_scheduling = bool(config.async_scheduling) and hasattr(self.runner, "launch")
+        self._inflight: _InFlight | None = None
         self._sampling_cache = None
 
     def _make_runner(self, config: EngineConfig):
@@ -53,6 +56,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         seq = Sequence(token_ids, params, self.config.kvcache_block_size, request_id)
+        seq.max_num_tokens = min(seq.max_num_tokens, self.config.max_model_len)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -92,12 +96,13 @@ class LLMEngine:
         if seq is None or seq.is_finished:
             return False
         self.scheduler.finish(seq, "abort")
+        seq.truncate(seq.num_prompt_tokens + seq.num_resolved_completion_tokens)
         seq.finished_time = time.monotonic()
         self._aborted.append(seq)
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted)
+        return self.scheduler.has_unfinished() or bool(self._aborted) or self._inflight is not None
 
     def num_free_slots(self) -> int:
         """How many more requests the engine can start now (free sequence slots and KV blocks)."""
@@ -111,7 +116,10 @@ class LLMEngine:
 
     def step(self, finished_only: bool = False) -> StepResult:
         """One scheduling decision and one forward pass. Outputs cover every request that got tokens in
-        this step, or with `finished_only` just the finished ones (cheaper when nobody streams)."""
+        this step, or with `finished_only` just the finished ones (cheaper when nobody streams).
+
+        With async scheduling the step launches its forward pass, then collects the tokens of the previous
+        step's launch, so the host prepares step N+1 while the device runs step N."""
         start = time.perf_counter()
         bm, sched = self.block_manager, self.scheduler
         queries, hits, preemptions = bm.num_cache_queries, bm.num_cache_hits, sched.num_preemptions
@@ -119,6 +127,7 @@ class LLMEngine:
         self._aborted.clear()
         batch = sched.schedule()
         stats = StepStats()
+        launched = None
         if batch:
             now = time.monotonic()
             for seq in batch.seqs:
@@ -129,8 +138,20 @@ class LLMEngine:
             stats.num_prefill_tokens = batch.total_tokens - stats.num_decode_tokens
             inputs = self.runner.prepare_inputs(batch)
             st, num_logprobs = self._sampling_tensors(to_sample)
-            token_ids, logprobs = self.runner.execute(inputs, st, num_logprobs)
-            outputs += self._postprocess(batch, to_sample, token_ids, logprobs, finished_only)
+            if self.async_scheduling:
+                launched = self._launch(batch, to_sample, inputs, st, num_logprobs)
+            else:
+                token_ids, logprobs = self.runner.execute(inputs, st, num_logprobs)
+                for seq, n in zip(batch.seqs, batch.num_tokens):
+                    seq.num_computed_tokens += n
+                positions = [s.num_tokens for s in to_sample]
+                outputs += self._postprocess(batch, to_sample, positions, token_ids, logprobs, finished_only)
+        if self._inflight is not None:
+            prev = self._inflight
+            token_ids, logprobs = prev.tokens.result()
+            outputs += self._postprocess(prev.batch, prev.sampled, prev.positions, token_ids, logprobs,
+                                         finished_only)
+        self._inflight = launched
         stats.num_running, stats.num_waiting = len(sched.running), len(sched.waiting)
         stats.kv_cache_usage = bm.usage
         stats.num_preemptions = sched.num_preemptions - preemptions
@@ -150,11 +171,15 @@ class LLMEngine:
         ps = [s.params for s in seqs]
         top_ks = [p.top_k if p.top_k > 0 else self.vocab_size for p in ps]
         gens = [self._generator(s) for s in seqs]
+        def tensor(values, dtype):  # pinned and asynchronous, so building it never waits for the GPU
+            t = torch.tensor(values, dtype=dtype)
+            return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
         st = SamplingTensors(
-            temperatures=torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=device),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            top_ps=torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=device),
-            min_ps=torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=device),
+            temperatures=tensor([p.temperature for p in ps], torch.float32),
+            top_ks=tensor(top_ks, torch.int64),
+            top_ps=tensor([p.top_p for p in ps], torch.float32),
+            min_ps=tensor([p.min_p for p in ps], torch.float32),
             generators=gens,
             all_greedy=all(p.greedy for p in ps),
             needs_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in ps))
@@ -169,49 +194,77 @@ class LLMEngine:
             seq.generator = torch.Generator(device=self.runner.device).manual_seed(seq.params.seed)
         return seq.generator
 
-    def _postprocess(self, batch: ScheduledBatch, sampled: list[Sequence], token_ids: list[int], logprobs,
-                     finished_only: bool):
+    def _launch(self, batch: ScheduledBatch, sampled: list[Sequence], inputs, st, num_logprobs) -> "_InFlight":
+        """Queue the step on the device and advance the sequences as if it were done; each sampled
+        sequence gets a -1 placeholder the next step's inputs take from the device."""
+        tokens = self.runner.launch(inputs, st, num_logprobs)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
-            self.block_manager.register_computed(seq)
+        positions = []
+        for i, seq in enumerate(sampled):
+            seq.pending_index = i
+            positions.append(seq.num_tokens)
+            seq.append_token(-1)
+        return _InFlight(batch, sampled, positions, tokens)
+
+    def _postprocess(self, batch: ScheduledBatch, sampled: list[Sequence], positions: list[int],
+                     token_ids: list[int], logprobs, finished_only: bool):
+        """Put each sampled token at its position, enter computed blocks in the prefix cache, finish
+        what is done."""
+        live = [(i, seq, pos, tok) for i, (seq, pos, tok) in enumerate(zip(sampled, positions, token_ids))
+                if not seq.is_finished]  # aborted, or finished by the step before
+        for _, seq, pos, tok in live:
+            if pos == seq.num_tokens:
+                seq.append_token(tok)
+            else:
+                seq.token_ids[pos] = tok
+                seq.completion_token_ids[pos - seq.num_prompt_tokens] = tok
+        for seq in batch.seqs:
+            if not seq.is_finished:
+                self.block_manager.register_computed(seq)
         now = time.monotonic()
         outputs = []
-        for i, (seq, token_id) in enumerate(zip(sampled, token_ids)):
-            seq.append_token(token_id)
+        for i, seq, pos, token_id in live:
             seq.first_token_time = seq.first_token_time or now
             if seq.params.logprobs is not None:
                 chosen, top_vals, top_ids = logprobs
                 k = seq.params.logprobs
                 top = dict(zip(top_ids[i][:k], top_vals[i][:k])) if top_ids is not None else {}
                 seq.logprobs.append({"token_id": token_id, "logprob": chosen[i], "top": top})
-            reason = self._finish_reason(seq, token_id)
+            reason = self._finish_reason(seq, token_id, pos + 1)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
+                seq.truncate(pos + 1)  # a later launch's placeholder is no part of the output
                 seq.finished_time = now
             if reason is not None or not finished_only:
                 outputs.append(self._output(seq))
         return outputs
 
-    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+    def _finish_reason(self, seq: Sequence, token_id: int, num_tokens: int) -> str | None:
+        """Why `seq` ends with `token_id` as its token number `num_tokens`, or None if it goes on."""
         p = seq.params
         if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.config.eos_token_id):
             return "stop"
         if p.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
+            completion = seq.completion_token_ids[: num_tokens - seq.num_prompt_tokens]
+            text = self.tokenizer.decode(completion, skip_special_tokens=True)
             found = [i for i in (text.find(s) for s in p.stop) if i >= 0]
             if found:
                 seq.stop_text_len = min(found)
                 return "stop"
-        if seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        if num_tokens >= seq.max_num_tokens:
             return "length"
         return None
 
     def _output(self, seq: Sequence) -> RequestOutput:
         """The request's output; token lists are the sequence's own (no copies on the hot path)."""
         completion = seq.completion_token_ids
-        new = completion[seq.num_reported_tokens:]
-        seq.num_reported_tokens = len(completion)
         finished = seq.is_finished
+        resolved = seq.num_resolved_completion_tokens
+        if resolved < len(completion):  # a placeholder is in flight: hand out the known part only
+            completion = completion[:resolved]
+        new = completion[seq.num_reported_tokens:]
+        seq.num_reported_tokens = resolved
         if finished:
             self.requests.pop(seq.request_id, None)
         return RequestOutput(
@@ -281,6 +334,13 @@ class LLMEngine:
         shutdown = getattr(self.runner, "shutdown", None)
         if shutdown is not None:
             shutdown()
+
+
+class _InFlight:
+    """A launched step whose sampled tokens are still on their way to the host."""
+
+    def __init__(self, batch: ScheduledBatch, sampled: list[Sequence], positions: list[int], tokens):
+        self.batch, self.sampled, self.positions, self.tokens = batch, sampled, positions, tokens
 
 
 class LLM(LLMEngine):

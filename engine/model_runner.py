@@ -30,6 +30,9 @@ class StepInputs:
     max_seqlen_q: int
     max_seqlen_k: int
     logits_indices: torch.Tensor  # rows of the hidden states to sample from
+    # input rows whose token is still being sampled by the previous launch, and where it will be
+    pending_rows: torch.Tensor | None = None
+    pending_src: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -49,6 +52,7 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self.ctx = ForwardContext(get_backend(config.attention_backend, self.device))
         self.graphs = None  # decode CUDA graphs, captured once the KV cache exists
+        self.last_sampled = torch.empty(0, dtype=torch.int64, device=self.device)
         hf = config.hf_config
         with torch.device(self.device):
             self.model = model_class(hf.architectures)(hf, tp, self.ctx).to(self.dtype)
@@ -143,9 +147,13 @@ class ModelRunner:
         slots: list[int] = []
         cu_q, lens_k, logits_indices = [0], [], []
         bs = self.block_size
+        pending_rows, pending_src = [], []
         for seq, n in zip(batch.seqs, batch.num_tokens):
             start = seq.num_computed_tokens
             end = start + n
+            if end == seq.num_tokens and seq.token_ids[-1] < 0:
+                pending_rows.append(len(input_ids) + n - 1)
+                pending_src.append(seq.pending_index)
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             table = seq.block_table
@@ -164,7 +172,8 @@ class ModelRunner:
             seqlens_k=torch.tensor(lens_k, dtype=torch.int32),
             block_tables=torch.tensor(tables, dtype=torch.int32),
             max_seqlen_q=max(batch.num_tokens), max_seqlen_k=max(lens_k),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64))
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+            **_pending(pending_rows, pending_src))
 
     def _prepare_decode(self, batch: ScheduledBatch) -> StepInputs:
         """prepare_inputs for one new token per sequence: the hot path of long generations."""
@@ -174,6 +183,7 @@ class ModelRunner:
         width = max(len(s.block_table) for s in seqs)
         tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs]
         i64 = torch.int64
+        pending_rows = [i for i, s in enumerate(seqs) if s.token_ids[-1] < 0]
         return StepInputs(
             input_ids=torch.tensor([s.token_ids[-1] for s in seqs], dtype=i64),
             positions=torch.tensor([n - 1 for n in lens], dtype=i64),
@@ -182,22 +192,24 @@ class ModelRunner:
             seqlens_k=torch.tensor(lens, dtype=torch.int32),
             block_tables=torch.tensor(tables, dtype=torch.int32),
             max_seqlen_q=1, max_seqlen_k=max(lens),
-            logits_indices=torch.arange(len(seqs), dtype=i64))
+            logits_indices=torch.arange(len(seqs), dtype=i64),
+            **_pending(pending_rows, [seqs[i].pending_index for i in pending_rows]))
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states of every scheduled token."""
+        to = self._to_device
+        input_ids = to(inputs.input_ids)
+        if inputs.pending_rows is not None:  # tokens the previous launch sampled on the device
+            input_ids[to(inputs.pending_rows)] = self.last_sampled[to(inputs.pending_src)]
         if self.graphs is not None and inputs.is_decode and self.graphs.fits(inputs):
-            return self.graphs.replay(inputs)
-        dev = self.device
-        pin = dev.type == "cuda"
-        to = (lambda t: t.pin_memory().to(dev, non_blocking=True)) if pin else (lambda t: t.to(dev))
+            return self.graphs.replay(inputs, input_ids, to)
         self.ctx.meta = AttentionMetadata(
             slot_mapping=to(inputs.slot_mapping), cu_seqlens_q=to(inputs.cu_seqlens_q),
             seqlens_k=to(inputs.seqlens_k), block_tables=to(inputs.block_tables),
             max_seqlen_q=inputs.max_seqlen_q, max_seqlen_k=inputs.max_seqlen_k, is_decode=inputs.is_decode)
         try:
-            return self.model(to(inputs.input_ids), to(inputs.positions))
+            return self.model(input_ids, to(inputs.positions))
         finally:
             self.ctx.meta = None
 
@@ -209,22 +221,69 @@ class ModelRunner:
         rows = hidden[index]
         return self.model.compute_logits(rows)
 
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":  # pinned and asynchronous: the host never waits for the GPU here
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
     def execute(self, inputs: StepInputs, st: SamplingTensors | None, num_logprobs: int):
         """Forward, then sample the rows in logits_indices: (token ids, logprobs or None)."""
-        hidden = self.forward(inputs)
-        if st is None:
-            return [], None
-        return self.sample(self.compute_logits(hidden, inputs), st, num_logprobs)
+        return self.launch(inputs, st, num_logprobs).result()
 
     @torch.inference_mode()
+    def launch(self, inputs: StepInputs, st: SamplingTensors | None, num_logprobs: int) -> "SampledTokens":
+        """Queue forward and sampling on the device; the returned handle waits for the tokens."""
+        hidden = self.forward(inputs)
+        if st is None:
+            return SampledTokens([])
+        return self.sample_async(self.compute_logits(hidden, inputs), st, num_logprobs)
+
+    @torch.inference_mode()
+    def sample_async(self, logits: torch.Tensor, st: SamplingTensors, num_logprobs: int) -> "SampledTokens":
+        token_ids = sample(logits, st, self.generator)
+        self.last_sampled = token_ids
+        parts = [token_ids]
+        if num_logprobs >= 0:
+            parts += [t for t in compute_logprobs(logits, token_ids, num_logprobs) if t is not None]
+        return SampledTokens(parts, num_logprobs)
+
     def sample(self, logits: torch.Tensor, st: SamplingTensors, num_logprobs: int):
         """Sampled ids (list) and, when asked, (chosen logprobs, top logprobs, top ids) as lists."""
-        token_ids = sample(logits, st, self.generator)
-        if num_logprobs < 0:
-            return token_ids.tolist(), None
-        chosen, top_vals, top_ids = compute_logprobs(logits, token_ids, num_logprobs)
-        host = [t.cpu() if t is not None else None for t in (token_ids, chosen, top_vals, top_ids)]
-        return host[0].tolist(), tuple(h.tolist() if h is not None else None for h in host[1:])
+        return self.sample_async(logits, st, num_logprobs).result()
+
+
+
+class SampledTokens:
+    """Sampled ids (and logprobs) on their way to the host: one device→host copy per step."""
+
+    def __init__(self, parts: list[torch.Tensor], num_logprobs: int = -1):
+        self.num_logprobs = num_logprobs
+        self.event = None
+        if parts and parts[0].is_cuda:
+            self.parts = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True).copy_(p, non_blocking=True)
+                          for p in parts]
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.parts = parts
+
+    def result(self):
+        """(token ids, (chosen logprobs, top logprobs, top ids) or None) as lists."""
+        if self.event is not None:
+            self.event.synchronize()
+        if not self.parts:
+            return [], None
+        lists = [p.tolist() for p in self.parts]
+        if self.num_logprobs < 0:
+            return lists[0], None
+        chosen, top = lists[1], lists[2:] or [None, None]
+        return lists[0], (chosen, top[0], top[1])
+
+
+def _pending(rows: list[int], src: list[int]) -> dict:
+    if not rows:
+        return {}
+    return {"pending_rows": torch.tensor(rows, dtype=torch.int64), "pending_src": torch.tensor(src, dtype=torch.int64)}
 
 
 def _prefill_inputs(tokens: list[list[int]], block_size: int, blocks_per_seq: int) -> StepInputs:

@@ -46,8 +46,10 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch([], [])
-        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        # a sequence whose last sampled token is its final one (its value may still be in flight) needs no step
+        active = [s for s in self.running if s.num_tokens < s.max_num_tokens]
+        decodes = [s for s in active if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in active if s.num_uncomputed_tokens > 1]
         for seq in decodes:
             if budget == 0:
                 break

@@ -36,6 +36,8 @@ class Sequence:
         self.stop_text_len: int | None = None  # text is cut here when a stop string matched
         self.logprobs: list[dict] = []
         self.num_reported_tokens = 0   # completion tokens already handed out by step()
+        self.max_num_tokens = len(self.token_ids) + params.max_tokens  # capped by the engine
+        self.pending_index = -1        # row of its last token in the launch still sampling it (-1 in token_ids)
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -66,6 +68,16 @@ class Sequence:
 
     def block(self, i: int) -> list[int]:
         return self.token_ids[i * self.block_size: (i + 1) * self.block_size]
+
+    @property
+    def num_resolved_completion_tokens(self) -> int:
+        """Completion tokens whose values are known (a launch in flight leaves a -1 at the end)."""
+        ids = self.completion_token_ids
+        return len(ids) - 1 if ids and ids[-1] < 0 else len(ids)
+
+    def truncate(self, num_tokens: int) -> None:
+        del self.token_ids[num_tokens:]
+        del self.completion_token_ids[max(0, num_tokens - self.num_prompt_tokens):]
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

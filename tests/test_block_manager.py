@@ -1,3 +1,5 @@
+import pytest
+
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -98,11 +100,12 @@ def test_touching_a_cached_prefix_makes_it_recent():
     assert bm._cached_prefix(seq([2, 2, 2, 2, 9])) == []
 
 
-def test_no_block_leaks_after_finish_and_abort():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_no_block_leaks_after_finish_and_abort(async_scheduling):
     from engine import LLM, SamplingParams as SP
     from engine.builtin import TINY_MODEL_DIR
     llm = LLM(TINY_MODEL_DIR, load_format="dummy", device="cpu", kvcache_block_size=4, num_kvcache_blocks=64,
-              max_model_len=128)
+              max_model_len=128, async_scheduling=async_scheduling)
     ids = [llm.add_request([5 + i] * (3 + 2 * i), SP(temperature=0, max_tokens=10 + i)) for i in range(8)]
     llm.step()
     llm.step()

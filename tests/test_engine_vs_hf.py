@@ -75,3 +75,14 @@ def test_cache_preemption_and_chunking_together(reference):
     assert llm.scheduler.num_preemptions > 0
     assert llm.block_manager.num_cache_hits > 0
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+def test_async_scheduling_keeps_tokens_identical(reference):
+    """One step in flight (the GPU default), here on CPU: cache, preemption and chunking all on."""
+    model_dir, prompts, expected = reference
+    llm, got = _generate(model_dir, prompts + prompts[-6:], kvcache_block_size=4, num_kvcache_blocks=40,
+                         max_model_len=128, max_num_batched_tokens=24, async_scheduling=True)
+    assert llm.async_scheduling
+    assert got == expected + expected[-6:]
+    assert llm.scheduler.num_preemptions > 0 and llm.block_manager.num_cache_hits > 0
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks

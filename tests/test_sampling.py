@@ -47,9 +47,9 @@ def test_greedy_is_argmax(logits):
     assert set(sample(logits, tensors(len(logits), temperature=0)).tolist()) == {int(logits[0].argmax())}
 
 
-@pytest.fixture(scope="module")
-def llm(qwen3_checkpoint):
-    return LLM(str(qwen3_checkpoint), device="cpu", kvcache_block_size=8)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def llm(qwen3_checkpoint, request):
+    return LLM(str(qwen3_checkpoint), device="cpu", kvcache_block_size=8, async_scheduling=request.param)
 
 
 PROMPTS = [[11, 12, 13, 14], [200, 201], [7] * 30]

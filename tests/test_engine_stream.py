@@ -1,0 +1,48 @@
+"""The step() loop as the worker drives it: deltas, late arrivals, aborts."""
+import pytest
+
+from engine import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def llm(qwen3_checkpoint, request):
+    return LLM(str(qwen3_checkpoint), device="cpu", kvcache_block_size=8, async_scheduling=request.param)
+
+
+def test_deltas_concatenate_to_the_final_tokens_with_requests_arriving_midway(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    prompts = {f"r{i}": [10 + i, 20 + i, 30 + i] * (i + 1) for i in range(6)}
+    expected = {rid: llm.generate([p], greedy, use_tqdm=False)[0].token_ids for rid, p in prompts.items()}
+    deltas = {rid: [] for rid in prompts}
+    finals = {}
+    pending = list(prompts.items())
+    while pending or llm.has_unfinished():
+        if pending:  # one new request per step, while others run
+            rid, p = pending.pop(0)
+            llm.add_request(p, greedy, request_id=rid)
+        for out in llm.step().outputs:
+            assert -1 not in out.new_token_ids and -1 not in out.token_ids
+            deltas[out.request_id] += out.new_token_ids
+            if out.finished:
+                finals[out.request_id] = out
+    assert {rid: o.token_ids for rid, o in finals.items()} == expected
+    assert deltas == expected
+    assert all(o.finish_reason == "length" for o in finals.values())
+
+
+def test_abort_midway_reports_abort_and_frees_every_block(llm):
+    rid = llm.add_request([5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=50))
+    other = llm.add_request([9, 10], SamplingParams(temperature=0, max_tokens=5))
+    seen = []
+    for _ in range(4):
+        seen += [t for o in llm.step().outputs if o.request_id == rid for t in o.new_token_ids]
+    assert llm.abort(rid)
+    finals = {}
+    while llm.has_unfinished():
+        for o in llm.step().outputs:
+            if o.finished:
+                finals[o.request_id] = o
+    assert finals[rid].finish_reason == "abort" and finals[rid].token_ids == seen[: len(finals[rid].token_ids)]
+    assert -1 not in finals[rid].token_ids
+    assert finals[other].finish_reason == "length" and len(finals[other].token_ids) == 5
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
