@@ -55,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-new", type=int, default=64)
     parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument("--load-results", default=None,
+                        help="folder of result_tp*.json from an earlier run (another process) to compare with")
     parser.add_argument("--skip-failure-check", action="store_true")
     parser.add_argument("--failure-model", default="qwen3-0.6b",
                         help="model of the failure check (config dir or shipped config name)")
@@ -237,10 +239,15 @@ def main(argv=None) -> int:
     log(f"NCCL {torch.cuda.nccl.version()}" if torch.cuda.is_available() else "no CUDA")
     prompts = greedy_prompts(args.num_prompts, args.max_token_id, min(512, args.max_model_len - args.max_new - 1))
     results, failed = {}, False
+    if args.load_results:  # sizes measured by an earlier process: its GPU memory is surely free
+        for f in sorted(Path(args.load_results).glob("result_tp*.json")):
+            loaded = json.loads(f.read_text())
+            results[loaded["tensor_parallel_size"]] = loaded
     for tp in [int(s) for s in args.sizes.split(",")]:
         start = time.perf_counter()
         try:
             results[tp] = run_size(tp, args, prompts)
+            (out / f"result_tp{tp}.json").write_text(json.dumps(results[tp]))
         except Exception:
             failed = True
             log(f"TP={tp} failed:\n{traceback.format_exc()}")
