@@ -29,7 +29,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     attention_backend: str = "auto"
-    async_scheduling: bool | None = None  # default: on for one GPU (CPU work overlaps the GPU's)
+    async_scheduling: bool | None = None  # default: on for GPUs (CPU work overlaps the GPU's)
     seed: int = 0
     # resolved in __post_init__
     model_dir: str = field(init=False)
@@ -73,7 +73,7 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.async_scheduling is None:
-            self.async_scheduling = on_gpu and self.tensor_parallel_size == 1
+            self.async_scheduling = on_gpu
         eos = getattr(self.hf_config, "eos_token_id", None)
         self.eos_token_id = [eos] if isinstance(eos, int) else list(eos or [])
 

@@ -1,10 +1,12 @@
 """Tensor parallelism: rank 0 in the engine's process drives ranks 1..N-1, one spawned process each.
 
 Every rank holds a ModelRunner over its slice of the weights and KV heads. Rank 0 schedules, builds the
-step's inputs and samples; each step it sends the inputs to every other rank over that rank's pipe, runs
-its own share of the forward pass (the ranks meet in torch.distributed collectives: NCCL on GPUs, gloo
-on CPU), and waits for every rank's acknowledgement before it samples. A pipe delivers each command
-whole and in order, and no command is sent before the previous step was acknowledged by all ranks.
+step's inputs and samples; each step it sends the inputs to every other rank over that rank's pipe and
+queues its own share of the forward pass and the sampling (the ranks meet in torch.distributed
+collectives: NCCL on GPUs, gloo on CPU) without waiting for them. A step's handle collects every rank's
+acknowledgement before it hands out the tokens; with async scheduling that happens after the next step
+was launched, so at most two steps are unacknowledged. A pipe delivers each command whole and in order,
+and each rank answers its commands in order, so the n-th "ok" of a rank acknowledges the n-th step.
 
 A rank that dies, raises or stops answering stops the engine: rank 0 raises RankFailedError naming the
 rank, and every rank process is ended. NCCL would wait forever on a dead peer, so on GPUs rank 0 never
@@ -35,7 +37,7 @@ import torch.distributed as dist
 from engine.config import EngineConfig
 from engine.layers.parallel import TPGroup
 from engine.layers.sampler import SamplingTensors
-from engine.model_runner import ModelRunner, StepInputs
+from engine.model_runner import ModelRunner, SampledTokens, StepInputs
 from engine.scheduler import ScheduledBatch
 
 HOST = "127.0.0.1"
@@ -51,7 +53,7 @@ class RankFailedError(RuntimeError):
 
 
 class TPDriver:
-    """Rank 0 of a tensor-parallel engine, with ModelRunner's surface: prepare_inputs, execute,
+    """Rank 0 of a tensor-parallel engine, with ModelRunner's surface: prepare_inputs, execute, launch,
     num_kvcache_blocks, device; shutdown() ends the other ranks."""
 
     def __init__(self, config: EngineConfig):
@@ -97,24 +99,43 @@ class TPDriver:
 
     def execute(self, inputs: StepInputs, st: SamplingTensors | None, num_logprobs: int):
         """One forward pass on every rank, then sampling on rank 0: (token ids, logprobs or None)."""
+        return self.launch(inputs, st, num_logprobs).result()
+
+    def launch(self, inputs: StepInputs, st: SamplingTensors | None, num_logprobs: int) -> "TPStep":
+        """Send the step to every rank and queue rank 0's forward and sampling without waiting for the
+        other ranks; the returned handle's result() collects their acknowledgements, then the tokens."""
         workers = self._workers
         workers.check_running()
         need_logits = st is not None  # the other ranks join the LM head's gather only when rank 0 samples
         try:
             workers.send(("execute", _to_wire(inputs), need_logits))
-            hidden = self.runner.forward(inputs)
-            logits = self.runner.compute_logits(hidden, inputs) if need_logits else None
-            workers.collect("ok")
-            workers.wait_for_device(self.device)
+            step = workers.num_sent
+            tokens = self.runner.launch(inputs, st, num_logprobs)
         except BaseException as e:
             workers.fail(e, "during a step")
-        if logits is None:
-            return [], None
-        return self.runner.sample(logits, st, num_logprobs)
+        return TPStep(workers, step, tokens)
 
     def shutdown(self) -> None:
         """Tell the other ranks to exit, end any that do not, release the process group. Idempotent."""
         self._finalizer()
+
+
+class TPStep:
+    """A launched tensor-parallel step: result() waits for every rank's acknowledgement of it (and of any
+    earlier step), then for rank 0's tokens."""
+
+    def __init__(self, workers: "_Workers", step: int, tokens: SampledTokens):
+        self._workers, self._step, self._tokens = workers, step, tokens
+
+    def result(self):
+        """(token ids, logprobs or None), as ModelRunner's SampledTokens.result()."""
+        workers = self._workers
+        try:
+            workers.collect_acks(self._step)
+        except BaseException as e:
+            workers.fail(e, "during a step")
+        # every rank finished its part of the step, so rank 0's own work of it waits on no peer: blocking is safe
+        return self._tokens.result()
 
 
 @dataclass
@@ -154,6 +175,8 @@ class _Workers:
         self.saved_num_threads: int | None = None  # this process's CPU threads before the ranks shared the cores
         self.failure: str | None = None
         self.closed = False
+        self.num_sent = 0   # steps sent to the ranks
+        self.num_acked = 0  # steps every rank acknowledged
         self._stop_watch = threading.Event()
         self._watch: threading.Thread | None = None
 
@@ -212,12 +235,20 @@ class _Workers:
             raise RuntimeError("the tensor-parallel engine was shut down; create a new one")
 
     def send(self, message: tuple) -> None:
+        if message[0] == "execute":
+            self.num_sent += 1
         for w in self.workers:
             try:
                 w.conn.send(message)
             except OSError:  # the rank's end of the pipe is gone
                 self._read_news(w)
                 self.stop(w.describe(), w)
+
+    def collect_acks(self, step: int) -> None:
+        """Wait until every rank acknowledged every step up to `step` (they answer in order)."""
+        while self.num_acked < step:
+            self.collect("ok")
+            self.num_acked += 1
 
     def collect(self, kind: str, expect=None, timeout: float = STEP_TIMEOUT_S) -> None:
         """Wait for every rank's answer to the last command; any other news stops the engine."""
@@ -258,15 +289,6 @@ class _Workers:
         if reply[0] == "error":
             w.error = reply[1]
         return reply
-
-    def wait_for_device(self, device: torch.device) -> None:
-        """Wait for rank 0's own GPU work of the step, watching the other ranks' processes meanwhile."""
-        if device.type != "cuda":
-            return
-        done = torch.cuda.Event()
-        done.record()
-        while not done.query():
-            self._raise_if_any_died(timeout=0.0002)
 
     def _raise_if_any_died(self, timeout: float) -> None:
         sentinels = {w.process.sentinel: w for w in self.workers}

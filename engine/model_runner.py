@@ -201,7 +201,7 @@ class ModelRunner:
         to = self._to_device
         input_ids = to(inputs.input_ids)
         if inputs.pending_rows is not None:  # tokens the previous launch sampled on the device
-            input_ids[to(inputs.pending_rows)] = self.last_sampled[to(inputs.pending_src)]
+            input_ids[to(inputs.pending_rows)] = self._pending_tokens(to(inputs.pending_src))
         if self.graphs is not None and inputs.is_decode and self.graphs.fits(inputs):
             return self.graphs.replay(inputs, input_ids, to)
         self.ctx.meta = AttentionMetadata(
@@ -212,6 +212,14 @@ class ModelRunner:
             return self.model(input_ids, to(inputs.positions))
         finally:
             self.ctx.meta = None
+
+    def _pending_tokens(self, src: torch.Tensor) -> torch.Tensor:
+        """The previous launch's sampled tokens at `src`; only rank 0 samples, so it sends them to the others."""
+        if self.tp.rank == 0:
+            tokens = self.last_sampled[src]
+        else:
+            tokens = torch.empty(len(src), dtype=torch.int64, device=self.device)
+        return self.tp.broadcast_from_rank0(tokens)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:

@@ -79,6 +79,52 @@ def test_tp2_tokens_equal_tp1_with_prefix_cache_and_preemption(checkpoint):
     _assert_gone(pids)
 
 
+@pytest.mark.timeout(300)
+def test_tp2_async_scheduling_tokens_equal_tp1_with_prefix_cache_and_preemption(checkpoint):
+    prompts = _prompts(seed=2)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    seeded = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=8) for i in range(len(prompts))]
+    tp1 = LLM(str(checkpoint), **TIGHT_CACHE)
+    expected_greedy = _run(tp1, prompts, greedy)
+    expected_seeded = _run(tp1, prompts, seeded)
+
+    llm = LLM(str(checkpoint), tensor_parallel_size=2, async_scheduling=True, **TIGHT_CACHE)
+    pids = llm.runner.worker_pids
+    try:
+        assert llm.async_scheduling
+        assert _run(llm, prompts, greedy) == expected_greedy
+        assert llm.scheduler.num_preemptions > 0
+        assert llm.block_manager.num_cache_hits > 0
+        assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+        assert _run(llm, prompts, seeded) == expected_seeded
+    finally:
+        llm.shutdown()
+    _assert_gone(pids)
+
+
+@pytest.mark.timeout(120)
+def test_killed_rank_with_async_scheduling_makes_generate_raise_and_leaves_no_process(qwen3_checkpoint):
+    llm = LLM(str(qwen3_checkpoint), device="cpu", tensor_parallel_size=2, kvcache_block_size=8,
+              async_scheduling=True)
+    pids = llm.runner.worker_pids
+    steps = 0
+    launch = llm.runner.launch
+
+    def launch_then_kill(*args):
+        nonlocal steps
+        steps += 1
+        if steps == 4:
+            os.kill(pids[0], signal.SIGKILL)
+        return launch(*args)
+
+    llm.runner.launch = launch_then_kill
+    with pytest.raises(RankFailedError, match=r"rank 1 \(pid \d+\) was killed by signal SIGKILL"):
+        _run(llm, _prompts(), SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    assert steps <= 5
+    _assert_gone(pids)
+    llm.shutdown()
+
+
 @pytest.mark.timeout(120)
 def test_killed_rank_makes_generate_raise_and_leaves_no_process(qwen3_checkpoint):
     llm = LLM(str(qwen3_checkpoint), device="cpu", tensor_parallel_size=2, kvcache_block_size=8)

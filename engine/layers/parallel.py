@@ -17,6 +17,12 @@ class TPGroup:
             dist.all_reduce(x)
         return x
 
+    def broadcast_from_rank0(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` on every rank (the others pass a buffer of the same shape)."""
+        if self.size > 1:
+            dist.broadcast(x, src=0)
+        return x
+
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate each rank's slice of the last dimension (vocab-parallel logits)."""
         if self.size == 1:
