@@ -25,6 +25,7 @@ import time
 import traceback
 import warnings
 import weakref
+from collections import deque
 from dataclasses import dataclass, fields
 from datetime import timedelta
 from multiprocessing import get_context
@@ -430,22 +431,46 @@ def _start_rank(rank: int, size: int, backend: str, port: int, config_kwargs: di
 
 
 def _serve(runner: ModelRunner, conn: Connection) -> None:
-    """Run each step rank 0 sends and acknowledge it once this rank's part is done; return on shutdown."""
+    """Run each step rank 0 sends and acknowledge it, in order, once this rank's device finished it;
+    return on shutdown. While a step runs on the GPU the next command is taken as soon as it arrives, so
+    the device never idles while this process wakes, answers and reads."""
+    running: deque = deque()  # queued steps not yet acknowledged: a CUDA event each, or _DONE on CPU
     while True:
+        while running:
+            if running[0].query():
+                running.popleft()
+                conn.send(("ok",))
+            elif conn.poll(0.0002):
+                break
         message = conn.recv()
         if message[0] == "shutdown":
             return
         if message[0] == "capture":
             runner.capture_graphs()
-        else:
-            _, wire, need_logits = message
-            inputs = _from_wire(wire)
-            hidden = runner.forward(inputs)
-            if need_logits:
-                runner.compute_logits(hidden, inputs)
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize(runner.device)
+            conn.send(("ok",))
+            continue
+        _, wire, need_logits = message
+        inputs = _from_wire(wire)
+        hidden = runner.forward(inputs)
+        if need_logits:
+            runner.compute_logits(hidden, inputs)
         if runner.device.type == "cuda":
-            torch.cuda.synchronize(runner.device)
-        conn.send(("ok",))
+            done = torch.cuda.Event()
+            done.record()
+            running.append(done)
+        else:  # the forward pass ran on the host: it is done
+            running.append(_DONE)
+
+
+class _Done:
+    @staticmethod
+    def query() -> bool:
+        return True
+
+
+_DONE = _Done()
 
 
 def _exit_with_parent() -> None:
