@@ -131,6 +131,7 @@ class TPStep:
     def result(self):
         """(token ids, logprobs or None), as ModelRunner's SampledTokens.result()."""
         workers = self._workers
+        workers.check_running()
         try:
             workers.collect_acks(self._step)
         except BaseException as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import time
 
 import psutil
 import pytest
@@ -106,6 +107,7 @@ def test_tp2_async_scheduling_tokens_equal_tp1_with_prefix_cache_and_preemption(
 def test_killed_rank_with_async_scheduling_makes_generate_raise_and_leaves_no_process(qwen3_checkpoint):
     llm = LLM(str(qwen3_checkpoint), device="cpu", tensor_parallel_size=2, kvcache_block_size=8,
               async_scheduling=True)
+    start = time.monotonic()
     pids = llm.runner.worker_pids
     steps = 0
     launch = llm.runner.launch
@@ -121,7 +123,10 @@ def test_killed_rank_with_async_scheduling_makes_generate_raise_and_leaves_no_pr
     with pytest.raises(RankFailedError, match=r"rank 1 \(pid \d+\) was killed by signal SIGKILL"):
         _run(llm, _prompts(), SamplingParams(temperature=0, max_tokens=MAX_NEW))
     assert steps <= 5
+    assert time.monotonic() - start < 30  # the failure is noticed within seconds, never as a hang
     _assert_gone(pids)
+    with pytest.raises(RuntimeError, match="stopped earlier"):
+        _run(llm, _prompts()[:1], SamplingParams(temperature=0, max_tokens=2))
     llm.shutdown()
 
 
