@@ -8,7 +8,8 @@ from engine import LLM, SamplingParams
 
 
 def first_token_logprobs(tp: int, prompts, model: str) -> list[dict]:
-    llm = LLM(model, load_format="dummy", tensor_parallel_size=tp, gpu_memory_utilization=0.3, max_model_len=1024)
+    llm = LLM(model, load_format="dummy", tensor_parallel_size=tp, num_kvcache_blocks=64,
+              max_model_len=1024)  # fixed: an earlier engine in this process may still hold memory
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, logprobs=5), use_tqdm=False)
     llm.shutdown()
     return [o.logprobs[0]["top"] for o in outs]
