@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import threading
 import time
-import uuid
 
 PROMPTS = ["The quickest way to learn a language is", "Redis streams are useful because",
            "Once upon a time, in a small town,", "The three laws of thermodynamics say"]
@@ -51,47 +49,13 @@ def _describe(job: dict) -> str:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    import redis
-
-    from engine import LLMEngine
     from producer import Client
-    from producer.embedded import RedisServer
 
-    from .loop import Worker
-    from .settings import WorkerSettings
+    from .local import local_worker
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    model, load_format = args.model, args.load_format
-    if model is None:
-        from engine.builtin import TINY_MODEL_DIR
-
-        model, load_format = TINY_MODEL_DIR, load_format or "dummy"
-        print("no --model given: using the tiny built-in model with RANDOM weights, so the completions are "
-              "gibberish; pass --model <hf id or dir> for real text")
-    server = None
-    url = args.redis_url
-    if url is None:
-        server = RedisServer().start()
-        url = server.url
-        print(f"embedded redis-server {server.version()} at {url}")
-    try:
-        start = time.perf_counter()
-        engine = LLMEngine(model, load_format=load_format or "auto", device=args.device)
-        print(f"engine ready in {time.perf_counter() - start:.1f} s ({engine.config.device})")
-        queue = f"demo-{uuid.uuid4().hex[:8]}"
-        settings = WorkerSettings(model=model, redis_url=url, queue=queue, worker_name="demo-worker",
-                                  drain_timeout=30)
-        worker = Worker(settings, engine, redis.Redis.from_url(url))
-        thread = threading.Thread(target=worker.run, name="redline-demo-worker")
-        thread.start()
-        worker.ready.wait(30)
-        return _produce(Client(url, queue), args)
-    finally:
-        if "worker" in locals():
-            worker.stop()
-            thread.join()
-        if server is not None:
-            server.stop()
+    with local_worker(args.model, args.load_format, args.device, args.redis_url) as local:
+        return _produce(Client(local.url, local.queue), args)
 
 
 def _produce(client, args: argparse.Namespace) -> int:

@@ -1,0 +1,76 @@
+"""`redline batch`: OpenAI Batch API files through the real queue, worker and engine."""
+import json
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.builtin import TINY_MODEL_DIR
+from worker.cli import main
+
+IDS = [11, 12, 13, 14, 15]
+
+
+def request(custom_id, url, **body):
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory):
+    d = tmp_path_factory.mktemp("batch")
+    lines = [
+        request("chat", "/v1/chat/completions", model="x", messages=[{"role": "user", "content": "Hi"}],
+                max_tokens=6, temperature=0, ignore_eos=True),
+        "this is not json",
+        request("ids", "/v1/completions", prompt=IDS, max_completion_tokens=7, temperature=0, ignore_eos=True),
+        request("bad-url", "/v1/embeddings", input="x"),
+        request("two", "/v1/completions", prompt="a", n=2),
+        request("unknown", "/v1/completions", prompt="a", best_of=3),
+        request("negative", "/v1/completions", prompt="a", max_tokens=-4),
+        request("text", "/v1/completions", prompt="The queue holds", max_tokens=5, temperature=0.8, seed=3),
+    ]
+    (d / "in.jsonl").write_text("\n".join(lines) + "\n")
+    rc = main(["batch", str(d / "in.jsonl"), "-o", str(d / "out.jsonl"), "--device", "cpu"])
+    return rc, [json.loads(x) for x in (d / "out.jsonl").read_text().splitlines()]
+
+
+def test_one_output_line_per_input_line_in_order(ran):
+    rc, out = ran
+    assert rc == 0
+    assert [o["custom_id"] for o in out] == ["chat", None, "ids", "bad-url", "two", "unknown", "negative", "text"]
+    assert len({o["id"] for o in out}) == len(out)
+
+
+def test_good_requests_get_completions_with_usage(ran):
+    _, out = ran
+    chat, ids, text = out[0], out[2], out[7]
+    for o in (chat, ids, text):
+        assert o["error"] is None and o["response"]["status_code"] == 200
+    assert chat["response"]["body"]["object"] == "chat.completion"
+    assert chat["response"]["body"]["choices"][0]["message"]["role"] == "assistant"
+    assert chat["response"]["body"]["usage"]["completion_tokens"] == 6
+    assert ids["response"]["body"]["object"] == "text_completion"
+    assert ids["response"]["body"]["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+    assert 1 <= text["response"]["body"]["usage"]["completion_tokens"] <= 5
+
+
+def test_completion_equals_the_engine_alone(ran):
+    _, out = ran
+    expected = LLM(TINY_MODEL_DIR, load_format="dummy", device="cpu").generate(
+        [IDS], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True), use_tqdm=False)[0]
+    choice = out[2]["response"]["body"]["choices"][0]
+    assert choice["text"] == expected.text and choice["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("index, message", [
+    (1, "not JSON"), (3, "url must be one of"), (4, "only n=1"), (5, "unsupported body fields: best_of"),
+    (6, "max_tokens"),
+])
+def test_bad_lines_become_error_lines(ran, index, message):
+    _, out = ran
+    assert out[index]["response"] is None
+    assert message in out[index]["error"]["message"]
+
+
+def test_unreadable_input_is_a_clear_error(tmp_path, capsys):
+    assert main(["batch", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "o.jsonl")]) == 2
+    assert "cannot read" in capsys.readouterr().err
