@@ -255,10 +255,6 @@ class ModelRunner:
             parts += [t for t in compute_logprobs(logits, token_ids, num_logprobs) if t is not None]
         return SampledTokens(parts, num_logprobs)
 
-    def sample(self, logits: torch.Tensor, st: SamplingTensors, num_logprobs: int):
-        """Sampled ids (list) and, when asked, (chosen logprobs, top logprobs, top ids) as lists."""
-        return self.sample_async(logits, st, num_logprobs).result()
-
 
 
 class SampledTokens:
