@@ -21,9 +21,10 @@ def url(request):
         yield server.url
 
 
-@pytest.fixture(scope="module")
-def engine():
-    return tiny_engine(max_num_seqs=16)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync-engine", "async-engine"])
+def engine(request):
+    # async scheduling is the engine's default on GPUs: the worker must drive both the same way
+    return tiny_engine(max_num_seqs=16, async_scheduling=request.param)
 
 
 @pytest.fixture(scope="module")
