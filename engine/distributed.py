@@ -98,10 +98,6 @@ class TPDriver:
     def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
         return self.runner.prepare_inputs(batch)
 
-    def execute(self, inputs: StepInputs, st: SamplingTensors | None, num_logprobs: int):
-        """One forward pass on every rank, then sampling on rank 0: (token ids, logprobs or None)."""
-        return self.launch(inputs, st, num_logprobs).result()
-
     def launch(self, inputs: StepInputs, st: SamplingTensors | None, num_logprobs: int) -> "TPStep":
         """Send the step to every rank and queue rank 0's forward and sampling without waiting for the
         other ranks; the returned handle's result() collects their acknowledgements, then the tokens."""

@@ -34,7 +34,7 @@ class LLMEngine:
         self._request_ids = count()
         self._sampling_key: list[int] = []
         # async scheduling: the launch whose tokens are still on their way (resolved in the next step)
-        self.async_scheduling = bool(config.async_scheduling) and hasattr(self.runner, "launch")
+        self.async_scheduling = bool(config.async_scheduling)
         self._inflight: _InFlight | None = None
         self._sampling_cache = None
 
@@ -138,19 +138,12 @@ class LLMEngine:
             stats.num_prefill_tokens = batch.total_tokens - stats.num_decode_tokens
             inputs = self.runner.prepare_inputs(batch)
             st, num_logprobs = self._sampling_tensors(to_sample)
-            if self.async_scheduling:
-                launched = self._launch(batch, to_sample, inputs, st, num_logprobs)
-            else:
-                token_ids, logprobs = self.runner.execute(inputs, st, num_logprobs)
-                for seq, n in zip(batch.seqs, batch.num_tokens):
-                    seq.num_computed_tokens += n
-                positions = [s.num_tokens for s in to_sample]
-                outputs += self._postprocess(batch, to_sample, positions, token_ids, logprobs, finished_only)
+            launched = self._launch(batch, to_sample, inputs, st, num_logprobs)
+            if not self.async_scheduling:  # a synchronous step is a launch collected at once
+                outputs += self._collect(launched, finished_only)
+                launched = None
         if self._inflight is not None:
-            prev = self._inflight
-            token_ids, logprobs = prev.tokens.result()
-            outputs += self._postprocess(prev.batch, prev.sampled, prev.positions, token_ids, logprobs,
-                                         finished_only)
+            outputs += self._collect(self._inflight, finished_only)
         self._inflight = launched
         stats.num_running, stats.num_waiting = len(sched.running), len(sched.waiting)
         stats.kv_cache_usage = bm.usage
@@ -196,7 +189,8 @@ class LLMEngine:
 
     def _launch(self, batch: ScheduledBatch, sampled: list[Sequence], inputs, st, num_logprobs) -> "_InFlight":
         """Queue the step on the device and advance the sequences as if it were done; each sampled
-        sequence gets a -1 placeholder the next step's inputs take from the device."""
+        sequence gets a -1 placeholder, filled when the step is collected (the next step's inputs take
+        it from the device meanwhile)."""
         tokens = self.runner.launch(inputs, st, num_logprobs)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
@@ -206,6 +200,10 @@ class LLMEngine:
             positions.append(seq.num_tokens)
             seq.append_token(-1)
         return _InFlight(batch, sampled, positions, tokens)
+
+    def _collect(self, step: "_InFlight", finished_only: bool) -> list[RequestOutput]:
+        token_ids, logprobs = step.tokens.result()
+        return self._postprocess(step.batch, step.sampled, step.positions, token_ids, logprobs, finished_only)
 
     def _postprocess(self, batch: ScheduledBatch, sampled: list[Sequence], positions: list[int],
                      token_ids: list[int], logprobs, finished_only: bool):

@@ -234,10 +234,6 @@ class ModelRunner:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t.to(self.device)
 
-    def execute(self, inputs: StepInputs, st: SamplingTensors | None, num_logprobs: int):
-        """Forward, then sample the rows in logits_indices: (token ids, logprobs or None)."""
-        return self.launch(inputs, st, num_logprobs).result()
-
     @torch.inference_mode()
     def launch(self, inputs: StepInputs, st: SamplingTensors | None, num_logprobs: int) -> "SampledTokens":
         """Queue forward and sampling on the device; the returned handle waits for the tokens."""

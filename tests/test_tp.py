@@ -135,16 +135,16 @@ def test_killed_rank_makes_generate_raise_and_leaves_no_process(qwen3_checkpoint
     llm = LLM(str(qwen3_checkpoint), device="cpu", tensor_parallel_size=2, kvcache_block_size=8)
     pids = llm.runner.worker_pids
     steps = 0
-    execute = llm.runner.execute
+    launch = llm.runner.launch
 
-    def execute_then_kill(*args):
+    def launch_then_kill(*args):
         nonlocal steps
         steps += 1
         if steps == 4:
             os.kill(pids[0], signal.SIGKILL)
-        return execute(*args)
+        return launch(*args)
 
-    llm.runner.execute = execute_then_kill
+    llm.runner.launch = launch_then_kill
     with pytest.raises(RankFailedError, match=r"rank 1 \(pid \d+\) was killed by signal SIGKILL"):
         _run(llm, _prompts(), SamplingParams(temperature=0, max_tokens=MAX_NEW))
     assert steps == 4
