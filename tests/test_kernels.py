@@ -17,7 +17,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from kernel_cases import CPU_SHAPES, GPU_SHAPES, check_decode_padding, check_shape  # noqa: E402
+from kernel_cases import (CPU_SHAPES, GPU_SHAPES, check_decode_padding, check_qkv_prep,  # noqa: E402
+                          check_shape)
 
 REL_TOL = 1e-2
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -31,6 +32,8 @@ def assert_results(results: dict) -> None:
         assert all_written, f"{check}: some outputs were left unwritten (NaN poison survived)"
         if "store" in check:
             assert error == 0, f"{check}: {int(error)} cache elements differ"
+        elif "exact_share" in check:
+            assert error < 0.01, f"{check}: {error:.1%} of the elements differ from the eager layers"
         else:
             assert error < REL_TOL, f"{check}: relative error {error:.3g}"
 
@@ -60,6 +63,17 @@ def test_decode_padding_rows_stay_finite_under_interpreter(interpreted):
 @needs_triton
 def test_triton_backend_matches_torch_backend_under_interpreter(interpreted):
     assert_results(interpreted["backend"])
+
+
+@needs_triton
+def test_qkv_prep_matches_eager_layers_under_interpreter(interpreted):
+    assert_results(interpreted["qkv_prep"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_qkv_prep_matches_eager_layers_on_gpu():
+    assert_results(check_qkv_prep("cuda"))
 
 
 @pytest.mark.gpu

@@ -1,11 +1,12 @@
 """The `triton` attention backend: the engine's own kernels (engine/kernels), default on CUDA."""
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
 
-from engine.kernels import paged_decode, paged_prefill, store_kvcache
+from engine.kernels import paged_decode, paged_prefill, qkv_prep, store_kvcache
 
 if TYPE_CHECKING:
     from engine.attention import AttentionMetadata
@@ -16,6 +17,21 @@ class TritonBackend:
 
     name = "triton"
     supports_cuda_graphs = True  # decode sizes its split scratch from Python ints only
+
+    def __init__(self):
+        # REDLINE_FUSED_QKV=0 keeps the unfused layers (norm, rotary, store) for comparison
+        self.fuses_qkv_prep = os.environ.get("REDLINE_FUSED_QKV", "1") != "0"
+
+    def qkv_prep(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+        """Queries [T, H, D] ready for attention; K/V stored. One kernel (engine/kernels/qkv_prep.py)."""
+        if q_norm is not None and q_norm.eps != k_norm.eps:
+            raise ValueError("the fused q/k norm needs one eps for both")
+        return qkv_prep(qkv, positions, rotary.cos, rotary.sin,
+                        None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
+                        0.0 if q_norm is None else q_norm.eps, k_cache, v_cache, slot_mapping,
+                        num_heads, num_kv_heads, head_dim)
 
     def store_kvcache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -5,7 +5,7 @@ from engine.attention import ForwardContext
 
 
 class Attention(nn.Module):
-    """Stores this step's K/V in the layer's paged cache, then attends over the cache."""
+    """From the packed qkv projection: heads, q/k norm, rotary, K/V into the paged cache, attention."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, ctx: ForwardContext):
         super().__init__()
@@ -14,9 +14,21 @@ class Attention(nn.Module):
         self.ctx = ctx
         self.k_cache = self.v_cache = torch.tensor([])  # set by the model runner
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        meta = self.ctx.meta
-        backend = self.ctx.backend
-        backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+    def forward(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: nn.Module,
+                q_norm: nn.Module | None = None, k_norm: nn.Module | None = None) -> torch.Tensor:
+        meta, backend = self.ctx.meta, self.ctx.backend
+        if getattr(backend, "fuses_qkv_prep", False):  # one kernel instead of about seven
+            q = backend.qkv_prep(qkv, positions, rotary, q_norm, k_norm, self.k_cache, self.v_cache,
+                                 meta.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)
+        else:
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(-1, self.num_heads, self.head_dim)
+            k = k.view(-1, self.num_kv_heads, self.head_dim)
+            v = v.view(-1, self.num_kv_heads, self.head_dim)
+            if q_norm is not None:
+                q, k = q_norm(q), k_norm(k)
+            q, k = rotary(positions, q, k)
+            backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = backend.forward(q, self.k_cache, self.v_cache, meta, self.scale)
         return out.flatten(1)
