@@ -43,7 +43,7 @@ def main() -> None:
     llm._postprocess = timed(totals, "postprocess", llm._postprocess, False)
     runner.forward = timed(totals, "forward (GPU)", runner.forward, True)
     runner.compute_logits = timed(totals, "logits (GPU)", runner.compute_logits, True)
-    runner.sample = timed(totals, "sample (GPU + copy)", runner.sample, True)
+    runner.sample_async = timed(totals, "sample (GPU)", runner.sample_async, True)
     for p, sp in zip(prompts, params):
         llm.add_request(p, sp)
     steps = decode_steps = 0
