@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
-from engine.layers.parallel import TPGroup
+from engine.layers.parallel import rank_group
 from engine.layers.sampler import SamplingTensors
 from engine.model_runner import ModelRunner, SampledTokens, StepInputs
 from engine.scheduler import ScheduledBatch
@@ -78,7 +78,8 @@ class TPDriver:
             dist.init_process_group(backend, store=workers.store, rank=0, world_size=size,
                                     timeout=timedelta(seconds=GROUP_TIMEOUT_S), **_device_id(backend, 0))
             workers.group = dist.group.WORLD
-            self.runner = workers.rank0 = ModelRunner(config, TPGroup(0, size), capture_graphs=False)
+            tp = rank_group(0, size, backend, config.torch_dtype)
+            self.runner = workers.rank0 = ModelRunner(config, tp, capture_graphs=False)
             workers.collect("ready", expect=self.runner.num_kvcache_blocks, timeout=GROUP_TIMEOUT_S)
             workers.stop_watch()  # graphs are next, and an abort would wait for them to be freed
             workers.send(("capture",))
@@ -424,7 +425,7 @@ def _start_rank(rank: int, size: int, backend: str, port: int, config_kwargs: di
     store.set(f"joined/{rank}", "1")
     dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                             timeout=timedelta(seconds=GROUP_TIMEOUT_S), **_device_id(backend, rank))
-    return ModelRunner(config, TPGroup(rank, size), capture_graphs=False)
+    return ModelRunner(config, rank_group(rank, size, backend, config.torch_dtype), capture_graphs=False)
 
 
 def _serve(runner: ModelRunner, conn: Connection) -> None:
