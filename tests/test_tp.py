@@ -186,3 +186,36 @@ def test_engine_after_a_failed_one_starts_and_matches_tp1(qwen3_checkpoint):
         assert _run(llm, prompts, greedy) == expected
     finally:
         llm.shutdown()
+
+
+_TP2_GPU_TOKENS = """
+import json, sys
+from engine import LLM, SamplingParams
+llm = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=256, gpu_memory_utilization=0.3)
+one_shot = llm.runner.runner.tp.one_shot is not None
+outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+print(json.dumps({"one_shot": one_shot, "tokens": [o.token_ids for o in outs]}))
+llm.shutdown()
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not __import__("torch").cuda.is_available() or __import__("torch").cuda.device_count() < 2,
+                    reason="needs 2 GPUs")
+def test_symmetric_memory_all_reduce_gives_nccl_tokens_on_two_gpus(qwen3_checkpoint):
+    """Both sum the two ranks' parts in rank order, so the tokens must agree exactly (CUDA graphs on)."""
+    import json
+    import subprocess
+    import sys
+
+    prompts = json.dumps(_prompts())
+    runs = {}
+    for mode in ("auto", "nccl"):
+        env = dict(os.environ, REDLINE_TP_ALL_REDUCE=mode, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+        proc = subprocess.run([sys.executable, "-c", _TP2_GPU_TOKENS, str(qwen3_checkpoint), prompts],
+                              capture_output=True, text=True, env=env, timeout=500)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert runs["auto"]["one_shot"] and not runs["nccl"]["one_shot"]
+    assert runs["auto"]["tokens"] == runs["nccl"]["tokens"]
