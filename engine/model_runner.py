@@ -61,6 +61,7 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.seed_generator = torch.Generator().manual_seed(config.seed)  # host-side seeds for the sampling kernel
         if capture_graphs:
             self.capture_graphs()
 
@@ -244,7 +245,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample_async(self, logits: torch.Tensor, st: SamplingTensors, num_logprobs: int) -> "SampledTokens":
-        token_ids = sample(logits, st, self.generator)
+        token_ids = sample(logits, st, self.generator, self.seed_generator)
         self.last_sampled = token_ids
         parts = [token_ids]
         if num_logprobs >= 0:

@@ -1,6 +1,7 @@
 """Sampling on the device: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -29,11 +30,30 @@ def gumbel_max(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor
     return torch.where(t > 0, noisy, scores).argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, st: SamplingTensors, shared_gen: torch.Generator | None = None) -> torch.Tensor:
-    """Token ids [S] from logits [S, V] (any float dtype)."""
+@functools.cache
+def _gumbel_kernel():
+    """engine.kernels.sampling.gumbel_argmax, or None where triton is missing."""
+    try:
+        from engine.kernels.sampling import gumbel_argmax
+    except ImportError:
+        return None
+    return gumbel_argmax
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors, shared_gen: torch.Generator | None = None,
+           seed_gen: torch.Generator | None = None) -> torch.Tensor:
+    """Token ids [S] from logits [S, V] (any float dtype).
+
+    shared_gen: the noise stream of rows without their own generator on the general path.
+    seed_gen: a CPU generator that seeds the CUDA Gumbel kernel (torch's default CPU generator if None).
+    """
     if st.all_greedy:
         return logits.argmax(dim=-1)
     if not st.needs_filter and all(g is None for g in st.generators):
+        if logits.is_cuda and _gumbel_kernel() is not None:
+            # the seed comes from the host, so launching the kernel never waits for the device
+            seed = int(torch.randint(0, 2**31 - 1, (1,), generator=seed_gen))
+            return _gumbel_kernel()(logits, st.temperatures, seed)
         return gumbel_max(logits, st.temperatures)
     logits = logits.float()
     greedy = logits.argmax(dim=-1)

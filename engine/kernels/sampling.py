@@ -1,0 +1,156 @@
+"""Gumbel-max sampling: one token per row from softmax(logits / t), or the plain argmax where t = 0.
+
+Grid (row, split): each program scans one contiguous column range of its row in tiles of
+[BLOCK // 4, 4] columns, keeping a running best score and its column per lane, and leaves one
+(score, column) pair; a second tiny kernel picks each row's best split. With a single split the
+first kernel writes the token itself.
+
+The noise of column c in row r is draw c % 4 of Philox(seed, counter (c // 4, r)): one Philox call
+feeds four columns, and the tokens depend on (seed, row, column) only, never on the split count or
+the tile size. (On CUDA the logs are lg2.approx, under the interpreter exact, so the two can part
+on a near-tie.) Nothing reads device memory on the host, so sampling queues like any other kernel.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from engine.kernels.paged_decode import _num_sms
+
+NO_COLUMN = tl.constexpr(2**31 - 1)  # sorts after every real column in the tie-break
+SERIES_BELOW = tl.constexpr(0.05)    # v below this: -log(1 - v) from its series
+DEFAULT_BLOCK = 2048
+DEFAULT_WARPS = 4
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # no libdevice under the interpreter
+
+
+@triton.jit
+def _log(x, FAST_LOG: tl.constexpr):
+    if FAST_LOG:  # lg2.approx, not libdevice's polynomial: the two logs per element were half the work
+        return libdevice.fast_logf(x)
+    return tl.log(x)
+
+
+@triton.jit
+def _gumbel(bits, FAST_LOG: tl.constexpr):
+    """Gumbel noise -log(-log(u)) with u = 1 - v, v = (bits + 0.5) / 2**32, so u lies in (0, 1).
+
+    The winning draws have -log(u) near 0, i.e. v near 0, where a float u = 1 - v is too coarse
+    and a fast log of it too inexact; there -log(u) = v + v^2/2 + ... comes from v itself. Elsewhere
+    both logs take arguments where lg2.approx's absolute error (~2^-22) is far below what matters.
+    """
+    v = (bits.to(tl.float32) + 0.5) * 2.3283064365386963e-10
+    series = v * (1.0 + v * (0.5 + v * (1.0 / 3.0 + v * (0.25 + v * (0.2 + v * (1.0 / 6.0))))))
+    direct = -_log(tl.maximum(1.0 - v, 1.0e-30), FAST_LOG)
+    return -_log(tl.where(v < SERIES_BELOW, series, direct), FAST_LOG)
+
+
+@triton.jit
+def _scan(row_ptr, row, start, end, inv_t, seed, NOISE: tl.constexpr, GROUPS: tl.constexpr,
+          FAST_LOG: tl.constexpr):
+    """Best (score, column) per lane over columns [start, end); scores are logits / t + noise."""
+    group = tl.arange(0, GROUPS)
+    lane = tl.arange(0, 4)[None, :]
+    best = tl.full([GROUPS, 4], float("-inf"), tl.float32)
+    best_col = tl.full([GROUPS, 4], NO_COLUMN, tl.int32)
+    counter_row = row.to(tl.int64) << 32
+    for c0 in range(start, end, 4 * GROUPS):
+        cols = c0 + 4 * group[:, None] + lane
+        score = tl.load(row_ptr + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
+        if NOISE:
+            r0, r1, r2, r3 = tl.randint4x(seed, counter_row + (c0 // 4 + group))
+            bits = tl.where(lane == 0, r0[:, None],
+                            tl.where(lane == 1, r1[:, None], tl.where(lane == 2, r2[:, None], r3[:, None])))
+            score = score * inv_t + _gumbel(bits, FAST_LOG)
+        # strict: a lane keeps its first maximum, and it sees its columns in increasing order
+        better = score > best
+        best = tl.where(better, score, best)
+        best_col = tl.where(better, cols, best_col)
+    return best, best_col
+
+
+@triton.jit
+def _gumbel_split_kernel(
+    logits_ptr, temperatures_ptr, out_ptr, part_ptr,
+    stride_row, vocab, cols_per_split, num_splits, seed,
+    DIRECT: tl.constexpr, GROUPS: tl.constexpr, FAST_LOG: tl.constexpr,
+):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    start = split * cols_per_split
+    end = tl.minimum(start + cols_per_split, vocab)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    t = tl.load(temperatures_ptr + row)
+    if t > 0:
+        best, best_col = _scan(row_ptr, row, start, end, 1.0 / t, seed, True, GROUPS, FAST_LOG)
+    else:  # greedy: no noise, no Philox
+        best, best_col = _scan(row_ptr, row, start, end, 1.0, seed, False, GROUPS, FAST_LOG)
+    top = tl.max(best, axis=None)
+    # the lowest column holding the maximum, as torch.argmax; `start` when every score is -inf
+    col = tl.min(tl.where(best == top, best_col, NO_COLUMN), axis=None)
+    col = tl.where(col == NO_COLUMN, start, col)
+    if DIRECT:
+        tl.store(out_ptr + row, col.to(tl.int64))
+    else:
+        part = part_ptr + (row * num_splits + split) * 2  # [S, num_splits, (score bits, column)] int32
+        tl.store(part, top.to(tl.int32, bitcast=True))
+        tl.store(part + 1, col)
+
+
+@triton.jit
+def _gumbel_merge_kernel(part_ptr, out_ptr, num_splits, SPLITS_PAD: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, SPLITS_PAD)
+    mask = offs < num_splits
+    part = part_ptr + (row * num_splits + offs) * 2
+    score = tl.load(part, mask=mask, other=0).to(tl.float32, bitcast=True)
+    score = tl.where(mask, score, float("-inf"))
+    col = tl.load(part + 1, mask=mask, other=NO_COLUMN)
+    top = tl.max(score, axis=0)
+    tl.store(out_ptr + row, tl.min(tl.where(score == top, col, NO_COLUMN), axis=0).to(tl.int64))
+
+
+def choose_num_splits(num_rows: int, num_tiles: int, num_sms: int) -> int:
+    """About four programs per SM (one program streams its range serially), each split at least a tile."""
+    return max(1, min(triton.cdiv(4 * num_sms, num_rows), num_tiles))
+
+
+def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, *,
+                  num_splits: int | None = None, block: int = DEFAULT_BLOCK) -> torch.Tensor:
+    """Token ids [S] int64: argmax(logits / t + Gumbel noise) per row, a draw from softmax(logits / t),
+    or argmax(logits) (ties to the lowest id) where t = 0.
+
+    logits: [S, V], any float dtype, unit column stride; scores are computed in float32 (float64
+    logits are compared after rounding; a NaN logit is never chosen). temperatures: [S] float32.
+    The same seed gives the same tokens, whatever num_splits and block (a power of two, at least 8) are.
+    """
+    assert logits.dim() == 2 and temperatures.shape == logits.shape[:1], "logits [S, V], temperatures [S]"
+    assert block >= 8 and block & (block - 1) == 0, f"block must be a power of two >= 8, got {block}"
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    num_rows, vocab = logits.shape
+    if num_rows == 0 or vocab == 0:
+        return torch.zeros(num_rows, dtype=torch.int64, device=logits.device)
+    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    num_tiles = triton.cdiv(vocab, block)
+    if num_splits is None:
+        num_splits = choose_num_splits(num_rows, num_tiles, _num_sms(logits.device))
+    tiles_per_split = triton.cdiv(num_tiles, max(1, min(num_splits, num_tiles)))
+    num_splits = triton.cdiv(num_tiles, tiles_per_split)  # no empty split
+    part = torch.empty(num_rows, num_splits, 2, dtype=torch.int32, device=logits.device) if num_splits > 1 else out
+    if temperatures.dtype != torch.float32 or not temperatures.is_contiguous():
+        temperatures = temperatures.to(torch.float32).contiguous()
+    _gumbel_split_kernel[(num_rows, num_splits)](
+        logits, temperatures, out, part,
+        logits.stride(0), vocab, tiles_per_split * block, num_splits, seed,
+        DIRECT=num_splits == 1, GROUPS=block // 4, FAST_LOG=logits.is_cuda and not INTERPRETED,
+        num_warps=DEFAULT_WARPS,
+    )
+    if num_splits > 1:
+        _gumbel_merge_kernel[(num_rows,)](part, out, num_splits,
+                                          SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=1)
+    return out

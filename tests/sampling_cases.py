@@ -1,0 +1,104 @@
+"""Sampling-kernel problems shared by tests/test_sampling_kernel.py and scripts/sampling_check.py.
+
+Each case runs engine.kernels.sampling.gumbel_argmax and returns plain lists (JSON-ready), so the
+CPU tests can run it under the Triton interpreter in a subprocess and assert on what comes back.
+Imports nothing from the engine but the kernel, so the GPU check runs where redis/pydantic are missing.
+"""
+from __future__ import annotations
+
+import torch
+
+# (num_splits, block): one tile, one split over many tiles, several splits, the automatic choice
+CPU_LAYOUTS = [(1, 64), (1, 8), (3, 16), (5, 8), (None, 8), (None, None)]
+GPU_LAYOUTS = [(1, None), (4, 1024), (37, 4096), (None, 512), (None, None)]
+
+
+def strided(values: torch.Tensor, dtype: torch.dtype, device: str, pad: int = 11) -> torch.Tensor:
+    """`values` [S, V] as a view of a wider buffer (row stride V + pad), padding full of huge logits."""
+    buffer = torch.full((values.shape[0], values.shape[1] + pad), 1.0e4, dtype=dtype, device=device)
+    buffer[:, :values.shape[1]] = values.to(dtype)
+    return buffer[:, :values.shape[1]]
+
+
+def run(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, layout) -> list[int]:
+    from engine.kernels.sampling import gumbel_argmax
+
+    num_splits, block = layout
+    kwargs = {"num_splits": num_splits} | ({"block": block} if block else {})
+    return gumbel_argmax(logits, temperatures, seed, **kwargs).tolist()
+
+
+def greedy_case(device: str, vocab: int, layouts: list, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Greedy rows (t = 0) between sampled rows: random rows, a row of ties (across lanes, tiles and
+    splits), an all -inf row, a maximum in the last column. Returns torch.argmax and each layout's tokens."""
+    gen = torch.Generator().manual_seed(3)
+    values = torch.randn(8, vocab, generator=gen) * 3
+    ties = [5, 13, vocab // 2, vocab - 1]
+    values[2, ties] = 40.0
+    values[4] = float("-inf")
+    values[6, :vocab // 3] = float("-inf")
+    values[6, -1] = 30.0
+    logits = strided(values, dtype, device)
+    temperatures = torch.tensor([0.0, 1.0, 0.0, 0.3, 0.0, 2.0, 0.0, 0.0], device=device)
+    greedy_rows = [i for i, t in enumerate(temperatures.tolist()) if t == 0]
+    return {"greedy_rows": greedy_rows, "argmax": logits.argmax(dim=-1).tolist(),
+            "layouts": {str(layout): run(logits, temperatures, 11, layout) for layout in layouts}}
+
+
+def distribution_case(device: str, seeds: list[int], rows_per_temperature: int, num_splits: int = 2,
+                      block: int = 8) -> dict:
+    """Token counts over many seeds for one 10-token row at t = 0.5 and t = 2 (rows interleaved, in a
+    strided bf16 buffer, `num_splits` splits forced), and softmax(logits / t) from the same bf16 logits."""
+    vocab = 10
+    temperatures = [0.5, 2.0]
+    row = torch.linspace(0.0, 3.0, vocab).to(torch.bfloat16)
+    logits = strided(row.repeat(rows_per_temperature * len(temperatures), 1), torch.bfloat16, device)
+    temps = torch.tensor(temperatures, device=device).repeat(rows_per_temperature)
+    counts = torch.zeros(len(temperatures), vocab, dtype=torch.int64)
+    for seed in seeds:
+        tokens = torch.tensor(run(logits, temps, seed, (num_splits, block)))
+        for i in range(len(temperatures)):
+            counts[i] += torch.bincount(tokens[i::len(temperatures)], minlength=vocab)
+    expected = [(row.float() / t).softmax(-1).tolist() for t in temperatures]
+    return {"temperatures": temperatures, "counts": counts.tolist(), "expected": expected,
+            "logits": row.float().tolist()}
+
+
+def layout_case(device: str, vocab: int, layouts: list, num_rows: int = 8) -> dict:
+    """One seed, sampled rows (and one greedy row), every layout: the tokens of each."""
+    gen = torch.Generator().manual_seed(4)
+    logits = strided(torch.randn(num_rows, vocab, generator=gen), torch.float16, device)
+    temperatures = torch.full((num_rows,), 1.5, device=device)
+    temperatures[1] = 0.0
+    return {str(layout): run(logits, temperatures, 2024, layout) for layout in layouts}
+
+
+def seed_case(device: str, vocab: int = 37, num_rows: int = 32, layout=(2, 16)) -> dict:
+    """Identical rows at t = 1: seed 7 twice and seed 8 once."""
+    logits = strided(torch.zeros(num_rows, vocab), torch.float32, device)
+    temperatures = torch.ones(num_rows, device=device)
+    return {"first": run(logits, temperatures, 7, layout), "again": run(logits, temperatures, 7, layout),
+            "other": run(logits, temperatures, 8, layout)}
+
+
+def _main() -> None:
+    """Every CPU case under the Triton interpreter; prints one JSON object."""
+    import json
+    import os
+    import sys
+
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    torch.set_num_threads(1)
+    results = {
+        "greedy": greedy_case("cpu", 37, CPU_LAYOUTS),
+        "greedy_fp32": greedy_case("cpu", 37, [(3, 16)], torch.float32),
+        "distribution": distribution_case("cpu", seeds=[0, 1, 2, 3], rows_per_temperature=150),
+        "layouts": layout_case("cpu", 37, CPU_LAYOUTS),
+        "seeds": seed_case("cpu"),
+    }
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    _main()
