@@ -15,7 +15,13 @@ import triton.language as tl
 @triton.jit
 def _round(x, dtype: tl.constexpr):
     """x rounded to the model dtype and back to float32, as an eager op's output would be."""
-    return x.to(dtype).to(tl.float32)
+    if dtype == tl.bfloat16:
+        # round to nearest even on the bits: the compiler folds a to(bf16).to(fp32) pair away
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dtype).to(tl.float32)
 
 
 @triton.jit
