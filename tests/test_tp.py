@@ -8,6 +8,7 @@ import time
 
 import psutil
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.distributed import RankFailedError
@@ -201,7 +202,7 @@ llm.shutdown()
 
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(not __import__("torch").cuda.is_available() or __import__("torch").cuda.device_count() < 2,
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                     reason="needs 2 GPUs")
 def test_symmetric_memory_all_reduce_gives_nccl_tokens_on_two_gpus(qwen3_checkpoint):
     """Both sum the two ranks' parts in rank order, so the tokens must agree exactly (CUDA graphs on)."""
@@ -211,11 +212,18 @@ def test_symmetric_memory_all_reduce_gives_nccl_tokens_on_two_gpus(qwen3_checkpo
 
     prompts = json.dumps(_prompts())
     runs = {}
-    for mode in ("auto", "nccl"):
+    for mode in ("symm", "nccl"):
         env = dict(os.environ, REDLINE_TP_ALL_REDUCE=mode, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
         proc = subprocess.run([sys.executable, "-c", _TP2_GPU_TOKENS, str(qwen3_checkpoint), prompts],
                               capture_output=True, text=True, env=env, timeout=500)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert runs["auto"]["one_shot"] and not runs["nccl"]["one_shot"]
-    assert runs["auto"]["tokens"] == runs["nccl"]["tokens"]
+    assert runs["symm"]["one_shot"] and not runs["nccl"]["one_shot"]
+    assert runs["symm"]["tokens"] == runs["nccl"]["tokens"]
+
+
+def test_unknown_tp_all_reduce_mode_is_a_clear_error(qwen3_checkpoint, monkeypatch):
+    monkeypatch.setenv("REDLINE_TP_ALL_REDUCE", "fast")
+    with pytest.raises(ValueError, match="REDLINE_TP_ALL_REDUCE must be 'nccl' or 'symm', got 'fast'"):
+        LLM(str(qwen3_checkpoint), device="cpu", tensor_parallel_size=2)
+    assert _spawned_children() == []

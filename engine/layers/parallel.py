@@ -87,10 +87,15 @@ SINGLE = TPGroup()
 def rank_group(rank: int, size: int, backend: str, dtype: torch.dtype) -> TPGroup:
     """This rank's TPGroup, once the process group exists; collective (every rank calls it together).
 
-    On GPUs small all-reduces use symmetric memory unless REDLINE_TP_ALL_REDUCE=nccl.
+    REDLINE_TP_ALL_REDUCE=symm sends small all-reduces through symmetric memory (faster decode steps on
+    GPUs), at a cost: a rank that dies mid-step leaves its peers' all-reduce kernels spinning, which no
+    communicator abort can release. The default, nccl, keeps every all-reduce in NCCL.
     """
+    mode = os.environ.get("REDLINE_TP_ALL_REDUCE", "nccl")
+    if mode not in ("nccl", "symm"):
+        raise ValueError(f"REDLINE_TP_ALL_REDUCE must be 'nccl' or 'symm', got {mode!r}")
     one_shot = None
-    if size > 1 and backend == "nccl" and os.environ.get("REDLINE_TP_ALL_REDUCE", "auto") != "nccl":
+    if size > 1 and backend == "nccl" and mode == "symm":
         one_shot = OneShotAllReduce.create(torch.device("cuda", rank), dtype)
     return TPGroup(rank, size, one_shot)
 
