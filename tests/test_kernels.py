@@ -7,9 +7,6 @@ shapes need CUDA and are marked `gpu`.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from interpreter import run_under_interpreter  # noqa: E402
 from kernel_cases import (CPU_SHAPES, GPU_SHAPES, check_decode_padding, check_qkv_prep,  # noqa: E402
                           check_shape)
 
@@ -41,12 +39,7 @@ def assert_results(results: dict) -> None:
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
     """All CPU shapes, run once under the interpreter in a fresh interpreter process."""
-    repo = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(repo))
-    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "kernel_cases.py")],
-                          capture_output=True, text=True, env=env, cwd=repo, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_under_interpreter(Path(__file__).parent / "kernel_cases.py")
 
 
 @needs_triton

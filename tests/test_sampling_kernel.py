@@ -7,9 +7,6 @@ On CPU the cases of tests/sampling_cases.py run under the Triton interpreter in 
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from interpreter import run_under_interpreter  # noqa: E402
 from sampling_cases import GPU_LAYOUTS, distribution_case, greedy_case, layout_case, seed_case  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -29,12 +27,7 @@ MAX_TV = 0.11
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
     """Every CPU case, run once under the interpreter in a fresh interpreter process."""
-    repo = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(repo))
-    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "sampling_cases.py")],
-                          capture_output=True, text=True, env=env, cwd=repo, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_under_interpreter(Path(__file__).parent / "sampling_cases.py")
 
 
 def total_variation(p: list[float], q: list[float]) -> float:

@@ -7,15 +7,13 @@ compiled-mode kernels). The model-sized shapes and the CUDA-graph replay need CU
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from interpreter import run_under_interpreter
 
 pytest.importorskip("triton")
 from engine.kernels.skinny_gemm import (SkinnyConfig, block_m_for, choose_config,  # noqa: E402
@@ -92,12 +90,7 @@ def interpreter_cases() -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    repo = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(repo))
-    proc = subprocess.run([sys.executable, str(Path(__file__))], capture_output=True, text=True, env=env,
-                          cwd=repo, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_under_interpreter(Path(__file__))
 
 
 def test_every_config_matches_f_linear_under_interpreter(interpreted):
