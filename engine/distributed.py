@@ -11,12 +11,17 @@ and each rank answers its commands in order, so the n-th "ok" of a rank acknowle
 A rank that dies, raises or stops answering stops the engine: rank 0 raises RankFailedError naming the
 rank, and every rank process is ended. NCCL would wait forever on a dead peer, so on GPUs rank 0 never
 blocks on its own GPU work before every rank acknowledged the step; it watches the pipes and the
-processes instead, and on a failure aborts its communicator, which releases the waiting kernels. NCCL
-cannot abort a communicator while CUDA graphs that captured it exist, so rank 0's graphs go first.
+processes instead. On a failure it frees its CUDA graphs, then aborts its communicator, which makes the
+kernels waiting on the dead peer return (NCCL finishes an abort only once the graphs that captured the
+communicator are gone). The abort runs in a thread of its own and rank 0 waits for it a bounded time, so
+the error is raised even where the GPU work cannot be released. A watcher thread covers the case where
+rank 0 is blocked on its GPU when a rank dies: if rank 0 has not taken the failure path a moment after
+the death, the watcher aborts the communicator itself.
 """
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import signal
 import sys
@@ -47,6 +52,10 @@ GROUP_TIMEOUT_S = 300    # rendezvous, and any single collective
 STEP_TIMEOUT_S = 300     # one step's acknowledgements
 STOP_GRACE_S = 10        # a worker told to exit gets this long before it is killed
 FAILURE_GRACE_S = 2      # after rank 0's own collective failed, how long to wait for the peer's news
+WATCH_GRACE_S = 2        # a rank died and rank 0 has not noticed in this long: it is blocked on its GPU
+ABORT_WAIT_S = 10        # how long rank 0 waits for its communicator's abort before it raises anyway
+
+logger = logging.getLogger(__name__)
 
 
 class RankFailedError(RuntimeError):
@@ -81,7 +90,6 @@ class TPDriver:
             tp = rank_group(0, size, backend, config.torch_dtype)
             self.runner = workers.rank0 = ModelRunner(config, tp, capture_graphs=False)
             workers.collect("ready", expect=self.runner.num_kvcache_blocks, timeout=GROUP_TIMEOUT_S)
-            workers.stop_watch()  # graphs are next, and an abort would wait for them to be freed
             workers.send(("capture",))
             self.runner.capture_graphs()
             workers.collect("ok", timeout=GROUP_TIMEOUT_S)
@@ -176,8 +184,11 @@ class _Workers:
         self.closed = False
         self.num_sent = 0   # steps sent to the ranks
         self.num_acked = 0  # steps every rank acknowledged
+        self.rank_died = threading.Event()  # the watcher saw a rank's process exit
         self._stop_watch = threading.Event()
         self._watch: threading.Thread | None = None
+        self._abort_lock = threading.Lock()
+        self._abort_thread: threading.Thread | None = None
 
     # ---- start ------------------------------------------------------------------------------------
 
@@ -190,8 +201,8 @@ class _Workers:
             process.start()
             child_end.close()
             self.workers.append(_Worker(rank, process, parent_end))
-        if self.backend == "nccl":  # while rank 0 builds its runner it blocks on the GPU: watch for it
-            self._watch = threading.Thread(target=self._abort_on_death, name="redline-tp-watch", daemon=True)
+        if self.backend == "nccl":
+            self._watch = threading.Thread(target=self._watch_ranks, name="redline-tp-watch", daemon=True)
             self._watch.start()
 
     def wait_joined(self) -> None:
@@ -203,27 +214,33 @@ class _Workers:
             if time.monotonic() > deadline:
                 self.stop(f"tensor-parallel ranks did not start within {GROUP_TIMEOUT_S} s")
 
-    def stop_watch(self) -> None:
-        self._stop_watch.set()
-        if self._watch is not None:
-            self._watch.join()
-            self._watch = None
-
-    def _abort_on_death(self) -> None:
-        """Before any graph exists: on a worker's death, abort the communicator so that rank 0's GPU work
-        waiting on the dead peer returns and its next collective raises."""
+    def _watch_ranks(self) -> None:
+        """On GPUs, for the engine's whole life: when a rank's process exits and rank 0 has not taken the
+        failure path WATCH_GRACE_S later, rank 0 is blocked on GPU work that waits for the dead peer (or on
+        the group's rendezvous): abort the communicator, which makes that work return."""
         sentinels = [w.process.sentinel for w in self.workers]
         while not wait(sentinels, timeout=0.2):
             if self._stop_watch.is_set():
                 return
+        self.rank_died.set()
+        if self._stop_watch.wait(WATCH_GRACE_S):  # rank 0 noticed and is closing the engine
+            return
         while self.group is None:  # died before the group was made: abort it once it is
             if self._stop_watch.wait(0.05):
                 return
-        if not self._stop_watch.is_set():
-            try:
-                self.group.abort()  # kernels waiting on the dead peer return; rank 0 then raises
-            except Exception:
-                pass
+        logger.warning("a tensor-parallel rank exited and rank 0 has not noticed for %s s: aborting the "
+                       "communicator to release rank 0's GPU work", WATCH_GRACE_S)
+        self._start_abort()
+
+    def _start_abort(self) -> threading.Thread:
+        """Abort the NCCL communicator in a thread of its own (once): it returns only after rank 0's CUDA
+        graphs are gone and its kernels saw the abort, and rank 0 must not wait on that unboundedly."""
+        with self._abort_lock:
+            if self._abort_thread is None:
+                self._abort_thread = threading.Thread(target=_abort_process_group, name="redline-tp-abort",
+                                                      daemon=True)
+                self._abort_thread.start()
+            return self._abort_thread
 
     # ---- the command channel ----------------------------------------------------------------------
 
@@ -232,6 +249,8 @@ class _Workers:
             raise RankFailedError(f"the tensor-parallel engine stopped earlier: {self.failure}")
         if self.closed:
             raise RuntimeError("the tensor-parallel engine was shut down; create a new one")
+        if self.rank_died.is_set():  # queue no more collectives: they would wait for the dead rank
+            self._raise_if_any_died(timeout=1)
 
     def send(self, message: tuple) -> None:
         if message[0] == "execute":
@@ -340,14 +359,19 @@ class _Workers:
         if self.closed:
             return
         self.closed = True
-        self.stop_watch()
-        if not failed:
+        self._stop_watch.set()
+        if failed:
+            logger.warning("tensor-parallel engine stopping: %s", self.failure)
+        else:
             for w in self.workers:
                 try:
                     w.conn.send(("shutdown",))
                 except OSError:
                     pass
         self._release_group(self._free_graphs())
+        if self._watch is not None:
+            self._watch.join()
+            self._watch = None
         deadline = time.monotonic() + (1 if failed else STOP_GRACE_S)
         for w in self.workers:
             w.process.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -379,18 +403,32 @@ class _Workers:
             warnings.warn("a CUDA graph of rank 0 is still referenced, so its NCCL communicator was left in place; "
                           "this process cannot start another tensor-parallel engine", RuntimeWarning, stacklevel=2)
             return
+        if self.backend == "nccl":  # abort never waits on peers, which may be dead or gone
+            aborting = self._start_abort()
+            aborting.join(ABORT_WAIT_S)
+            if aborting.is_alive():
+                warnings.warn(f"rank 0's NCCL communicator did not finish aborting within {ABORT_WAIT_S} s (its GPU "
+                              "work still waits for the failed rank); this process cannot start another "
+                              "tensor-parallel engine", RuntimeWarning, stacklevel=2)
+                return
+            self.group = None
+            return
         self.group = None
         try:
-            if self.backend == "nccl":  # abort never waits on peers, which may be dead or gone
-                dist.distributed_c10d._abort_process_group()
-            else:
-                dist.destroy_process_group()
+            dist.destroy_process_group()
         except Exception:
-            if dist.is_initialized():
-                try:
-                    dist.destroy_process_group()
-                except Exception:
-                    pass
+            pass
+
+
+def _abort_process_group() -> None:
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except Exception:  # noqa: BLE001 (a half-torn group: make sure this process holds none)
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
 
 
 # ---- the other ranks ------------------------------------------------------------------------------

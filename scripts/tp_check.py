@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
 import random
 import signal
@@ -35,6 +36,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TARGET_RATIO = 1.7
 LOG = None
+OUT_DIR = Path("out")
+
+
+def dump_stacks(path: Path) -> None:
+    """Every thread's Python stack, then every thread's native stack through cuda-gdb or gdb if present."""
+    import faulthandler
+    import shutil
+    import subprocess
+
+    with open(path, "w") as f:
+        faulthandler.dump_traceback(file=f, all_threads=True)
+    debugger = shutil.which("cuda-gdb") or shutil.which("gdb")
+    if debugger is None:
+        return
+    with open(path, "a") as f:
+        f.write(f"\n==== native stacks ({debugger})\n")
+        f.flush()
+        try:
+            subprocess.run([debugger, "-p", str(os.getpid()), "-batch", "-ex", "thread apply all bt 40"],
+                           stdout=f, stderr=subprocess.STDOUT, timeout=150)
+        except subprocess.TimeoutExpired:
+            f.write("debugger timed out\n")
 
 
 def log(*parts) -> None:
@@ -66,9 +89,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 @contextmanager
 def deadline(phase: str, seconds: float):
-    """End the whole script (exit code 3) if `phase` takes longer than `seconds`: a hang is a finding."""
+    """End the whole script (exit code 3) if `phase` takes longer than `seconds`: a hang is a finding, and
+    the stacks of every thread (Python's, then native ones where a debugger is installed) say where."""
     def hung():
-        log(f"HUNG: {phase} did not finish within {seconds:.0f} s")
+        log(f"HUNG: {phase} did not finish within {seconds:.0f} s; stacks in {OUT_DIR / 'stacks.txt'}")
+        dump_stacks(OUT_DIR / "stacks.txt")
         if LOG is not None:
             LOG.flush()
         os._exit(3)
@@ -185,7 +210,7 @@ def failure_check(args: argparse.Namespace) -> dict:
         os.kill(pid, signal.SIGKILL)
 
     threading.Timer(2.0, kill).start()
-    with deadline("failure check: generate after SIGKILL of rank 1", 90):
+    with deadline("failure check: generate after SIGKILL of rank 1", 45):
         try:
             llm.generate(prompts, params, use_tqdm=False)
             result["raised"] = None
@@ -227,11 +252,13 @@ def compare(reference: list[list[int]], other: list[list[int]]) -> dict:
 
 
 def main(argv=None) -> int:
-    global LOG
+    global LOG, OUT_DIR
     args = parse_args(argv)
-    out = Path(args.out)
+    out = OUT_DIR = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     LOG = open(out / "tp_check.log", "a")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        handlers=[logging.StreamHandler(), logging.FileHandler(out / "tp_check.log")])
     import torch
 
     log(f"torch {torch.__version__}, {torch.cuda.device_count()} GPU(s): "

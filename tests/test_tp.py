@@ -222,6 +222,58 @@ def test_symmetric_memory_all_reduce_gives_nccl_tokens_on_two_gpus(qwen3_checkpo
     assert runs["symm"]["tokens"] == runs["nccl"]["tokens"]
 
 
+_TP2_GPU_KILL = """
+import json, os, signal, sys, time
+import psutil
+from engine import LLM, SamplingParams
+from engine.distributed import RankFailedError
+llm = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=256, gpu_memory_utilization=0.3)
+pid, steps, launch, killed = llm.runner.worker_pids[0], [0], llm.runner.launch, []
+def launch_then_kill(*args):
+    steps[0] += 1
+    if steps[0] == 20:  # decode steps replay CUDA graphs by now
+        killed.append(time.monotonic())
+        os.kill(pid, signal.SIGKILL)
+    return launch(*args)
+llm.runner.launch = launch_then_kill
+result = {}
+try:
+    llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=200, ignore_eos=True), use_tqdm=False)
+except RankFailedError as e:
+    result.update(raised=str(e).splitlines()[0], seconds=time.monotonic() - killed[0])
+result["children"] = [p.pid for p in psutil.Process().children(recursive=True) if p.is_running()
+                      and any("spawn_main" in part for part in p.cmdline())]
+llm.shutdown()
+fresh = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=256, gpu_memory_utilization=0.3)
+outs = fresh.generate(json.loads(sys.argv[2])[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+result["fresh_tokens"] = sum(len(o.token_ids) for o in outs)
+fresh.shutdown()
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 GPUs")
+def test_killed_rank_on_gpus_makes_generate_raise_and_a_fresh_engine_start(qwen3_checkpoint):
+    """NCCL waits forever on a dead peer: rank 0 must still raise within seconds (CUDA graphs on), end the
+    other rank, release its communicator, and the same process must be able to start a new engine."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, REDLINE_TP_ALL_REDUCE="nccl", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    proc = subprocess.run([sys.executable, "-c", _TP2_GPU_KILL, str(qwen3_checkpoint), json.dumps(_prompts())],
+                          capture_output=True, text=True, env=env, timeout=360)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "rank 1" in result.get("raised", "") and "SIGKILL" in result["raised"], result
+    assert result["seconds"] < 30, result  # within seconds, never a hang (the backstops are 300 s)
+    assert result["children"] == []
+    assert result["fresh_tokens"] == 8
+
+
 def test_unknown_tp_all_reduce_mode_is_a_clear_error(qwen3_checkpoint, monkeypatch):
     monkeypatch.setenv("REDLINE_TP_ALL_REDUCE", "fast")
     with pytest.raises(ValueError, match="REDLINE_TP_ALL_REDUCE must be 'nccl' or 'symm', got 'fast'"):
