@@ -87,7 +87,7 @@ class TPDriver:
             dist.init_process_group(backend, store=workers.store, rank=0, world_size=size,
                                     timeout=timedelta(seconds=GROUP_TIMEOUT_S), **_device_id(backend, 0))
             workers.group = dist.group.WORLD
-            tp = rank_group(0, size, backend, config.torch_dtype)
+            tp = rank_group(0, size, backend, config.torch_dtype, peer_exited=workers.rank_died)
             self.runner = workers.rank0 = ModelRunner(config, tp, capture_graphs=False)
             workers.collect("ready", expect=self.runner.num_kvcache_blocks, timeout=GROUP_TIMEOUT_S)
             workers.send(("capture",))
@@ -222,7 +222,7 @@ class _Workers:
         while not wait(sentinels, timeout=0.2):
             if self._stop_watch.is_set():
                 return
-        self.rank_died.set()
+        self.rank_died.set()  # rank 0 queues no collective from now on (TPGroup checks), so none waits on the abort
         if self._stop_watch.wait(WATCH_GRACE_S):  # rank 0 noticed and is closing the engine
             return
         while self.group is None:  # died before the group was made: abort it once it is

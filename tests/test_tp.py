@@ -244,6 +244,10 @@ except RankFailedError as e:
 result["children"] = [p.pid for p in psutil.Process().children(recursive=True) if p.is_running()
                       and any("spawn_main" in part for part in p.cmdline())]
 llm.shutdown()
+del llm  # the failed engine's GPU memory goes with it
+import gc, torch
+gc.collect()
+torch.cuda.empty_cache()
 fresh = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=256, gpu_memory_utilization=0.3)
 outs = fresh.generate(json.loads(sys.argv[2])[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
 result["fresh_tokens"] = sum(len(o.token_ids) for o in outs)

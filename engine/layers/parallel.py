@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from dataclasses import dataclass, field
 
@@ -57,10 +58,18 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     one_shot: OneShotAllReduce | None = field(default=None, compare=False, repr=False)
+    # set on rank 0 when a peer's process exited: no collective may be queued after that, since it would
+    # wait for the dead peer (and could queue behind the communicator's abort)
+    peer_exited: threading.Event | None = field(default=None, compare=False, repr=False)
+
+    def _check_peers(self) -> None:
+        if self.peer_exited is not None and self.peer_exited.is_set():
+            raise RuntimeError("a tensor-parallel rank exited: no further collective is queued")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of `x` over ranks (may be computed in place, or into a new tensor: use the result)."""
         if self.size > 1:
+            self._check_peers()
             if self.one_shot is not None and self.one_shot.fits(x):
                 return self.one_shot(x)
             dist.all_reduce(x)
@@ -69,6 +78,7 @@ class TPGroup:
     def broadcast_from_rank0(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's `x` on every rank (the others pass a buffer of the same shape)."""
         if self.size > 1:
+            self._check_peers()
             dist.broadcast(x, src=0)
         return x
 
@@ -76,6 +86,7 @@ class TPGroup:
         """Concatenate each rank's slice of the last dimension (vocab-parallel logits)."""
         if self.size == 1:
             return x
+        self._check_peers()
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-1)
@@ -84,7 +95,8 @@ class TPGroup:
 SINGLE = TPGroup()
 
 
-def rank_group(rank: int, size: int, backend: str, dtype: torch.dtype) -> TPGroup:
+def rank_group(rank: int, size: int, backend: str, dtype: torch.dtype,
+               peer_exited: threading.Event | None = None) -> TPGroup:
     """This rank's TPGroup, once the process group exists; collective (every rank calls it together).
 
     REDLINE_TP_ALL_REDUCE=symm sends small all-reduces through symmetric memory (faster decode steps on
@@ -97,7 +109,7 @@ def rank_group(rank: int, size: int, backend: str, dtype: torch.dtype) -> TPGrou
     one_shot = None
     if size > 1 and backend == "nccl" and mode == "symm":
         one_shot = OneShotAllReduce.create(torch.device("cuda", rank), dtype)
-    return TPGroup(rank, size, one_shot)
+    return TPGroup(rank, size, one_shot, peer_exited)
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
