@@ -251,7 +251,14 @@ torch.cuda.empty_cache()
 fresh = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=256, gpu_memory_utilization=0.3)
 outs = fresh.generate(json.loads(sys.argv[2])[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
 result["fresh_tokens"] = sum(len(o.token_ids) for o in outs)
-fresh.shutdown()
+fresh.shutdown()  # a normal shutdown releases the group too: one more engine in this process
+del fresh, outs
+gc.collect()
+torch.cuda.empty_cache()
+third = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=256, gpu_memory_utilization=0.3)
+outs = third.generate(json.loads(sys.argv[2])[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+result["third_tokens"] = sum(len(o.token_ids) for o in outs)
+third.shutdown()
 print(json.dumps(result))
 """
 
@@ -262,7 +269,8 @@ print(json.dumps(result))
                     reason="needs 2 GPUs")
 def test_killed_rank_on_gpus_makes_generate_raise_and_a_fresh_engine_start(qwen3_checkpoint):
     """NCCL waits forever on a dead peer: rank 0 must still raise within seconds (CUDA graphs on), end the
-    other rank, release its communicator, and the same process must be able to start a new engine."""
+    other rank, release its communicator, and the same process must be able to start a new engine (and,
+    after that one's normal shutdown, another)."""
     import json
     import subprocess
     import sys
@@ -275,7 +283,7 @@ def test_killed_rank_on_gpus_makes_generate_raise_and_a_fresh_engine_start(qwen3
     assert "rank 1" in result.get("raised", "") and "SIGKILL" in result["raised"], result
     assert result["seconds"] < 30, result  # within seconds, never a hang (the backstops are 300 s)
     assert result["children"] == []
-    assert result["fresh_tokens"] == 8
+    assert result["fresh_tokens"] == 8 and result["third_tokens"] == 8
 
 
 def test_unknown_tp_all_reduce_mode_is_a_clear_error(qwen3_checkpoint, monkeypatch):
