@@ -1,0 +1,120 @@
+"""All-reduce time on a 2-GPU machine under several NCCL settings, as decode steps use it (inside CUDA graphs).
+
+    python scripts/allreduce_check.py --out $OUT [--settings default,NCCL_PROTO=LL,...]
+
+For each setting (environment variables NCCL reads when a communicator is made; `+` joins several), two
+fresh processes make a communicator, capture --repeat all-reduces of each size into a CUDA graph and time
+its replays. With the default setting the symmetric-memory one-shot all-reduce is timed too. Sizes are
+the decode steps' all-reduces of the Qwen3-8B shape (hidden 4096, bf16) at 1, 16, 64 and 256 sequences.
+Prints one JSON line per setting and writes allreduce_check.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                       ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_name, _value)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+DEFAULT_SETTINGS = ("default,NCCL_PROTO=LL,NCCL_PROTO=LL128,NCCL_PROTO=Simple,NCCL_ALGO=Tree,"
+                    "NCCL_MIN_NCHANNELS=16,NCCL_MIN_NCHANNELS=32,NCCL_PROTO=LL+NCCL_MIN_NCHANNELS=32")
+
+
+def rank_main(rank: int, setting: str, port: int, sizes: list[int], repeat: int, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if setting != "default":
+        for item in setting.split("+"):
+            name, value = item.split("=", 1)
+            os.environ[name] = value
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            device_id=torch.device("cuda", rank))
+    result = {"setting": setting, "us": {}}
+    modes = ["nccl"]
+    if setting == "default":
+        from engine.layers.parallel import OneShotAllReduce
+        one_shot = OneShotAllReduce.create(torch.device("cuda", rank), torch.bfloat16)
+        if one_shot is not None:
+            modes.append("symm")
+    for mode in modes:
+        for tokens in sizes:
+            x = torch.zeros(tokens, 4096, dtype=torch.bfloat16, device="cuda")  # sums stay finite
+
+            def once():
+                if mode == "symm":
+                    return one_shot(x)
+                dist.all_reduce(x)
+                return x
+
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(3):
+                    once()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(repeat):
+                    once()
+            for _ in range(3):
+                graph.replay()
+            torch.cuda.synchronize()
+            dist.barrier()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(5):
+                graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            result["us"][f"{mode}/{tokens}"] = round(start.elapsed_time(end) * 1000 / (5 * repeat), 2)
+            del graph
+    if rank == 0:
+        queue.put(result)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_setting(setting: str, port: int, sizes: list[int], repeat: int) -> dict:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(r, setting, port, sizes, repeat, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=180)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    return queue.get(timeout=5) if not queue.empty() else {"setting": setting, "error": "no result"}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="out")
+    parser.add_argument("--settings", default=DEFAULT_SETTINGS)
+    parser.add_argument("--sizes", default="1,16,64,256", help="tokens per all-reduce (rows of 4096 bf16)")
+    parser.add_argument("--repeat", type=int, default=72, help="all-reduces captured in one graph")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    results = []
+    for i, setting in enumerate(args.settings.split(",")):
+        result = run_setting(setting, 29600 + i, sizes, args.repeat)
+        print(json.dumps(result), flush=True)
+        results.append(result)
+    (out / "allreduce_check.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
