@@ -87,7 +87,7 @@ class TPDriver:
             dist.init_process_group(backend, store=workers.store, rank=0, world_size=size,
                                     timeout=timedelta(seconds=GROUP_TIMEOUT_S), **_device_id(backend, 0))
             workers.group = dist.group.WORLD
-            tp = rank_group(0, size, backend, config.torch_dtype, peer_exited=workers.rank_died)
+            tp = workers.tp = rank_group(0, size, backend, config.torch_dtype, peer_exited=workers.rank_died)
             self.runner = workers.rank0 = ModelRunner(config, tp, capture_graphs=False)
             workers.collect("ready", expect=self.runner.num_kvcache_blocks, timeout=GROUP_TIMEOUT_S)
             workers.send(("capture",))
@@ -178,6 +178,7 @@ class _Workers:
         self.workers: list[_Worker] = []
         self.store = None
         self.group = None
+        self.tp = None  # rank 0's TPGroup
         self.rank0: ModelRunner | None = None
         self.saved_num_threads: int | None = None  # this process's CPU threads before the ranks shared the cores
         self.failure: str | None = None
@@ -223,6 +224,7 @@ class _Workers:
             if self._stop_watch.is_set():
                 return
         self.rank_died.set()  # rank 0 queues no collective from now on (TPGroup checks), so none waits on the abort
+        self._stop_peer_waits()
         if self._stop_watch.wait(WATCH_GRACE_S):  # rank 0 noticed and is closing the engine
             return
         while self.group is None:  # died before the group was made: abort it once it is
@@ -231,6 +233,14 @@ class _Workers:
         logger.warning("a tensor-parallel rank exited and rank 0 has not noticed for %s s: aborting the "
                        "communicator to release rank 0's GPU work", WATCH_GRACE_S)
         self._start_abort()
+
+    def _stop_peer_waits(self) -> None:
+        """Release rank 0's symmetric-memory all-reduces waiting on a dead peer (NCCL's abort cannot)."""
+        if self.tp is not None:
+            try:
+                self.tp.stop_peer_waits()
+            except Exception:  # noqa: BLE001 (best effort on the way down)
+                logger.exception("could not release rank 0's all-reduce kernels")
 
     def _start_abort(self) -> threading.Thread:
         """Abort the NCCL communicator in a thread of its own (once): it returns only after rank 0's CUDA
@@ -362,6 +372,7 @@ class _Workers:
         self._stop_watch.set()
         if failed:
             logger.warning("tensor-parallel engine stopping: %s", self.failure)
+            self._stop_peer_waits()
         else:
             for w in self.workers:
                 try:

@@ -4,7 +4,8 @@
 
 For each setting (environment variables NCCL reads when a communicator is made; `+` joins several), two
 fresh processes make a communicator, capture --repeat all-reduces of each size into a CUDA graph and time
-its replays. With the default setting the symmetric-memory one-shot all-reduce is timed too. Sizes are
+its replays. With the default setting two symmetric-memory one-shot all-reduces are timed too: the engine's
+(engine/kernels/all_reduce.py, "symm") and PyTorch's (`one_shot_all_reduce_copy`, "torch"). Sizes are
 the decode steps' all-reduces of the Qwen3-8B shape (hidden 4096, bf16) at 1, 16, 64 and 256 sequences.
 Prints one JSON line per setting and writes allreduce_check.json.
 """
@@ -39,10 +40,21 @@ def rank_main(rank: int, setting: str, port: int, sizes: list[int], repeat: int,
     result = {"setting": setting, "us": {}}
     modes = ["nccl"]
     if setting == "default":
+        import torch.distributed._symmetric_memory as symm_mem
+
         from engine.layers.parallel import OneShotAllReduce
-        one_shot = OneShotAllReduce.create(torch.device("cuda", rank), torch.bfloat16)
-        if one_shot is not None:
-            modes.append("symm")
+        one_shot = OneShotAllReduce.create(torch.device("cuda", rank), torch.bfloat16, rank, 2)
+        torch_buffer = symm_mem.empty(max(sizes) * 4096, dtype=torch.bfloat16, device="cuda")
+        symm_mem.rendezvous(torch_buffer, dist.group.WORLD.group_name)
+        modes += ["symm", "torch"]
+    if "symm" in modes:  # the engine's kernel must give NCCL's sums exactly (two ranks: one rounding each)
+        mismatched = 0
+        for tokens in sizes:
+            x = torch.randn(tokens, 4096, device="cuda").to(torch.bfloat16) * (rank + 1)
+            want = x.clone()
+            dist.all_reduce(want)
+            mismatched += int((one_shot(x.clone()) != want).sum())
+        result["symm_vs_nccl_mismatched"] = mismatched
     for mode in modes:
         for tokens in sizes:
             x = torch.zeros(tokens, 4096, dtype=torch.bfloat16, device="cuda")  # sums stay finite
@@ -50,6 +62,9 @@ def rank_main(rank: int, setting: str, port: int, sizes: list[int], repeat: int,
             def once():
                 if mode == "symm":
                     return one_shot(x)
+                if mode == "torch":
+                    return torch.ops.symm_mem.one_shot_all_reduce_copy(
+                        torch_buffer[:x.numel()], x.view(-1), "sum", dist.group.WORLD.group_name)
                 dist.all_reduce(x)
                 return x
 

@@ -14,17 +14,25 @@ ONE_SHOT_MAX_BYTES = 8 << 20
 
 
 class OneShotAllReduce:
-    """All-reduce of small tensors through symmetric memory: each rank copies its part into a buffer its
-    peers can read over NVLink, and every rank sums all parts in rank order (one kernel, identical sums on
-    every rank). Decode steps all-reduce a few MB twice a layer, where NCCL's fixed cost dominates."""
+    """All-reduce of small tensors through symmetric memory (engine/kernels/all_reduce.py): each rank
+    copies its part into a buffer its peers map over NVLink, and every rank sums all parts in rank order
+    in one kernel (identical sums on every rank). Decode steps all-reduce a few MB twice a layer, where
+    NCCL's fixed cost dominates. The kernel's waits poll a stop flag, so a dead peer cannot hang them."""
 
-    def __init__(self, buffer: torch.Tensor, group_name: str):
-        self.buffer, self.group_name = buffer, group_name
-        self._copy_in = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy")
+    def __init__(self, buffer: torch.Tensor, buf_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, rank: int,
+                 world_size: int, keep: tuple):
+        self.buffer, self.buf_ptrs, self.flag_ptrs = buffer, buf_ptrs, flag_ptrs
+        self.rank, self.world_size = rank, world_size
+        self._keep = keep  # the flag buffer and the rendezvous handles: peers map them
+        self.stop = torch.zeros(1, dtype=torch.int32, device=buffer.device)
+        self._one = torch.ones(1, dtype=torch.int32, pin_memory=True)
+        self._side_stream = torch.cuda.Stream(buffer.device)
 
     @classmethod
-    def create(cls, device: torch.device, dtype: torch.dtype) -> "OneShotAllReduce | None":
+    def create(cls, device: torch.device, dtype: torch.dtype, rank: int, world_size: int) -> "OneShotAllReduce | None":
         """Collective over the default group; None (with a warning) where symmetric memory is unavailable."""
+        from engine.kernels.all_reduce import MAX_PROGRAMS
+
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
@@ -34,23 +42,34 @@ class OneShotAllReduce:
                     warnings.simplefilter("ignore", FutureWarning)
                     symm_mem.enable_symm_mem_for_group(group_name)
             buffer = symm_mem.empty(ONE_SHOT_MAX_BYTES // dtype.itemsize, dtype=dtype, device=device)
-            symm_mem.rendezvous(buffer, group_name)
+            flags = symm_mem.empty(2 * MAX_PROGRAMS * world_size, dtype=torch.int32, device=device)
+            flags.zero_()
+            buffers = symm_mem.rendezvous(buffer, group_name)
+            flag_buffers = symm_mem.rendezvous(flags, group_name)
+            buf_ptrs = torch.tensor(buffers.buffer_ptrs, dtype=torch.int64, device=device)
+            flag_ptrs = torch.tensor(flag_buffers.buffer_ptrs, dtype=torch.int64, device=device)
+            torch.cuda.synchronize(device)
+            dist.barrier()  # every rank's flags are zero before any rank signals
         except Exception as e:  # noqa: BLE001 (any failure here means: use NCCL)
             warnings.warn(f"symmetric-memory all-reduce unavailable, using NCCL for every all-reduce: {e}")
             return None
-        return cls(buffer, group_name)
+        return cls(buffer, buf_ptrs, flag_ptrs, rank, world_size, (flags, buffers, flag_buffers))
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.dtype == self.buffer.dtype and x.numel() <= self.buffer.numel() and x.is_contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        n = x.numel()
-        if self._copy_in:
-            out = torch.ops.symm_mem.one_shot_all_reduce_copy(self.buffer[:n], x.view(-1), "sum", self.group_name)
-        else:
-            self.buffer[:n].copy_(x.view(-1))
-            out = torch.ops.symm_mem.one_shot_all_reduce(self.buffer[:n], "sum", self.group_name)
-        return out.view_as(x)
+        from engine.kernels.all_reduce import one_shot_all_reduce
+
+        flat = x.view(-1)  # in place: each program reads its share of x before it writes that share
+        one_shot_all_reduce(flat, flat, self.buf_ptrs, self.flag_ptrs, self.stop, self.rank, self.world_size)
+        return x
+
+    def stop_waits(self) -> None:
+        """A peer died: make every waiting and later call return at once (with meaningless sums). The flag
+        is copied from a side stream by the copy engine, so it never queues behind the waiting kernels."""
+        with torch.cuda.stream(self._side_stream):
+            self.stop.copy_(self._one, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -65,6 +84,11 @@ class TPGroup:
     def _check_peers(self) -> None:
         if self.peer_exited is not None and self.peer_exited.is_set():
             raise RuntimeError("a tensor-parallel rank exited: no further collective is queued")
+
+    def stop_peer_waits(self) -> None:
+        """A peer died: release this rank's kernels waiting on it, where a communicator abort cannot."""
+        if self.one_shot is not None:
+            self.one_shot.stop_waits()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of `x` over ranks (may be computed in place, or into a new tensor: use the result)."""
@@ -108,7 +132,7 @@ def rank_group(rank: int, size: int, backend: str, dtype: torch.dtype,
         raise ValueError(f"REDLINE_TP_ALL_REDUCE must be 'nccl' or 'symm', got {mode!r}")
     one_shot = None
     if size > 1 and backend == "nccl" and mode == "symm":
-        one_shot = OneShotAllReduce.create(torch.device("cuda", rank), dtype)
+        one_shot = OneShotAllReduce.create(torch.device("cuda", rank), dtype, rank, size)
     return TPGroup(rank, size, one_shot, peer_exited)
 
 
