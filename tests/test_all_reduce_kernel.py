@@ -51,6 +51,12 @@ def test_on_one_gpu_two_ranks_on_two_streams_sum_exactly_and_a_stop_flag_release
     streams = [torch.cuda.Stream() for _ in range(2)]
     sizes = [1, BLOCK + 5, MAX_PROGRAMS * BLOCK * 3 + 7]
     bufs, flags, (buf_ptrs, flag_ptrs), stops = ranks(max(sizes))
+    # compile and load the kernel first: loading a module while the other "rank" spins could wait for it
+    stops[0].fill_(1)
+    one_shot_all_reduce(bufs[0][:1], bufs[0][:1], buf_ptrs, flag_ptrs, stops[0], 0, 2)
+    torch.cuda.synchronize()
+    for t in (*flags, *stops):
+        t.zero_()
     mismatched = 0
     for n in sizes * 2:
         xs = [torch.randn(n, device="cuda").to(torch.bfloat16) for _ in range(2)]

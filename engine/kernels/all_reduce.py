@@ -51,7 +51,7 @@ def _meet_peers(flag_ptrs, phase, rank, stop, W: tl.constexpr, PROGRAMS: tl.cons
     tl.debug_barrier()  # no thread reads a peer's buffer before the signal that published it
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "rank"])  # one compiled kernel for every rank and size
 def _one_shot_all_reduce(x_ptr, out_ptr, buf_ptrs, flag_ptrs, stop, n, rank,
                          W: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
     pid = tl.program_id(0)
