@@ -123,9 +123,9 @@ def rank_group(rank: int, size: int, backend: str, dtype: torch.dtype,
                peer_exited: threading.Event | None = None) -> TPGroup:
     """This rank's TPGroup, once the process group exists; collective (every rank calls it together).
 
-    REDLINE_TP_ALL_REDUCE=symm sends small all-reduces through symmetric memory (faster decode steps on
-    GPUs), at a cost: a rank that dies mid-step leaves its peers' all-reduce kernels spinning, which no
-    communicator abort can release. The default, nccl, keeps every all-reduce in NCCL.
+    REDLINE_TP_ALL_REDUCE=symm sends small all-reduces through symmetric memory (OneShotAllReduce: faster
+    decode steps on GPUs). It is opt-in while its failure path (a peer dying mid-step) is not verified on
+    GPUs. The default, nccl, keeps every all-reduce in NCCL.
     """
     mode = os.environ.get("REDLINE_TP_ALL_REDUCE", "nccl")
     if mode not in ("nccl", "symm"):
