@@ -31,7 +31,7 @@ class OneShotAllReduce:
     @classmethod
     def create(cls, device: torch.device, dtype: torch.dtype, rank: int, world_size: int) -> "OneShotAllReduce | None":
         """Collective over the default group; None (with a warning) where symmetric memory is unavailable."""
-        from engine.kernels.all_reduce import MAX_PROGRAMS
+        from engine.kernels.all_reduce import MAX_PROGRAMS  # Triton is an optional extra: import on use
 
         try:
             import torch.distributed._symmetric_memory as symm_mem
