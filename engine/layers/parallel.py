@@ -37,6 +37,14 @@ class OneShotAllReduce:
             import torch.distributed._symmetric_memory as symm_mem
 
             group_name = dist.group.WORLD.group_name
+            if group_name in getattr(symm_mem, "_group_name_to_store", {}):
+                # PyTorch binds a group name to its store for the process's life, and each new default group
+                # is named "0" again: the name still points at an earlier engine's store, where a
+                # rendezvous would wait forever
+                warnings.warn("symmetric memory was set up for an earlier tensor-parallel engine in this process; "
+                              "this one uses NCCL for every all-reduce (start engines with "
+                              "REDLINE_TP_ALL_REDUCE=symm in processes of their own)")
+                return None
             if hasattr(symm_mem, "enable_symm_mem_for_group"):
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", FutureWarning)
