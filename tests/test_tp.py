@@ -287,6 +287,43 @@ def test_killed_rank_on_gpus_makes_generate_raise_and_a_fresh_engine_start(qwen3
     assert result["fresh_tokens"] == 8 and result["third_tokens"] == 8
 
 
+_SECOND_GROUP_SAME_NAME = """
+import json, sys, warnings
+import torch, torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
+from engine.layers.parallel import OneShotAllReduce
+folder = sys.argv[1]
+dist.init_process_group("gloo", init_method=f"file://{folder}/first", rank=0, world_size=1)
+name = dist.group.WORLD.group_name
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", FutureWarning)
+    symm_mem.enable_symm_mem_for_group(name)  # what the first engine of this process did
+dist.destroy_process_group()
+dist.init_process_group("gloo", init_method=f"file://{folder}/second", rank=0, world_size=1)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    made = OneShotAllReduce.create(torch.device("cpu"), torch.bfloat16, 0, 1)
+print(json.dumps({"same_name": dist.group.WORLD.group_name == name, "made": made is not None,
+                  "warnings": [str(w.message) for w in caught]}))
+"""
+
+
+def test_second_engine_in_a_process_skips_symmetric_memory_bound_to_the_first_ones_store(tmp_path):
+    """PyTorch binds a group name to its first store for the process's life and names every new default
+    group "0": a second engine's rendezvous would wait on the first engine's store, so it must use NCCL."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _SECOND_GROUP_SAME_NAME, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["same_name"]  # the premise: the new default group reuses the name
+    assert not result["made"]
+    assert any("earlier tensor-parallel engine" in w for w in result["warnings"]), result["warnings"]
+
+
 def test_unknown_tp_all_reduce_mode_is_a_clear_error(qwen3_checkpoint, monkeypatch):
     monkeypatch.setenv("REDLINE_TP_ALL_REDUCE", "fast")
     with pytest.raises(ValueError, match="REDLINE_TP_ALL_REDUCE must be 'nccl' or 'symm', got 'fast'"):
