@@ -47,6 +47,20 @@ def _run(llm: LLM, prompts, params) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+def _run_on_two_gpus(script: str, checkpoint, mode: str, timeout: float) -> dict:
+    """Run `script` (argv: checkpoint, prompts as JSON) in a fresh process with REDLINE_TP_ALL_REDUCE=mode;
+    its last stdout line, as JSON. GPU engines run in processes of their own (see docs/tensor-parallel.md)."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, REDLINE_TP_ALL_REDUCE=mode, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    proc = subprocess.run([sys.executable, "-c", script, str(checkpoint), json.dumps(_prompts())],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def test_tp_size_must_divide_attention_and_kv_heads(qwen3_checkpoint):
     with pytest.raises(ValueError, match=r"num_attention_heads \(4\) must be divisible by tensor_parallel_size \(3\)"):
         LLM(str(qwen3_checkpoint), device="cpu", tensor_parallel_size=3)
@@ -206,18 +220,7 @@ llm.shutdown()
                     reason="needs 2 GPUs")
 def test_symmetric_memory_all_reduce_gives_nccl_tokens_on_two_gpus(qwen3_checkpoint):
     """Both sum the two ranks' parts in rank order, so the tokens must agree exactly (CUDA graphs on)."""
-    import json
-    import subprocess
-    import sys
-
-    prompts = json.dumps(_prompts())
-    runs = {}
-    for mode in ("symm", "nccl"):
-        env = dict(os.environ, REDLINE_TP_ALL_REDUCE="nccl", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
-        proc = subprocess.run([sys.executable, "-c", _TP2_GPU_TOKENS, str(qwen3_checkpoint), prompts],
-                              capture_output=True, text=True, env=env, timeout=500)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    runs = {mode: _run_on_two_gpus(_TP2_GPU_TOKENS, qwen3_checkpoint, mode, timeout=500) for mode in ("symm", "nccl")}
     assert runs["symm"]["one_shot"] and not runs["nccl"]["one_shot"]
     assert runs["symm"]["tokens"] == runs["nccl"]["tokens"]
 
@@ -272,15 +275,7 @@ def test_killed_rank_on_gpus_makes_generate_raise_and_a_fresh_engine_start(qwen3
     other rank, release its communicator, and the same process must be able to start a new engine (and,
     after that one's normal shutdown, another). With the default all-reduces: REDLINE_TP_ALL_REDUCE=symm's
     failure path is not verified on GPUs (docs/tensor-parallel.md)."""
-    import json
-    import subprocess
-    import sys
-
-    env = dict(os.environ, REDLINE_TP_ALL_REDUCE="nccl", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
-    proc = subprocess.run([sys.executable, "-c", _TP2_GPU_KILL, str(qwen3_checkpoint), json.dumps(_prompts())],
-                          capture_output=True, text=True, env=env, timeout=360)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = _run_on_two_gpus(_TP2_GPU_KILL, qwen3_checkpoint, "nccl", timeout=360)
     assert "rank 1" in result.get("raised", "") and "SIGKILL" in result["raised"], result
     assert result["seconds"] < 30, result  # within seconds, never a hang (the backstops are 300 s)
     assert result["children"] == []
