@@ -335,6 +335,55 @@ def check_qkv_prep(device: str, dtype: torch.dtype = torch.bfloat16) -> dict:
     return results
 
 
+def check_norm_act(device: str, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """RMSNorm (with and without the residual add) and SiLU·mul kernels against the eager layers.
+
+    The residual sum must be exact (`store_residual`: differing elements); `*_exact_share` is the share
+    of outputs that differ from the eager layers' at all (the mean may be summed in another order). On
+    CUDA the kernels also run with L2 prefetch targets, which must not change a single output.
+    """
+    from engine.kernels import norm_act
+    from engine.layers import fusion
+
+    results = {}
+    saved = os.environ.get("REDLINE_COMPILE")
+    os.environ["REDLINE_COMPILE"] = "0"  # the fusion functions below run their eager torch path
+    try:
+        for rows, hidden in ((1, 64), (5, 96), (3, 1024)):
+            name = f"rms_{rows}x{hidden}"
+            gen = torch.Generator().manual_seed(rows * hidden)
+            x = (torch.randn(rows, hidden, generator=gen) * 2).to(dtype).to(device)
+            residual = torch.randn(rows, hidden, generator=gen).to(dtype).to(device)
+            weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype).to(device)
+            ref, ref_residual = fusion.add_rms_norm(x, residual, weight, 1e-6)
+            out, new_residual = norm_act.rms_norm(x, weight, 1e-6, residual=residual)
+            results[f"{name}_add"] = (relative_error(out, ref), not out.isnan().any().item())
+            results[f"{name}_store_residual"] = (float((new_residual != ref_residual).sum().item()), True)
+            plain_ref = fusion.rms_norm(x, weight, 1e-6)
+            plain = norm_act.rms_norm(x, weight, 1e-6)
+            results[f"{name}_plain"] = (relative_error(plain, plain_ref), not plain.isnan().any().item())
+            packed = (torch.randn(rows, 2 * hidden, generator=gen) * 3).to(dtype).to(device)
+            act_ref = fusion.silu_and_mul(packed)
+            act = norm_act.silu_and_mul(packed)
+            results[f"silu_{rows}x{hidden}"] = (relative_error(act, act_ref), not act.isnan().any().item())
+            if dtype == torch.bfloat16:
+                results[f"{name}_add_exact_share"] = (float((out != ref).float().mean().item()), True)
+                results[f"silu_{rows}x{hidden}_exact_share"] = (float((act != act_ref).float().mean().item()), True)
+            if device != "cpu":  # prefetch instructions exist on the GPU only
+                weights = torch.randn(3 << 20, generator=gen).to(dtype).to(device)  # 6 MB, not a chunk multiple
+                targets = [(weights, weights.numel() * weights.element_size() - 48), (x, x.numel() * 2)]
+                again, again_residual = norm_act.rms_norm(x, weight, 1e-6, residual=residual, prefetch=targets)
+                changed = (again != out).sum() + (again_residual != new_residual).sum()
+                changed += (norm_act.silu_and_mul(packed, prefetch=targets[:1]) != act).sum()
+                results[f"{name}_store_with_prefetch"] = (float(changed.item()), True)
+    finally:
+        if saved is None:
+            del os.environ["REDLINE_COMPILE"]
+        else:
+            os.environ["REDLINE_COMPILE"] = saved
+    return results
+
+
 def _main() -> None:
     """Run the CPU shapes under the Triton interpreter and print one JSON object of results."""
     import json
@@ -357,6 +406,8 @@ def _main() -> None:
                                    **{f"fp32_{k}": v for k, v in check_qkv_prep("cpu", torch.float32).items()}}
         except ImportError as e:
             results["qkv_prep"] = {"skipped": str(e)}
+    if "norm_act" in names or not sys.argv[1:]:
+        results["norm_act"] = check_norm_act("cpu")
     if "backend" in names or not sys.argv[1:]:
         try:
             results["backend"] = check_backend_contract("cpu")

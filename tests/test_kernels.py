@@ -15,8 +15,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from interpreter import run_under_interpreter  # noqa: E402
-from kernel_cases import (CPU_SHAPES, GPU_SHAPES, check_decode_padding, check_qkv_prep,  # noqa: E402
-                          check_shape)
+from kernel_cases import (CPU_SHAPES, GPU_SHAPES, check_decode_padding, check_norm_act,  # noqa: E402
+                          check_qkv_prep, check_shape)
 
 REL_TOL = 1e-2
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -67,6 +67,17 @@ def test_qkv_prep_matches_eager_layers_under_interpreter(interpreted):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_qkv_prep_matches_eager_layers_on_gpu():
     assert_results(check_qkv_prep("cuda"))
+
+
+@needs_triton
+def test_norm_and_silu_kernels_match_eager_layers_under_interpreter(interpreted):
+    assert_results(interpreted["norm_act"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_norm_and_silu_kernels_match_eager_layers_and_prefetch_changes_nothing_on_gpu():
+    assert_results(check_norm_act("cuda"))
 
 
 @pytest.mark.gpu

@@ -1,10 +1,13 @@
-"""Elementwise chains fused by torch.compile on CUDA; plain eager torch elsewhere.
+"""Fused elementwise chains on CUDA; plain eager torch elsewhere.
 
-Each function is compiled once (dynamic shapes) the first time it sees a CUDA tensor. Set
+RMSNorm (with the residual add) and SiLU·mul run as the engine's Triton kernels
+(engine/kernels/norm_act.py), which can also warm the L2 cache for a later GEMM; the other chains are
+compiled by torch.compile once (dynamic shapes) the first time they see a CUDA tensor. Set
 REDLINE_COMPILE=0 to keep everything eager.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -27,17 +30,41 @@ def fused(fn):
     return run
 
 
-@fused
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+@functools.cache
+def _norm_act_kernels():
+    """engine.kernels.norm_act, or None where triton is missing."""
+    try:
+        from engine.kernels import norm_act
+    except ImportError:
+        return None
+    return norm_act
+
+
+def _kernels_for(x: torch.Tensor, weight: torch.Tensor | None = None):
+    """The Triton kernels if they apply to x (CUDA, fusion on, weight of x's dtype), else None."""
+    if not x.is_cuda or os.environ.get("REDLINE_COMPILE", "1") == "0":
+        return None
+    if weight is not None and weight.dtype != x.dtype:
+        return None
+    return _norm_act_kernels()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, prefetch=()) -> torch.Tensor:
+    """RMSNorm over the last dimension in float32. prefetch: (tensor, bytes) pairs to queue into L2."""
+    kernels = _kernels_for(x, weight)
+    if kernels is not None:
+        return kernels.rms_norm(x, weight, eps, prefetch=prefetch)
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
 
 
-@fused
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, prefetch=()):
     """(rms_norm(x + residual), x + residual)."""
+    kernels = _kernels_for(x, weight)
+    if kernels is not None:
+        return kernels.rms_norm(x, weight, eps, residual=residual, prefetch=prefetch)
     residual = x + residual
     dtype = residual.dtype
     h = residual.float()
@@ -45,8 +72,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return weight * h.to(dtype), residual
 
 
-@fused
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, prefetch=()) -> torch.Tensor:
+    """silu(gate) * up over a packed [gate | up] last dimension."""
+    kernels = _kernels_for(x)
+    if kernels is not None:
+        return kernels.silu_and_mul(x, prefetch=prefetch)
     gate, up = x.chunk(2, -1)
     return F.silu(gate) * up
 
