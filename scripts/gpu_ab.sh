@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: the engine's benchmarks under each of several environment settings, in
+# one run (ratios between them are fair), then the GPU tests.
+#   AB="REDLINE_L2_PREFETCH=0 REDLINE_L2_PREFETCH=1" bash scripts/gpu_ab.sh     (logs under $OUT, or ./out)
+# Each word of AB is one variant: NAME=VALUE[,NAME=VALUE...]. STEPS=1 adds a decode-step table per variant.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-out}"; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>&1 | tee "$OUT/gpu.txt"
+status=0
+for variant in ${AB:-REDLINE_L2_PREFETCH=1}; do
+  vars=(${variant//,/ })
+  name=$(echo "$variant" | tr -c 'A-Za-z0-9_\n' '_')
+  echo "== $variant" | tee -a "$OUT/ab.log"
+  env "${vars[@]}" timeout "${BENCH_TIMEOUT:-180}" python3 -m engine.bench ${BENCH_ARGS:-} 2>&1 \
+    | grep -v Warning | tee -a "$OUT/ab.log" || status=1
+  env "${vars[@]}" timeout 120 python3 -m engine.bench --num-seqs 1 --min-input-len 512 --max-input-len 512 \
+    --min-output-len 512 --max-output-len 512 ${BENCH_ARGS:-} 2>&1 | grep -v Warning | tee -a "$OUT/ab.log" || status=1
+  if [ -n "${STEPS:-}" ]; then
+    env "${vars[@]}" timeout 240 python3 scripts/step_times.py --batches ${STEP_BATCHES:-1,64,256} --steps 32 \
+      --profile-batch ${PROFILE_BATCH:-1} --out "$OUT/$name" ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/steps.log" || status=1
+  fi
+done
+if [ -z "${SKIP_TESTS:-}" ]; then
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest ${PYTEST_ARGS:--q} -m gpu -p no:cacheprovider \
+    ${TESTS:-tests/test_kernels.py tests/test_gpu_engine.py} 2>&1 | tee "$OUT/gpu_tests.log" || status=1
+fi
+echo "== summary"; grep -h -e '^==' -e '^{' "$OUT/ab.log"; grep -h '^{' "$OUT/steps.log" 2>/dev/null
+tail -n 3 "$OUT/gpu_tests.log" 2>/dev/null
+exit $status
