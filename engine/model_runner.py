@@ -1,7 +1,6 @@
 """Turns a scheduled batch into tensors, runs the model on one device (one tensor-parallel rank), samples."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -59,9 +58,6 @@ class ModelRunner:
             self.model = model_class(hf.architectures)(hf, tp, self.ctx).to(self.dtype)
         self.model.eval()
         load_weights(self.model, config.model_dir, config.load_format, config.seed)
-        if self.device.type == "cuda" and os.environ.get("REDLINE_L2_PREFETCH", "1") != "0":
-            # decode steps of few sequences wait on weights; a third of L2 per kernel leaves room for the rest
-            self.model.plan_l2_prefetch(torch.cuda.get_device_properties(self.device).L2_cache_size // 3)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)

@@ -76,7 +76,7 @@ def test_norm_and_silu_kernels_match_eager_layers_under_interpreter(interpreted)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_norm_and_silu_kernels_match_eager_layers_and_prefetch_changes_nothing_on_gpu():
+def test_norm_and_silu_kernels_match_eager_layers_on_gpu():
     assert_results(check_norm_act("cuda"))
 
 

@@ -5,11 +5,7 @@ from engine.layers.fusion import silu_and_mul
 
 
 class SiluAndMul(nn.Module):
-    """silu(gate) * up over a packed [gate | up] input; prefetch as in RMSNorm."""
-
-    def __init__(self):
-        super().__init__()
-        self.prefetch: list = []
+    """silu(gate) * up over a packed [gate | up] input."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(x, self.prefetch)
+        return silu_and_mul(x)

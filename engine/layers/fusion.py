@@ -1,7 +1,7 @@
 """Fused elementwise chains on CUDA; plain eager torch elsewhere.
 
 RMSNorm (with the residual add) and SiLU·mul run as the engine's Triton kernels
-(engine/kernels/norm_act.py), which can also warm the L2 cache for a later GEMM; the other chains are
+(engine/kernels/norm_act.py); the other chains are
 compiled by torch.compile once (dynamic shapes) the first time they see a CUDA tensor. Set
 REDLINE_COMPILE=0 to keep everything eager.
 """
@@ -49,22 +49,22 @@ def _kernels_for(x: torch.Tensor, weight: torch.Tensor | None = None):
     return _norm_act_kernels()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, prefetch=()) -> torch.Tensor:
-    """RMSNorm over the last dimension in float32. prefetch: (tensor, bytes) pairs to queue into L2."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension in float32."""
     kernels = _kernels_for(x, weight)
     if kernels is not None:
-        return kernels.rms_norm(x, weight, eps, prefetch=prefetch)
+        return kernels.rms_norm(x, weight, eps)
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, prefetch=()):
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """(rms_norm(x + residual), x + residual)."""
     kernels = _kernels_for(x, weight)
     if kernels is not None:
-        return kernels.rms_norm(x, weight, eps, residual=residual, prefetch=prefetch)
+        return kernels.rms_norm(x, weight, eps, residual=residual)
     residual = x + residual
     dtype = residual.dtype
     h = residual.float()
@@ -72,11 +72,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return weight * h.to(dtype), residual
 
 
-def silu_and_mul(x: torch.Tensor, prefetch=()) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up over a packed [gate | up] last dimension."""
     kernels = _kernels_for(x)
     if kernels is not None:
-        return kernels.silu_and_mul(x, prefetch=prefetch)
+        return kernels.silu_and_mul(x)
     gate, up = x.chunk(2, -1)
     return F.silu(gate) * up
 

@@ -80,28 +80,6 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, family, tp, ctx) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def plan_l2_prefetch(self, lm_head: torch.Tensor, budget: int) -> None:
-        """Have each layer's small kernels queue the weights of the GEMMs that follow into L2: the input
-        norm the output projection's (and the first layer's qkv), the post-attention norm the MLP's, the
-        SiLU·mul the next layer's qkv (the LM head's after the last layer). Each kernel queues at most
-        `budget` bytes, heads of the weights first; budget 0 turns prefetching off."""
-        def share(*weights):
-            plan, left = [], budget
-            for w in weights:
-                nbytes = min(w.numel() * w.element_size(), left) // 16 * 16
-                if nbytes:
-                    plan.append((w, nbytes))
-                    left -= nbytes
-            return plan
-
-        for i, layer in enumerate(self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            after = self.layers[i + 1].self_attn.qkv_proj.weight if i + 1 < len(self.layers) else lm_head
-            first = [attn.qkv_proj.weight] if i == 0 else []
-            layer.input_layernorm.prefetch = share(*first, attn.o_proj.weight)
-            layer.post_attention_layernorm.prefetch = share(mlp.gate_up_proj.weight, mlp.down_proj.weight)
-            mlp.act.prefetch = share(after)
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
@@ -136,6 +114,3 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
-
-    def plan_l2_prefetch(self, budget: int) -> None:
-        self.model.plan_l2_prefetch(self.lm_head.weight, budget)
