@@ -78,11 +78,14 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(_Linear):
-    """Input features split across ranks; outputs are summed over ranks."""
+    """Input features split across ranks; outputs are summed over ranks. With reduce_results=False each
+    rank returns its own part, for a later layer to sum (see RMSNorm's `tp`)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE,
+                 reduce_results: bool = True):
         local_in = divide(in_features, tp.size, "input features")
         super().__init__(local_in, out_features, bias, tp, (out_features, in_features))
+        self.reduce_results = reduce_results
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if param.dim() == 1:  # bias: added once, on rank 0
@@ -94,4 +97,5 @@ class RowParallelLinear(_Linear):
     load_full = weight_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight, self.bias))
+        out = F.linear(x, self.weight, self.bias)
+        return self.tp.all_reduce(out) if self.reduce_results else out

@@ -2,17 +2,25 @@ import torch
 from torch import nn
 
 from engine.layers.fusion import add_rms_norm, rms_norm
+from engine.layers.parallel import SINGLE, TPGroup
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm in float32; with `residual`, adds it first and returns the new residual too."""
+    """RMSNorm in float32; with `residual`, adds it first and returns the new residual too.
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    With a residual, x is this rank's part of a sum over the ranks of `tp` (a row-parallel projection's
+    output left unsummed): the all-reduce, the residual add and the norm run as one step.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, tp: TPGroup = SINGLE):
         super().__init__()
         self.eps = eps
+        self.tp = tp
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
+        if self.tp.size > 1:
+            return self.tp.all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)

@@ -9,20 +9,24 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from engine.layers.fusion import add_rms_norm
+
 # small all-reduces (decode steps) go through symmetric memory up to this size; larger ones through NCCL
 ONE_SHOT_MAX_BYTES = 8 << 20
 
 
 class OneShotAllReduce:
     """All-reduce of small tensors through symmetric memory (engine/kernels/all_reduce.py): each rank
-    copies its part into a buffer its peers map over NVLink, and every rank sums all parts in rank order
-    in one kernel (identical sums on every rank). Decode steps all-reduce a few MB twice a layer, where
-    NCCL's fixed cost dominates. The kernel's waits poll a stop flag, so a dead peer cannot hang them."""
+    stores its part into a slot of every peer's buffer over NVLink, and every rank sums all parts in rank
+    order in one kernel (identical sums on every rank). Decode steps all-reduce a few MB twice a layer,
+    where NCCL's fixed cost dominates. The kernel's waits poll a stop flag, so a dead peer cannot hang
+    them."""
 
     def __init__(self, buffer: torch.Tensor, buf_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, rank: int,
                  world_size: int, keep: tuple):
         self.buffer, self.buf_ptrs, self.flag_ptrs = buffer, buf_ptrs, flag_ptrs
         self.rank, self.world_size = rank, world_size
+        self.slot_capacity = buffer.numel() // world_size  # elements of one rank's part
         self._keep = keep  # the flag buffer and the rendezvous handles: peers map them
         self.stop = torch.zeros(1, dtype=torch.int32, device=buffer.device)
         self._one = torch.ones(1, dtype=torch.int32, pin_memory=True)
@@ -49,7 +53,8 @@ class OneShotAllReduce:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", FutureWarning)
                     symm_mem.enable_symm_mem_for_group(group_name)
-            buffer = symm_mem.empty(ONE_SHOT_MAX_BYTES // dtype.itemsize, dtype=dtype, device=device)
+            # one slot of ONE_SHOT_MAX_BYTES per rank: each rank's part lands in a slot of its own
+            buffer = symm_mem.empty(world_size * ONE_SHOT_MAX_BYTES // dtype.itemsize, dtype=dtype, device=device)
             flags = symm_mem.empty(2 * MAX_PROGRAMS * world_size, dtype=torch.int32, device=device)
             flags.zero_()
             buffers = symm_mem.rendezvous(buffer, group_name)
@@ -64,7 +69,15 @@ class OneShotAllReduce:
         return cls(buffer, buf_ptrs, flag_ptrs, rank, world_size, (flags, buffers, flag_buffers))
 
     def fits(self, x: torch.Tensor) -> bool:
-        return x.dtype == self.buffer.dtype and x.numel() <= self.buffer.numel() and x.is_contiguous()
+        return x.dtype == self.buffer.dtype and x.numel() <= self.slot_capacity and x.is_contiguous()
+
+    def fits_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether add_rms_norm takes these: contiguous [rows, hidden] rows the kernel holds, one dtype."""
+        from engine.kernels.all_reduce import MAX_HIDDEN
+
+        return (self.fits(x) and x.dim() == 2 and x.shape[1] <= MAX_HIDDEN
+                and residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous()
+                and weight.shape == x.shape[1:] and weight.dtype == x.dtype and weight.is_contiguous())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         from engine.kernels.all_reduce import one_shot_all_reduce
@@ -72,6 +85,16 @@ class OneShotAllReduce:
         flat = x.view(-1)  # in place: each program reads its share of x before it writes that share
         one_shot_all_reduce(flat, flat, self.buf_ptrs, self.flag_ptrs, self.stop, self.rank, self.world_size)
         return x
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(s + residual) × weight, s + residual) with s the sum of x over ranks, in one kernel;
+        both in place: the normed rows over x, the new residual over residual."""
+        from engine.kernels.all_reduce import one_shot_all_reduce_add_rms_norm
+
+        one_shot_all_reduce_add_rms_norm(x, residual, weight, eps, x, self.buf_ptrs, self.flag_ptrs, self.stop,
+                                         self.rank, self.world_size)
+        return x, residual
 
     def stop_waits(self) -> None:
         """A peer died: make every waiting and later call return at once (with meaningless sums). The flag
@@ -107,12 +130,33 @@ class TPGroup:
             dist.all_reduce(x)
         return x
 
+    def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """add_rms_norm (engine/layers/fusion.py) of the sum of `x` over ranks: (normed rows, new residual).
+        x and residual may be overwritten: use the results. One kernel through symmetric memory where it
+        fits."""
+        if self.size > 1:
+            self._check_peers()
+            if self.one_shot is not None and self.one_shot.fits_add_rms_norm(x, residual, weight):
+                return self.one_shot.add_rms_norm(x, residual, weight, eps)
+            x = self.all_reduce(x)
+        return add_rms_norm(x, residual, weight, eps)
+
     def broadcast_from_rank0(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's `x` on every rank (the others pass a buffer of the same shape)."""
         if self.size > 1:
             self._check_peers()
             dist.broadcast(x, src=0)
         return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x`, stacked in rank order: [size, *x.shape]."""
+        if self.size == 1:
+            return x.unsqueeze(0)
+        self._check_peers()
+        out = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
+        dist.all_gather(list(out.unbind(0)), x.contiguous())
+        return out
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate each rank's slice of the last dimension (vocab-parallel logits)."""

@@ -1,6 +1,9 @@
 """The Llama decoder family: Llama, and through small flags Qwen2 (qkv bias) and Qwen3 (q/k norm).
 
 Pre-norm transformer: x → RMSNorm → attention (rotary, GQA) → + x → RMSNorm → SwiGLU MLP → + x.
+
+Under tensor parallelism the attention's and the MLP's output projections leave each rank's part
+unsummed; the norm that follows sums the parts, adds the residual and normalises in one step.
 """
 from __future__ import annotations
 
@@ -26,7 +29,8 @@ class DecoderAttention(nn.Module):
         bias = getattr(cfg, "attention_bias", False)
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, bias=bias or family.qkv_bias, tp=tp)
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=bias, tp=tp)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=bias, tp=tp,
+                                        reduce_results=False)
         theta, scaling = rope_settings(cfg)
         self.rotary_emb = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, theta, scaling)
         if family.qk_norm:
@@ -47,7 +51,7 @@ class MLP(nn.Module):
         if getattr(cfg, "mlp_bias", False):
             raise ValueError("mlp_bias=True is not supported")
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp=tp)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp, reduce_results=False)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -59,8 +63,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = DecoderAttention(cfg, family, tp, ctx)
         self.mlp = MLP(cfg, tp)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp)
 
     def forward(self, positions, x, residual):
         if residual is None:
@@ -78,7 +82,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, family, tp, ctx) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
