@@ -5,7 +5,10 @@
 For each setting (environment variables NCCL reads when a communicator is made; `+` joins several), two
 fresh processes make a communicator, capture --repeat all-reduces of each size into a CUDA graph and time
 its replays. With the default setting two symmetric-memory one-shot all-reduces are timed too: the engine's
-(engine/kernels/all_reduce.py, "symm") and PyTorch's (`one_shot_all_reduce_copy`, "torch"). Sizes are
+(engine/kernels/all_reduce.py, "symm") and PyTorch's (`one_shot_all_reduce_copy`, "torch"); and an
+all-reduce followed by the residual add and RMSNorm of a decoder layer three ways: NCCL then the norm
+kernel ("nccl+norm"), the engine's all-reduce then the norm kernel ("symm+norm"), and the engine's
+fused kernel ("fused"), which must equal "nccl+norm" exactly. Sizes are
 the decode steps' all-reduces of the Qwen3-8B shape (hidden 4096, bf16) at 1, 16, 64 and 256 sequences.
 Prints one JSON line per setting and writes allreduce_check.json.
 """
@@ -42,11 +45,12 @@ def rank_main(rank: int, setting: str, port: int, sizes: list[int], repeat: int,
     if setting == "default":
         import torch.distributed._symmetric_memory as symm_mem
 
+        from engine.layers.fusion import add_rms_norm
         from engine.layers.parallel import OneShotAllReduce
         one_shot = OneShotAllReduce.create(torch.device("cuda", rank), torch.bfloat16, rank, 2)
         torch_buffer = symm_mem.empty(max(sizes) * 4096, dtype=torch.bfloat16, device="cuda")
         symm_mem.rendezvous(torch_buffer, dist.group.WORLD.group_name)
-        modes += ["symm", "torch"]
+        modes += ["symm", "torch", "nccl+norm", "symm+norm", "fused"]
     if "symm" in modes:  # the engine's kernel must give NCCL's sums exactly (two ranks: one rounding each)
         mismatched = 0
         for tokens in sizes:
@@ -55,11 +59,32 @@ def rank_main(rank: int, setting: str, port: int, sizes: list[int], repeat: int,
             dist.all_reduce(want)
             mismatched += int((one_shot(x.clone()) != want).sum())
         result["symm_vs_nccl_mismatched"] = mismatched
+        mismatched = [0, 0]  # residual, normed rows: the fused kernel against NCCL then the norm kernel
+        weight = (torch.rand(4096, device="cuda") + 0.5).to(torch.bfloat16)
+        for tokens in sizes:
+            x = torch.randn(tokens, 4096, device="cuda").to(torch.bfloat16) * (rank + 1)
+            residual = torch.randn(tokens, 4096, device="cuda").to(torch.bfloat16)
+            summed = x.clone()
+            dist.all_reduce(summed)
+            want_out, want_residual = add_rms_norm(summed, residual.clone(), weight, 1e-6)
+            out, new_residual = one_shot.add_rms_norm(x.clone(), residual.clone(), weight, 1e-6)
+            mismatched[0] += int((new_residual != want_residual).sum())
+            mismatched[1] += int((out != want_out).sum())
+        result["fused_vs_nccl_norm_mismatched"] = mismatched
     for mode in modes:
         for tokens in sizes:
             x = torch.zeros(tokens, 4096, dtype=torch.bfloat16, device="cuda")  # sums stay finite
+            residual = torch.zeros_like(x)
+            weight = torch.ones(4096, dtype=torch.bfloat16, device="cuda")
 
             def once():
+                if mode == "fused":
+                    return one_shot.add_rms_norm(x, residual, weight, 1e-6)
+                if mode == "symm+norm":
+                    return add_rms_norm(one_shot(x), residual, weight, 1e-6)
+                if mode == "nccl+norm":
+                    dist.all_reduce(x)
+                    return add_rms_norm(x, residual, weight, 1e-6)
                 if mode == "symm":
                     return one_shot(x)
                 if mode == "torch":
