@@ -112,11 +112,12 @@ class TPDriver:
         other ranks; the returned handle's result() collects their acknowledgements, then the tokens."""
         workers = self._workers
         workers.check_running()
-        need_logits = st is not None  # the other ranks join the LM head's gather only when rank 0 samples
         try:
-            workers.send(("execute", _to_wire(inputs), need_logits))
+            # the other ranks join the sampling's collectives only when rank 0 samples (plan is not None)
+            plan = self.runner.sampling_plan(st, num_logprobs)
+            workers.send(("execute", _to_wire(inputs), plan))
             step = workers.num_sent
-            tokens = self.runner.launch(inputs, st, num_logprobs)
+            tokens = self.runner.launch(inputs, st, num_logprobs, plan)
         except BaseException as e:
             workers.fail(e, "during a step")
         return TPStep(workers, step, tokens)
@@ -498,11 +499,11 @@ def _serve(runner: ModelRunner, conn: Connection) -> None:
                 torch.cuda.synchronize(runner.device)
             conn.send(("ok",))
             continue
-        _, wire, need_logits = message
+        _, wire, sampling = message
         inputs = _from_wire(wire)
         hidden = runner.forward(inputs)
-        if need_logits:
-            runner.compute_logits(hidden, inputs)
+        if sampling:
+            runner.join_sampling(hidden, inputs, sampling)
         if runner.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()

@@ -10,7 +10,8 @@ from engine.attention import AttentionMetadata, ForwardContext, get_backend
 from engine.config import EngineConfig
 from engine.layers.attention import Attention
 from engine.layers.parallel import TPGroup
-from engine.layers.sampler import SamplingTensors, compute_logprobs, sample
+from engine.layers.sampler import (SamplingTensors, compute_logprobs, draw_seed, pick_token, sample,
+                                   samples_by_argmax, shard_best)
 from engine.loader import load_weights
 from engine.models import model_class
 from engine.scheduler import ScheduledBatch
@@ -37,6 +38,19 @@ class StepInputs:
     @property
     def is_decode(self) -> bool:
         return self.max_seqlen_q == 1
+
+
+@dataclass(frozen=True)
+class StepSampling:
+    """How the ranks take a step's tokens; rank 0 decides it (sampling_plan) and sends it with the step.
+
+    Sharded: each rank picks a candidate per row from its own vocabulary slice, and the ranks all-gather
+    the candidates (a few bytes a row) instead of the logits. Otherwise the LM head's slices are gathered
+    and rank 0 samples the whole rows.
+    """
+    sharded: bool
+    greedy: bool = False  # sharded, every row greedy: no temperatures, no noise
+    seed: int = 0         # sharded and not greedy: the step's Gumbel noise, the same on every rank
 
 
 class ModelRunner:
@@ -224,11 +238,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
+        return self.model.compute_logits(self._sampled_rows(hidden, inputs))
+
+    def _sampled_rows(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
         index = inputs.logits_indices
         if self.device.type == "cuda":  # no host sync: under TP, rank 0 must not block on a dead peer's collective
             index = index.pin_memory().to(self.device, non_blocking=True)
-        rows = hidden[index]
-        return self.model.compute_logits(rows)
+        return hidden[index]
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":  # pinned and asynchronous: the host never waits for the GPU here
@@ -236,12 +252,53 @@ class ModelRunner:
         return t.to(self.device)
 
     @torch.inference_mode()
-    def launch(self, inputs: StepInputs, st: SamplingTensors | None, num_logprobs: int) -> "SampledTokens":
-        """Queue forward and sampling on the device; the returned handle waits for the tokens."""
+    def launch(self, inputs: StepInputs, st: SamplingTensors | None, num_logprobs: int,
+               plan: StepSampling | None = None) -> "SampledTokens":
+        """Queue forward and sampling on the device; the returned handle waits for the tokens.
+        plan: under tensor parallelism, the step's sampling_plan, as the other ranks were sent it."""
         hidden = self.forward(inputs)
         if st is None:
             return SampledTokens([])
+        if plan is not None and plan.sharded:
+            self.last_sampled = token_ids = self.sample_shards(hidden, inputs, plan, st.temperatures)
+            return SampledTokens([token_ids])
         return self.sample_async(self.compute_logits(hidden, inputs), st, num_logprobs)
+
+    def sampling_plan(self, st: SamplingTensors | None, num_logprobs: int) -> StepSampling | None:
+        """Rank 0: how every rank takes part in this step's sampling (None: nothing is sampled). Sharded
+        where each token is the argmax of its own (scaled, noised) logits and nothing else needs whole
+        rows (no logprobs); the seed comes from the host generator, as on the unsharded path."""
+        if st is None:
+            return None
+        if self.tp.size == 1 or num_logprobs >= 0 or not samples_by_argmax(st):
+            return StepSampling(sharded=False)
+        if st.all_greedy:
+            return StepSampling(sharded=True, greedy=True)
+        return StepSampling(sharded=True, seed=draw_seed(self.seed_generator))
+
+    @torch.inference_mode()
+    def join_sampling(self, hidden: torch.Tensor, inputs: StepInputs, plan: StepSampling) -> None:
+        """A rank other than 0: its part of the step's sampling collectives (rank 0 keeps the tokens)."""
+        if plan.sharded:
+            self.sample_shards(hidden, inputs, plan, None)
+        else:
+            self.compute_logits(hidden, inputs)
+
+    @torch.inference_mode()
+    def sample_shards(self, hidden: torch.Tensor, inputs: StepInputs, plan: StepSampling,
+                      temperatures: torch.Tensor | None) -> torch.Tensor:
+        """Token ids [S], sampled on each rank's vocabulary slice: the best of every rank's candidates.
+        temperatures: rank 0's [S]; the other ranks pass None and receive them (unless every row is greedy)."""
+        head = self.model.lm_head
+        logits = head.local_logits(self._sampled_rows(hidden, inputs))
+        if plan.greedy:
+            temperatures = None
+        else:  # rank 0 holds them on its device only, with no host copy to send along with the step
+            if self.tp.rank != 0:
+                temperatures = torch.empty(logits.shape[0], dtype=torch.float32, device=self.device)
+            temperatures = self.tp.broadcast_from_rank0(temperatures)
+        candidates = shard_best(logits, temperatures, plan.seed, head.vocab_start, head.vocab_size)
+        return pick_token(self.tp.all_gather(candidates))
 
     @torch.inference_mode()
     def sample_async(self, logits: torch.Tensor, st: SamplingTensors, num_logprobs: int) -> "SampledTokens":

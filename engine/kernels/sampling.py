@@ -9,6 +9,10 @@ The noise of column c in row r is draw c % 4 of Philox(seed, counter (c // 4, r)
 feeds four columns, and the tokens depend on (seed, row, column) only, never on the split count or
 the tile size. (On CUDA the logs are lg2.approx, under the interpreter exact, so the two can part
 on a near-tie.) Nothing reads device memory on the host, so sampling queues like any other kernel.
+
+Under tensor parallelism each rank holds a slice of the columns: gumbel_best scans a slice with the
+noise of the whole row's columns and returns the best score with its column, so the best over the
+slices is the whole row's token.
 """
 from __future__ import annotations
 
@@ -52,15 +56,17 @@ def _gumbel(bits, FAST_LOG: tl.constexpr):
 @triton.jit
 def _scan(row_ptr, row, start, end, inv_t, seed, NOISE: tl.constexpr, GROUPS: tl.constexpr,
           FAST_LOG: tl.constexpr):
-    """Best (score, column) per lane over columns [start, end); scores are logits / t + noise."""
+    """Best (score, column) per lane over columns [start, end); scores are logits / t + noise.
+    row_ptr + c is column c, so a slice starting at a column that is no multiple of 4 works too."""
     group = tl.arange(0, GROUPS)
     lane = tl.arange(0, 4)[None, :]
     best = tl.full([GROUPS, 4], float("-inf"), tl.float32)
     best_col = tl.full([GROUPS, 4], NO_COLUMN, tl.int32)
     counter_row = row.to(tl.int64) << 32
-    for c0 in range(start, end, 4 * GROUPS):
+    for c0 in range(start - start % 4, end, 4 * GROUPS):  # tiles start at multiples of 4, as Philox's groups
         cols = c0 + 4 * group[:, None] + lane
-        score = tl.load(row_ptr + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
+        inside = (cols >= start) & (cols < end)
+        score = tl.load(row_ptr + cols, mask=inside, other=float("-inf")).to(tl.float32)
         if NOISE:
             r0, r1, r2, r3 = tl.randint4x(seed, counter_row + (c0 // 4 + group))
             bits = tl.where(lane == 0, r0[:, None],
@@ -75,15 +81,16 @@ def _scan(row_ptr, row, start, end, inv_t, seed, NOISE: tl.constexpr, GROUPS: tl
 
 @triton.jit
 def _gumbel_split_kernel(
-    logits_ptr, temperatures_ptr, out_ptr, part_ptr,
-    stride_row, vocab, cols_per_split, num_splits, seed,
-    DIRECT: tl.constexpr, GROUPS: tl.constexpr, FAST_LOG: tl.constexpr,
+    logits_ptr, temperatures_ptr, out_ptr, score_ptr, part_ptr,
+    stride_row, vocab, first_column, cols_per_split, num_splits, seed,
+    DIRECT: tl.constexpr, WITH_SCORE: tl.constexpr, GROUPS: tl.constexpr, FAST_LOG: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
-    start = split * cols_per_split
-    end = tl.minimum(start + cols_per_split, vocab)
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    # columns are counted over the whole row; the tensor's column 0 is column first_column
+    start = first_column + split * cols_per_split
+    end = tl.minimum(start + cols_per_split, first_column + vocab)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row - first_column
     t = tl.load(temperatures_ptr + row)
     if t > 0:
         best, best_col = _scan(row_ptr, row, start, end, 1.0 / t, seed, True, GROUPS, FAST_LOG)
@@ -95,6 +102,8 @@ def _gumbel_split_kernel(
     col = tl.where(col == NO_COLUMN, start, col)
     if DIRECT:
         tl.store(out_ptr + row, col.to(tl.int64))
+        if WITH_SCORE:
+            tl.store(score_ptr + row, top)
     else:
         part = part_ptr + (row * num_splits + split) * 2  # [S, num_splits, (score bits, column)] int32
         tl.store(part, top.to(tl.int32, bitcast=True))
@@ -102,7 +111,8 @@ def _gumbel_split_kernel(
 
 
 @triton.jit
-def _gumbel_merge_kernel(part_ptr, out_ptr, num_splits, SPLITS_PAD: tl.constexpr):
+def _gumbel_merge_kernel(part_ptr, out_ptr, score_ptr, num_splits, SPLITS_PAD: tl.constexpr,
+                         WITH_SCORE: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, SPLITS_PAD)
     mask = offs < num_splits
@@ -112,6 +122,8 @@ def _gumbel_merge_kernel(part_ptr, out_ptr, num_splits, SPLITS_PAD: tl.constexpr
     col = tl.load(part + 1, mask=mask, other=NO_COLUMN)
     top = tl.max(score, axis=0)
     tl.store(out_ptr + row, tl.min(tl.where(score == top, col, NO_COLUMN), axis=0).to(tl.int64))
+    if WITH_SCORE:
+        tl.store(score_ptr + row, top)
 
 
 def choose_num_splits(num_rows: int, num_tiles: int, num_sms: int) -> int:
@@ -128,13 +140,35 @@ def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, *
     logits are compared after rounding; a NaN logit is never chosen). temperatures: [S] float32.
     The same seed gives the same tokens, whatever num_splits and block (a power of two, at least 8) are.
     """
+    return _launch(logits, temperatures, seed, 0, None, num_splits, block)
+
+
+def gumbel_best(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, first_column: int, *,
+                num_splits: int | None = None, block: int = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """gumbel_argmax over a slice of each row's columns, whose column 0 is column `first_column` of the
+    whole row: (each row's best score [S] float32, its column in the whole row [S] int64).
+
+    The noise of a column is that of its column in the whole row, so over the slices of a row, the
+    column of the highest score (ties to the lowest column) is gumbel_argmax of the whole row with the
+    same seed. A score is logit / t + noise, or the logit where t = 0; -inf, with the slice's first
+    column, where no column beats -inf.
+    """
+    scores = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    return scores, _launch(logits, temperatures, seed, first_column, scores, num_splits, block)
+
+
+def _launch(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, first_column: int,
+            scores: torch.Tensor | None, num_splits: int | None, block: int) -> torch.Tensor:
+    """Each row's winning column [S] int64 (counted from first_column); its score into `scores` if given."""
     assert logits.dim() == 2 and temperatures.shape == logits.shape[:1], "logits [S, V], temperatures [S]"
     assert block >= 8 and block & (block - 1) == 0, f"block must be a power of two >= 8, got {block}"
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     num_rows, vocab = logits.shape
     if num_rows == 0 or vocab == 0:
-        return torch.zeros(num_rows, dtype=torch.int64, device=logits.device)
+        if scores is not None:
+            scores.fill_(float("-inf"))
+        return torch.full((num_rows,), first_column, dtype=torch.int64, device=logits.device)
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     num_tiles = triton.cdiv(vocab, block)
     if num_splits is None:
@@ -144,13 +178,15 @@ def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, *
     part = torch.empty(num_rows, num_splits, 2, dtype=torch.int32, device=logits.device) if num_splits > 1 else out
     if temperatures.dtype != torch.float32 or not temperatures.is_contiguous():
         temperatures = temperatures.to(torch.float32).contiguous()
+    with_score = scores is not None
     _gumbel_split_kernel[(num_rows, num_splits)](
-        logits, temperatures, out, part,
-        logits.stride(0), vocab, tiles_per_split * block, num_splits, seed,
-        DIRECT=num_splits == 1, GROUPS=block // 4, FAST_LOG=logits.is_cuda and not INTERPRETED,
-        num_warps=DEFAULT_WARPS,
+        logits, temperatures, out, scores, part,
+        logits.stride(0), vocab, first_column, tiles_per_split * block, num_splits, seed,
+        DIRECT=num_splits == 1, WITH_SCORE=with_score, GROUPS=block // 4,
+        FAST_LOG=logits.is_cuda and not INTERPRETED, num_warps=DEFAULT_WARPS,
     )
     if num_splits > 1:
-        _gumbel_merge_kernel[(num_rows,)](part, out, num_splits,
-                                          SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=1)
+        _gumbel_merge_kernel[(num_rows,)](part, out, scores, num_splits,
+                                          SPLITS_PAD=triton.next_power_of_2(num_splits), WITH_SCORE=with_score,
+                                          num_warps=1)
     return out

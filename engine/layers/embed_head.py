@@ -38,3 +38,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         """hidden: [N, hidden] of the positions to sample → logits [N, vocab_size]."""
         logits = F.linear(hidden, self.weight)
         return self.tp.gather_last_dim(logits)[:, : self.vocab_size]
+
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] → this rank's logits [N, n], of tokens vocab_start .. vocab_start + n - 1
+        (the last rank's padding past vocab_size left out); each the same as forward's."""
+        num_tokens = max(0, min(self.local_vocab, self.vocab_size - self.vocab_start))
+        return F.linear(hidden, self.weight)[:, :num_tokens]
