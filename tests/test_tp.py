@@ -5,6 +5,7 @@ import os
 import random
 import signal
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -247,7 +248,7 @@ except RankFailedError as e:
 result["children"] = [p.pid for p in psutil.Process().children(recursive=True) if p.is_running()
                       and any("spawn_main" in part for part in p.cmdline())]
 llm.shutdown()
-del llm  # the failed engine's GPU memory goes with it
+del llm, launch  # the failed engine's GPU memory goes with it (the saved bound method held the engine too)
 import gc, torch
 gc.collect()
 torch.cuda.empty_cache()
@@ -270,12 +271,13 @@ print(json.dumps(result))
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                     reason="needs 2 GPUs")
-def test_killed_rank_on_gpus_makes_generate_raise_and_a_fresh_engine_start(qwen3_checkpoint):
-    """NCCL waits forever on a dead peer: rank 0 must still raise within seconds (CUDA graphs on), end the
-    other rank, release its communicator, and the same process must be able to start a new engine (and,
-    after that one's normal shutdown, another). With the default all-reduces: REDLINE_TP_ALL_REDUCE=symm's
-    failure path is not verified on GPUs (docs/tensor-parallel.md)."""
-    result = _run_on_two_gpus(_TP2_GPU_KILL, qwen3_checkpoint, "nccl", timeout=360)
+@pytest.mark.parametrize("mode", ["nccl", "symm"])
+def test_killed_rank_on_gpus_makes_generate_raise_and_a_fresh_engine_start(qwen3_checkpoint, mode):
+    """NCCL and the symmetric-memory kernels wait forever on a dead peer: rank 0 must still raise within
+    seconds (CUDA graphs on), end the other rank, release its communicator, and the same process must be
+    able to start a new engine (and, after that one's normal shutdown, another; with symm these use NCCL,
+    see docs/tensor-parallel.md)."""
+    result = _run_on_two_gpus(_TP2_GPU_KILL, qwen3_checkpoint, mode, timeout=360)
     assert "rank 1" in result.get("raised", "") and "SIGKILL" in result["raised"], result
     assert result["seconds"] < 30, result  # within seconds, never a hang (the backstops are 300 s)
     assert result["children"] == []
@@ -317,6 +319,67 @@ def test_second_engine_in_a_process_skips_symmetric_memory_bound_to_the_first_on
     assert result["same_name"]  # the premise: the new default group reuses the name
     assert not result["made"]
     assert any("earlier tensor-parallel engine" in w for w in result["warnings"]), result["warnings"]
+
+
+_TWO_RANKS_ONE_BOUND = """
+import json, sys, warnings
+import torch, torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def rank_main(rank, folder, queue):
+    import torch.distributed._symmetric_memory as symm_mem
+    from engine.layers.parallel import OneShotAllReduce
+    if rank == 0:  # rank 0's process ran an engine before; a new engine's other ranks are new processes
+        dist.init_process_group("gloo", init_method=f"file://{folder}/first", rank=0, world_size=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(dist.group.WORLD.group_name)
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{folder}/second", rank=rank, world_size=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        made = OneShotAllReduce.create(torch.device("cpu"), torch.bfloat16, rank, 2)
+    queue.put([rank, made is not None, [str(w.message) for w in caught]])
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(r, sys.argv[1], queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(90)
+    hung = [p.pid for p in procs if p.is_alive()]
+    for p in procs:
+        p.kill()
+    results = sorted(queue.get(timeout=5) for _ in range(2 - len(hung))) if not hung else []
+    print(json.dumps({"hung": hung, "ranks": results}))
+"""
+
+
+def test_ranks_agree_to_skip_symmetric_memory_when_one_of_them_cannot_use_it(tmp_path):
+    """A second engine's rank 0 lives in a process whose group name is bound to an earlier store, while
+    its other ranks are new processes: every rank must skip symmetric memory (a rank that entered the
+    rendezvous alone would wait in it forever), and the fresh rank must say why."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "two_ranks.py"
+    script.write_text(_TWO_RANKS_ONE_BOUND)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
+                          timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["hung"] == [] and len(result["ranks"]) == 2, result
+    (rank0, made0, warned0), (rank1, made1, warned1) = result["ranks"]
+    assert not made0 and not made1
+    assert any("earlier tensor-parallel engine" in w for w in warned0), warned0
+    assert any("another tensor-parallel rank cannot use symmetric memory" in w for w in warned1), warned1
 
 
 def test_unknown_tp_all_reduce_mode_is_a_clear_error(qwen3_checkpoint, monkeypatch):

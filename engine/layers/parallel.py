@@ -34,21 +34,22 @@ class OneShotAllReduce:
 
     @classmethod
     def create(cls, device: torch.device, dtype: torch.dtype, rank: int, world_size: int) -> "OneShotAllReduce | None":
-        """Collective over the default group; None (with a warning) where symmetric memory is unavailable."""
+        """Collective over the default group; None on every rank (with a warning) where any rank cannot use
+        symmetric memory: the ranks agree first, since a rank that skipped the rendezvous would leave the
+        others waiting in it forever."""
         from engine.kernels.all_reduce import MAX_PROGRAMS  # Triton is an optional extra: import on use
 
+        problem = _symmetric_memory_problem()
+        agreed = torch.tensor([0 if problem else 1], dtype=torch.int32, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        if problem or not agreed.item():
+            warnings.warn(f"{problem or 'another tensor-parallel rank cannot use symmetric memory'}; this engine "
+                          "uses NCCL for every all-reduce")
+            return None
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
             group_name = dist.group.WORLD.group_name
-            if group_name in getattr(symm_mem, "_group_name_to_store", {}):
-                # PyTorch binds a group name to its store for the process's life, and each new default group
-                # is named "0" again: the name still points at an earlier engine's store, where a
-                # rendezvous would wait forever
-                warnings.warn("symmetric memory was set up for an earlier tensor-parallel engine in this process; "
-                              "this one uses NCCL for every all-reduce (start engines with "
-                              "REDLINE_TP_ALL_REDUCE=symm in processes of their own)")
-                return None
             if hasattr(symm_mem, "enable_symm_mem_for_group"):
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", FutureWarning)
@@ -101,6 +102,21 @@ class OneShotAllReduce:
         is copied from a side stream by the copy engine, so it never queues behind the waiting kernels."""
         with torch.cuda.stream(self._side_stream):
             self.stop.copy_(self._one, non_blocking=True)
+
+
+def _symmetric_memory_problem() -> str | None:
+    """Why this process cannot set up symmetric memory for the default group, or None."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+    except ImportError as e:
+        return f"symmetric memory is not available in this PyTorch ({e})"
+    if dist.group.WORLD.group_name in getattr(symm_mem, "_group_name_to_store", {}):
+        # PyTorch binds a group name to its store for the process's life, and each new default group is
+        # named "0" again: the name still points at an earlier engine's store, where a rendezvous would
+        # wait forever
+        return ("symmetric memory was set up for an earlier tensor-parallel engine in this process (start "
+                "engines with REDLINE_TP_ALL_REDUCE=symm in processes of their own)")
+    return None
 
 
 @dataclass(frozen=True)
