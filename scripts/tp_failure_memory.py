@@ -1,6 +1,6 @@
 """After a tensor-parallel engine fails (rank 1 killed mid-generate), is its GPU memory released?
 
-    REDLINE_TP_ALL_REDUCE=nccl|symm python scripts/tp_failure_memory.py     (2 GPUs)
+    [REDLINE_TP_ALL_REDUCE=nccl] python scripts/tp_failure_memory.py     (2 GPUs)
 
 Kills rank 1 at the 20th step, drops the engine, then prints rank 0's memory, the threads still alive
 and, for each large tensor still allocated, the chain of objects that holds it; then starts a fresh
@@ -55,7 +55,7 @@ def main() -> None:
     faulthandler.dump_traceback_later(90, exit=True)
     model = bench.resolve_model("qwen3-0.6b")
     kwargs = dict(load_format="dummy", tensor_parallel_size=2, max_model_len=256, gpu_memory_utilization=0.3)
-    result = {"mode": os.environ.get("REDLINE_TP_ALL_REDUCE", "nccl")}
+    result = {"mode": os.environ.get("REDLINE_TP_ALL_REDUCE", "symm")}
     llm = LLM(model, **kwargs)
     result["blocks"] = llm.runner.runner.num_kvcache_blocks if hasattr(llm.runner, "runner") else None
     pid, steps, launch, killed = llm.runner.worker_pids[0], [0], llm.runner.launch, []

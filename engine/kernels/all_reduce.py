@@ -6,12 +6,13 @@ buffer, signals every peer, waits for every peer's signal, then sums in rank ord
 for two ranks exactly NCCL's bf16 sum), reading this rank's part from its own input and each peer's
 part from that peer's slot in its own buffer. Remote traffic is only stores, which NVLink posts and
 pipelines; every load is local. A last meeting before the program returns keeps a rank's next call
-from overwriting a slot a peer still reads. A signal is a flag in the receiver's flag buffer, set 0 → 1
-by the sender and taken 1 → 0 by the receiver; program p only meets program p of each peer (same grid
-on every rank), so the programs of one GPU never wait on each other.
+from overwriting a slot a peer still reads. A signal is a flag in the receiver's flag buffer, set to 1
+by the sender (a release exchange whose reply nobody waits for) and taken 1 → 0 by the receiver;
+program p only meets program p of each peer (same grid on every rank), so the programs of one GPU never
+wait on each other.
 
 Memory ordering. Sender: every thread's stores into peer buffers, then a CTA barrier, then one thread
-swaps the peer's flag with an acq_rel atomic at system scope. The barrier orders the other threads'
+sets the peer's flag with a release atomic at system scope. The barrier orders the other threads'
 stores before that thread's atomic, and a release is cumulative, so the peer that acquires the flag
 (acq_rel atomic at system scope, then a CTA barrier before any thread loads) sees every store of the
 share; slot loads also bypass L1 (`.cv`), so no line cached by an earlier call is read. The last
@@ -77,8 +78,10 @@ def _meet_peers(flag_ptrs, phase, rank, stop, W: tl.constexpr, PROGRAMS: tl.cons
     tl.debug_barrier()  # every thread's stores and loads come before the signal that publishes them
     for q in tl.static_range(W):
         if q != rank:
+            # a posted store, not a swap: the flag is 0 by now (the peer took this phase's last signal
+            # before it could signal the meeting that follows it), and nothing waits for the reply
             peer_flags = tl.load(flag_ptrs + q).to(tl.pointer_type(tl.int32))
-            _swap_flag(peer_flags + slot + rank, 0, 1, stop)
+            tl.atomic_xchg(peer_flags + slot + rank, 1, sem="release", scope="sys")
     own_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int32))
     for q in tl.static_range(W):
         if q != rank:

@@ -39,7 +39,7 @@ class OneShotAllReduce:
         others waiting in it forever."""
         from engine.kernels.all_reduce import MAX_PROGRAMS  # Triton is an optional extra: import on use
 
-        problem = _symmetric_memory_problem()
+        problem = _symmetric_memory_problem(device, rank, world_size)
         agreed = torch.tensor([0 if problem else 1], dtype=torch.int32, device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         if problem or not agreed.item():
@@ -104,18 +104,22 @@ class OneShotAllReduce:
             self.stop.copy_(self._one, non_blocking=True)
 
 
-def _symmetric_memory_problem() -> str | None:
-    """Why this process cannot set up symmetric memory for the default group, or None."""
+def _symmetric_memory_problem(device: torch.device, rank: int, world_size: int) -> str | None:
+    """Why this rank cannot set up symmetric memory for the default group, or None."""
     try:
         import torch.distributed._symmetric_memory as symm_mem
     except ImportError as e:
         return f"symmetric memory is not available in this PyTorch ({e})"
+    if device.type == "cuda":  # rank q runs on GPU q; each must map every peer's memory (NVLink or PCIe P2P)
+        blind = [q for q in range(world_size) if q != rank and not torch.cuda.can_device_access_peer(device, q)]
+        if blind:
+            return f"GPU {device.index} cannot access the memory of GPU(s) {blind} directly"
     if dist.group.WORLD.group_name in getattr(symm_mem, "_group_name_to_store", {}):
         # PyTorch binds a group name to its store for the process's life, and each new default group is
         # named "0" again: the name still points at an earlier engine's store, where a rendezvous would
         # wait forever
         return ("symmetric memory was set up for an earlier tensor-parallel engine in this process (start "
-                "engines with REDLINE_TP_ALL_REDUCE=symm in processes of their own)")
+                "engines in processes of their own to keep it)")
     return None
 
 
@@ -191,11 +195,12 @@ def rank_group(rank: int, size: int, backend: str, dtype: torch.dtype,
                peer_exited: threading.Event | None = None) -> TPGroup:
     """This rank's TPGroup, once the process group exists; collective (every rank calls it together).
 
-    REDLINE_TP_ALL_REDUCE=symm sends small all-reduces through symmetric memory (OneShotAllReduce: faster
-    decode steps on GPUs). It is opt-in while its failure path (a peer dying mid-step) is not verified on
-    GPUs. The default, nccl, keeps every all-reduce in NCCL.
+    On GPUs, all-reduces of decode-step size go through symmetric memory (OneShotAllReduce: faster decode
+    steps, and the one after each row-parallel projection fused with the residual add and the next
+    RMSNorm) unless REDLINE_TP_ALL_REDUCE=nccl keeps every all-reduce in NCCL; where a rank cannot map
+    its peers' memory, every rank uses NCCL, with a warning.
     """
-    mode = os.environ.get("REDLINE_TP_ALL_REDUCE", "nccl")
+    mode = os.environ.get("REDLINE_TP_ALL_REDUCE", "symm")
     if mode not in ("nccl", "symm"):
         raise ValueError(f"REDLINE_TP_ALL_REDUCE must be 'nccl' or 'symm', got {mode!r}")
     one_shot = None
