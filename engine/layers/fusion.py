@@ -1,9 +1,8 @@
 """Fused elementwise chains on CUDA; plain eager torch elsewhere.
 
-RMSNorm (with the residual add) and SiLU·mul run as the engine's Triton kernels
-(engine/kernels/norm_act.py); the other chains are
-compiled by torch.compile once (dynamic shapes) the first time they see a CUDA tensor. Set
-REDLINE_COMPILE=0 to keep everything eager.
+RMSNorm (with the residual add) and SiLU·mul run as the engine's Triton kernels (engine/kernels/norm_act.py);
+the other chains are compiled by torch.compile once (dynamic shapes) the first time they see a CUDA
+tensor. Set REDLINE_COMPILE=0 to keep everything eager.
 """
 from __future__ import annotations
 
