@@ -74,6 +74,9 @@ class TPDriver:
                                "engine still running?); shut that engine down before starting this one")
         if backend == "nccl":  # the driver aborts the communicator itself, graphs first; the default ends the process
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+            # the all-reduce kernel reaches its peers' buffers through plain peer mappings; NVLink multicast objects
+            # would only take resources (the spawned ranks inherit this)
+            os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         self._workers = workers = _Workers(backend)
         if backend == "gloo":  # the ranks share the cores; idle threads spinning would starve the peer's collectives
             workers.saved_num_threads = torch.get_num_threads()
