@@ -1,7 +1,7 @@
 import torch
 from torch import nn
 
-from engine.layers.fusion import add_rms_norm, rms_norm
+from engine.layers.fusion import rms_norm
 from engine.layers.parallel import SINGLE, TPGroup
 
 
@@ -21,6 +21,4 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
-        if self.tp.size > 1:
-            return self.tp.all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
-        return add_rms_norm(x, residual, self.weight, self.eps)
+        return self.tp.all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
