@@ -1,0 +1,94 @@
+"""Where the bench workload's time goes: wall time by step kind, and (with --profile) GPU time by kernel.
+
+    PYTHONPATH=. python3 scripts/bench_profile.py --model qwen3-8b [--tensor-parallel-size 2] \
+        [--profile] [--out DIR]
+
+Runs nano-vllm's workload once after the bench's warm-up, stepping the engine by hand. Each step's wall
+time is booked to "prefill" when the step scheduled prompt tokens, else to "decode". With async
+scheduling a step's wall time is mostly the device time of the step launched before it, so the split is
+good to one step at each phase change. --profile runs the workload a second time under torch.profiler
+(rank 0's GPU only) and sums kernel time by kind; the profiler slows the host, so its wall time is not
+the bench's. Prints one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from engine import bench
+
+KINDS = (  # first match wins; kernel names are lower-cased
+    ("all-reduce", ("all_reduce", "allreduce", "nccl", "one_shot")),
+    ("all-gather", ("all_gather", "allgather")),
+    ("attention decode", ("paged_decode", "decode_reduce", "_decode")),
+    ("attention prefill", ("paged_prefill", "prefill")),
+    ("qkv preparation", ("qkv",)),
+    ("norm / activation", ("rms", "silu", "norm")),
+    ("sampling", ("gumbel", "sampl", "argmax", "best")),
+    ("gemm", ("gemm", "nvjet", "sm90", "cutlass", "xmma", "matmul")),
+)
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
+
+
+def run_steps(llm, prompts, params) -> dict:
+    for p, sp in zip(prompts, params):
+        llm.add_request(p, sp)
+    wall = defaultdict(float)
+    steps = defaultdict(int)
+    start = time.perf_counter()
+    while llm.has_unfinished():
+        t = time.perf_counter()
+        stats = llm.step(finished_only=True).stats
+        kind = "prefill" if stats.num_prefill_tokens else ("decode" if stats.batch_size else "drain")
+        wall[kind] += time.perf_counter() - t
+        steps[kind] += 1
+    total = time.perf_counter() - start
+    return {"seconds": round(total, 3), "wall_by_kind": {k: round(v, 3) for k, v in wall.items()},
+            "steps_by_kind": dict(steps)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--out", default="out")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts, params = bench.make_workload(args)
+    llm = bench.build_llm(args)
+    bench.warm_up(llm, args)
+    record = {"gpu": bench.gpu_name(), "commit": bench.git_commit(), "model": args.model,
+              "tp": args.tensor_parallel_size, **run_steps(llm, prompts, params)}
+    if args.profile:
+        args.seed += 2  # fresh prompts of the same distribution: no prefix-cache hits from the first run
+        prompts, params = bench.make_workload(args)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            profiled = run_steps(llm, prompts, params)
+            torch.cuda.synchronize()
+        by_kind = defaultdict(float)
+        events = prof.key_averages()
+        for e in events:
+            device_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+            by_kind[kind_of(e.key)] += device_us / 1e6
+        record["profiled_seconds"] = profiled["seconds"]
+        record["gpu_seconds_by_kind"] = {k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}
+        (out / f"kernels_tp{args.tensor_parallel_size}.txt").write_text(
+            events.table(sort_by="device_time_total", row_limit=40, max_name_column_width=90))
+    print(json.dumps(record), flush=True)
+    shutdown = getattr(llm, "shutdown", None)
+    if shutdown:
+        shutdown()
+
+
+if __name__ == "__main__":
+    main()
