@@ -1,5 +1,5 @@
 """Cases for the one-shot all-reduce kernels under the Triton interpreter: each rank is a process of its
-own, and every rank's buffers and flags are shared host memory that each process maps at its own
+own, and every rank's buffers are shared host memory that each process maps at its own
 addresses, as GPUs map their peers' memory. Run by tests/test_all_reduce_kernel.py with
 TRITON_INTERPRET=1. Prints one JSON object: {case: outcome}.
 """
@@ -15,8 +15,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.kernels.all_reduce import (BLOCK, one_shot_all_reduce, one_shot_all_reduce_add_rms_norm,  # noqa: E402
-                                       slot_size)
+from engine.kernels.all_reduce import (BLOCK, buffer_elements, clear_buffer, one_shot_all_reduce,  # noqa: E402
+                                       one_shot_all_reduce_add_rms_norm)
 from engine.layers.fusion import add_rms_norm  # noqa: E402
 
 PROGRAMS = 2  # few programs, so small inputs already take several iterations per program
@@ -31,16 +31,16 @@ def addresses(tensors) -> torch.Tensor:
     return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
 
 
-def sum_rank(rank: int, world_size: int, bufs, flags, stop, calls) -> None:
+def sum_rank(rank: int, world_size: int, bufs, state, stop, calls) -> None:
     """Reduce each call's xs[rank] into its outs[rank], one call after another; odd calls in place."""
     for i, (xs, outs) in enumerate(calls):
         x = xs[rank]
         if i % 2:
             x = outs[rank].copy_(x)
-        one_shot_all_reduce(x, outs[rank], addresses(bufs), addresses(flags), stop, rank, world_size, PROGRAMS)
+        one_shot_all_reduce(x, outs[rank], addresses(bufs), state, stop, rank, world_size, PROGRAMS)
 
 
-def norm_rank(rank: int, world_size: int, bufs, flags, stop, calls) -> None:
+def norm_rank(rank: int, world_size: int, bufs, state, stop, calls) -> None:
     """Each call's fused all-reduce, residual add and RMSNorm on this rank's tensors; odd calls write out
     over x."""
     for i, (xs, residuals, weight, outs) in enumerate(calls):
@@ -48,20 +48,29 @@ def norm_rank(rank: int, world_size: int, bufs, flags, stop, calls) -> None:
         if i % 2:
             x = outs[rank].copy_(x)
         one_shot_all_reduce_add_rms_norm(x, residuals[rank], weight, EPS, outs[rank], addresses(bufs),
-                                         addresses(flags), stop, rank, world_size, PROGRAMS)
+                                         state, stop, rank, world_size, PROGRAMS)
 
 
 def start_ranks(target, ranks: list[int], world_size: int, capacity: int, calls):
     """Processes running target for `ranks`, over fresh buffers of `capacity` elements a slot."""
-    bufs = [shared(world_size * slot_size(capacity)) for _ in range(world_size)]
-    flags = [shared(2 * PROGRAMS * world_size, dtype=torch.int32) for _ in range(world_size)]
+    bufs = [clear_buffer(shared(buffer_elements(capacity, world_size))) for _ in range(world_size)]
+    states = [shared(PROGRAMS, dtype=torch.int32) for _ in range(world_size)]
     stops = [shared(1, dtype=torch.int32) for _ in range(world_size)]
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=target, args=(r, world_size, bufs, flags, stops[r], calls), daemon=True)
+    procs = [ctx.Process(target=target, args=(r, world_size, bufs, states[r], stops[r], calls), daemon=True)
              for r in ranks]
     for p in procs:
         p.start()
-    return procs, flags, stops
+    return procs, (bufs, states), stops
+
+
+def leftovers(shared_state, calls: int) -> dict:
+    """After `calls` calls on every rank: elements of any buffer not holding the sentinel again, and
+    program counters not at `calls`."""
+    bufs, states = shared_state
+    sentinel = clear_buffer(torch.empty(1, dtype=torch.bfloat16)).view(torch.int16)
+    return {"buffer_left": sum(int((b.view(torch.int16) != sentinel).sum()) for b in bufs),
+            "counters_off": sum(int((s != calls).sum()) for s in states)}
 
 
 def finish(procs) -> bool:
@@ -74,6 +83,13 @@ def finish(procs) -> bool:
     return True
 
 
+def with_negative_zeros(x: torch.Tensor, rank: int) -> torch.Tensor:
+    """x with -0.0 at every third element from `rank` on: the bit pattern free slots hold, which must
+    travel as a value and not stall the wait (at every sixth element, two ranks send it together)."""
+    x[rank::3] = -0.0
+    return x
+
+
 def rank_order_sum(xs) -> torch.Tensor:
     return torch.stack([x.float() for x in xs]).sum(0).to(xs[0].dtype)
 
@@ -82,13 +98,14 @@ def case_sums(world_size: int, sizes: list[int], rounds: int = 2) -> dict:
     """Every rank gets the rank-order float32 sum rounded once, over repeated calls (the flags reset),
     into a separate output and in place."""
     gen = torch.Generator().manual_seed(world_size)
-    calls = [([torch.randn(n, generator=gen).to(torch.bfloat16).share_memory_() for _ in range(world_size)],
-              [shared(n) for _ in range(world_size)]) for n in sizes for _ in range(rounds)]
-    procs, flags, _ = start_ranks(sum_rank, list(range(world_size)), world_size, max(sizes), calls)
+    calls = [([with_negative_zeros(torch.randn(n, generator=gen).to(torch.bfloat16), rank).share_memory_()
+               for rank in range(world_size)], [shared(n) for _ in range(world_size)])
+             for n in sizes for _ in range(rounds)]
+    procs, shared_state, _ = start_ranks(sum_rank, list(range(world_size)), world_size, max(sizes), calls)
     if not finish(procs):
         return {"finished": False}
     mismatched = sum(int((out != rank_order_sum(xs)).sum()) for xs, outs in calls for out in outs)
-    return {"finished": True, "mismatched": mismatched, "flags_left": sum(int(f.abs().sum()) for f in flags)}
+    return {"finished": True, "mismatched": mismatched, **leftovers(shared_state, len(calls))}
 
 
 def case_add_rms_norm(world_size: int, shapes: list[tuple[int, int]]) -> dict:
@@ -106,7 +123,7 @@ def case_add_rms_norm(world_size: int, shapes: list[tuple[int, int]]) -> dict:
         calls.append((xs, [residual.clone().share_memory_() for _ in range(world_size)], weight,
                       [shared(rows, hidden) for _ in range(world_size)]))
         wants.append(add_rms_norm(rank_order_sum(xs), residual, weight, EPS))
-    procs, flags, _ = start_ranks(norm_rank, list(range(world_size)), world_size,
+    procs, shared_state, _ = start_ranks(norm_rank, list(range(world_size)), world_size,
                                   max(rows * hidden for rows, hidden in shapes), calls)
     if not finish(procs):
         return {"finished": False}
@@ -119,7 +136,7 @@ def case_add_rms_norm(world_size: int, shapes: list[tuple[int, int]]) -> dict:
             equal += int((out == want_out).sum())
             total += out.numel()
     return {"finished": True, "residual_mismatched": residual_mismatched, "worst_relative_error": worst_error,
-            "equal_fraction": equal / total, "flags_left": sum(int(f.abs().sum()) for f in flags)}
+            "equal_fraction": equal / total, **leftovers(shared_state, len(calls))}
 
 
 def case_stops() -> dict:

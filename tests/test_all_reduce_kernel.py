@@ -1,6 +1,6 @@
 """The one-shot all-reduce kernels under the Triton interpreter, each rank a process of its own over shared
 memory (tests/all_reduce_cases.py): exact rank-order sums, the fused residual add and RMSNorm rounded as
-the eager layers round, flags reset for the next call, and waits a stop flag calls off (a dead peer must
+the eager layers round, buffers clean again for the next call, and waits a stop flag calls off (a dead peer must
 not hang its live ones). On GPUs they run through tests/test_tp.py."""
 from __future__ import annotations
 
@@ -23,11 +23,12 @@ def results() -> dict:
 
 
 @pytest.mark.parametrize("world_size", ["two_ranks", "three_ranks"])
-def test_every_rank_gets_the_rank_order_sum_rounded_once_and_the_flags_reset(results, world_size):
+def test_every_rank_gets_the_rank_order_sum_rounded_once_and_the_buffers_are_clean_again(results, world_size):
     outcome = results[world_size]
     assert outcome["finished"], "a rank did not return"
     assert outcome["mismatched"] == 0
-    assert outcome["flags_left"] == 0  # the next call starts from clean flags
+    assert outcome["buffer_left"] == 0  # every slot holds the sentinel again, ready for its next call
+    assert outcome["counters_off"] == 0  # every program of every rank counted every call
 
 
 @pytest.mark.parametrize("world_size", ["add_rms_norm_two_ranks", "add_rms_norm_three_ranks"])
@@ -38,7 +39,7 @@ def test_fused_add_rms_norm_gives_every_rank_the_eager_residual_and_normed_rows(
     # the kernel sums the mean's squares in another order than torch: a rare rounding may differ
     assert outcome["worst_relative_error"] <= 1e-2
     assert outcome["equal_fraction"] >= 0.95
-    assert outcome["flags_left"] == 0
+    assert outcome["buffer_left"] == 0 and outcome["counters_off"] == 0
 
 
 @pytest.mark.parametrize("kernel", ["stop", "add_rms_norm_stop"])
@@ -58,16 +59,22 @@ def test_add_rms_norm_of_a_single_rank_group_is_add_rms_norm():
 
 
 def _two_ranks_on_one_gpu(capacity: int):
-    """Buffers (two slots of `capacity` elements), flags and stop flags of two "ranks" that are streams of
-    one GPU, and their address tensors."""
-    from engine.kernels.all_reduce import MAX_PROGRAMS, slot_size
+    """Buffers (parts of up to `capacity` elements), program counters and stop flags of two "ranks" that
+    are streams of one GPU, and the buffers' address tensor."""
+    from engine.kernels.all_reduce import MAX_PROGRAMS, buffer_elements, clear_buffer
 
-    bufs = [torch.zeros(2 * slot_size(capacity), dtype=torch.bfloat16, device="cuda") for _ in range(2)]
-    flags = [torch.zeros(2 * MAX_PROGRAMS * 2, dtype=torch.int32, device="cuda") for _ in range(2)]
-    buf_ptrs, flag_ptrs = (torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device="cuda")
-                           for ts in (bufs, flags))
+    bufs = [clear_buffer(torch.empty(buffer_elements(capacity, 2), dtype=torch.bfloat16, device="cuda"))
+            for _ in range(2)]
+    states = [torch.zeros(MAX_PROGRAMS, dtype=torch.int32, device="cuda") for _ in range(2)]
+    buf_ptrs = torch.tensor([t.data_ptr() for t in bufs], dtype=torch.int64, device="cuda")
     stops = [torch.zeros(1, dtype=torch.int32, device="cuda") for _ in range(2)]
-    return bufs, flags, buf_ptrs, flag_ptrs, stops
+    return bufs, states, buf_ptrs, stops
+
+
+def _clean(bufs) -> bool:
+    from engine.kernels.all_reduce import clear_buffer
+
+    return all(torch.equal(b.view(torch.int16), clear_buffer(torch.empty_like(b)).view(torch.int16)) for b in bufs)
 
 
 def _on_two_streams(call) -> None:
@@ -80,14 +87,18 @@ def _on_two_streams(call) -> None:
     torch.cuda.synchronize()
 
 
-def _warm_up(call, flags, stops) -> None:
+def _warm_up(call, bufs, states, stops) -> None:
     """Compile and load a kernel first (a lone call its stop flag releases at once): loading a module
-    while the other "rank" spins could wait for it."""
+    while the other "rank" spins could wait for it. Then everything back to a fresh start."""
+    from engine.kernels.all_reduce import clear_buffer
+
     stops[0].fill_(1)
     call()
     torch.cuda.synchronize()
-    for t in (*flags, *stops):
+    for t in (*states, *stops):
         t.zero_()
+    for b in bufs:
+        clear_buffer(b)
 
 
 @pytest.mark.gpu
@@ -100,22 +111,23 @@ def test_on_one_gpu_two_ranks_on_two_streams_sum_exactly_and_a_stop_flag_release
     from engine.kernels.all_reduce import BLOCK, MAX_PROGRAMS, one_shot_all_reduce
 
     sizes = [1, BLOCK + 5, MAX_PROGRAMS * BLOCK * 3 + 7]
-    bufs, flags, buf_ptrs, flag_ptrs, stops = _two_ranks_on_one_gpu(max(sizes))
-    _warm_up(lambda: one_shot_all_reduce(bufs[0][:1], bufs[0][:1], buf_ptrs, flag_ptrs, stops[0], 0, 2), flags, stops)
+    bufs, states, buf_ptrs, stops = _two_ranks_on_one_gpu(max(sizes))
+    one = torch.ones(1, dtype=torch.bfloat16, device="cuda")
+    _warm_up(lambda: one_shot_all_reduce(one, one.clone(), buf_ptrs, states[0], stops[0], 0, 2), bufs, states, stops)
     mismatched = 0
     for i, n in enumerate(sizes * 2):
         xs = [torch.randn(n, device="cuda").to(torch.bfloat16) for _ in range(2)]
         want = (xs[0].float() + xs[1].float()).to(torch.bfloat16)
         outs = xs if i >= len(sizes) else [torch.empty_like(x) for x in xs]
-        _on_two_streams(lambda r: one_shot_all_reduce(xs[r], outs[r], buf_ptrs, flag_ptrs, stops[r], r, 2))
+        _on_two_streams(lambda r: one_shot_all_reduce(xs[r], outs[r], buf_ptrs, states[r], stops[r], r, 2))
         mismatched += sum(int((out != want).sum()) for out in outs)
     assert mismatched == 0
-    assert sum(int(f.abs().sum()) for f in flags) == 0
+    assert _clean(bufs)
 
-    bufs, flags, buf_ptrs, flag_ptrs, stops = _two_ranks_on_one_gpu(BLOCK)
+    bufs, states, buf_ptrs, stops = _two_ranks_on_one_gpu(BLOCK)
     x = torch.ones(BLOCK, dtype=torch.bfloat16, device="cuda")
     with torch.cuda.stream(torch.cuda.Stream()):
-        one_shot_all_reduce(x, x, buf_ptrs, flag_ptrs, stops[0], 0, 2)  # rank 1 never calls
+        one_shot_all_reduce(x, x, buf_ptrs, states[0], stops[0], 0, 2)  # rank 1 never calls
         done = torch.cuda.Event()
         done.record()
     time.sleep(0.5)
@@ -139,11 +151,11 @@ def test_on_one_gpu_two_ranks_on_two_streams_fuse_the_all_reduce_with_add_rms_no
 
     hidden, eps = 4096, 1e-6
     row_counts = [1, 7, 2 * MAX_PROGRAMS + 3]  # the last: programs loop over rows
-    bufs, flags, buf_ptrs, flag_ptrs, stops = _two_ranks_on_one_gpu(max(row_counts) * hidden)
+    bufs, states, buf_ptrs, stops = _two_ranks_on_one_gpu(max(row_counts) * hidden)
     weight = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(torch.bfloat16)
-    row = bufs[0][:hidden].view(1, hidden)
-    _warm_up(lambda: one_shot_all_reduce_add_rms_norm(row, row.clone(), weight, eps, row, buf_ptrs, flag_ptrs,
-                                                      stops[0], 0, 2), flags, stops)
+    row = torch.ones(1, hidden, dtype=torch.bfloat16, device="cuda")
+    _warm_up(lambda: one_shot_all_reduce_add_rms_norm(row, row.clone(), weight, eps, row, buf_ptrs, states[0],
+                                                      stops[0], 0, 2), bufs, states, stops)
     residual_mismatched, worst_error, equal, total = 0, 0.0, 0, 0
     for rows in row_counts:
         xs = [torch.randn(rows, hidden, device="cuda").to(torch.bfloat16) for _ in range(2)]
@@ -152,7 +164,7 @@ def test_on_one_gpu_two_ranks_on_two_streams_fuse_the_all_reduce_with_add_rms_no
                                                weight, eps)
         residuals = [residual.clone() for _ in range(2)]
         _on_two_streams(lambda r: one_shot_all_reduce_add_rms_norm(
-            xs[r], residuals[r], weight, eps, xs[r], buf_ptrs, flag_ptrs, stops[r], r, 2))
+            xs[r], residuals[r], weight, eps, xs[r], buf_ptrs, states[r], stops[r], r, 2))
         residual_mismatched += sum(int((res != want_residual).sum()) for res in residuals)
         for out in xs:
             error = (out.float() - want_out.float()).abs().max() / want_out.float().abs().max()
@@ -161,4 +173,4 @@ def test_on_one_gpu_two_ranks_on_two_streams_fuse_the_all_reduce_with_add_rms_no
             total += out.numel()
     assert residual_mismatched == 0
     assert worst_error <= 1e-2 and equal / total >= 0.95
-    assert sum(int(f.abs().sum()) for f in flags) == 0
+    assert _clean(bufs)

@@ -1,34 +1,36 @@
 """One-shot all-reduce over buffers every rank maps (symmetric memory), whose waits can be called off.
 
-Push, then sum locally. Each rank's buffer holds one slot per rank. Each program owns a strided share
-of the elements: it stores its share of this rank's input straight into slot `rank` of every peer's
-buffer, signals every peer, waits for every peer's signal, then sums in rank order (fp32, rounded once:
-for two ranks exactly NCCL's bf16 sum), reading this rank's part from its own input and each peer's
-part from that peer's slot in its own buffer. Remote traffic is only stores, which NVLink posts and
-pipelines; every load is local. A last meeting before the program returns keeps a rank's next call
-from overwriting a slot a peer still reads. A signal is a flag in the receiver's flag buffer, set to 1
-by the sender (a release exchange whose reply nobody waits for) and taken 1 → 0 by the receiver;
-program p only meets program p of each peer (same grid on every rank), so the programs of one GPU never
-wait on each other.
+Push, then sum locally, with the data as its own signal. Each rank's buffer holds GENERATIONS sets of
+one slot per rank, and every element of a free slot holds a sentinel (the bit pattern of -0.0). A call
+stores this rank's input, with any -0.0 written as +0.0, straight into slot `rank` of the current
+generation of every peer's buffer (remote stores, which NVLink posts and pipelines). Then it reads its
+own buffer's slots until no element holds the sentinel any more: those elements are the peers' parts,
+arrived. It sums the parts in rank order (fp32, rounded once: for two ranks exactly NCCL's bf16 sum) and
+writes the sentinel back over the slots it read. No flags and no meetings: a call costs one one-way
+trip over NVLink.
 
-Memory ordering. Sender: every thread's stores into peer buffers, then a CTA barrier, then one thread
-sets the peer's flag with a release atomic at system scope. The barrier orders the other threads'
-stores before that thread's atomic, and a release is cumulative, so the peer that acquires the flag
-(acq_rel atomic at system scope, then a CTA barrier before any thread loads) sees every store of the
-share; slot loads also bypass L1 (`.cv`), so no line cached by an earlier call is read. The last
-meeting orders each program's slot loads before its (release) signal, and a peer's next kernel, which
-stores into those slots, starts only after every program of the peer's current one took that signal.
+Why a slot is free again when a peer next stores into it. Calls rotate through the generations, so a
+peer stores into this generation again only GENERATIONS calls later; by then it has finished the call in
+between, which needed this rank's part of that call, which this rank stored only after its kernel of
+this call (which cleared the slots) had ended. Two generations would do; three leave a margin.
+
+Every rank must agree on the current generation without talking: each program keeps its own count of
+calls in `state[pid]` (this rank's memory), every call launches the same PROGRAMS programs on every
+rank, and program p of every rank handles the same elements (blocks, or rows for the fused kernel,
+strided by PROGRAMS). So program p of each rank is at the same count, and program p's slots of one
+generation are cleared by program p alone.
 
 Every wait also polls a stop flag in this rank's device memory. A rank that dies mid-step leaves its
-peers' programs waiting on a signal that never comes, and no communicator abort reaches them; setting
-the flag (from a side stream, which never queues behind them) makes them return, with meaningless
-results, so the engine can stop instead of hanging.
+peers' programs waiting for data that never comes, and no communicator abort reaches them; setting the
+flag (from a side stream, which never queues behind them) makes them return, with meaningless results,
+so the engine can stop instead of hanging. The buffers are then left dirty: the engine stops anyway.
 
 Also here: the all-reduce fused with the residual add and RMSNorm that follow it in a decoder layer
-(one_shot_all_reduce_add_rms_norm), one program per row at a time.
+(one_shot_all_reduce_add_rms_norm), rows strided over the programs.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -37,9 +39,10 @@ from engine.kernels.qkv_prep import _round
 
 BLOCK = 4096        # elements per program and loop step: 16 a thread, two 16-byte accesses
 WARPS = 8
-MAX_PROGRAMS = 128  # flags are laid out for this many programs; see _programs
+MAX_PROGRAMS = 128  # the grid of every call; state holds one counter per program
 MAX_HIDDEN = 16384  # widest row the fused kernel holds in one program
 SLOT_ALIGN = 16     # slots start at multiples of 16 elements, so their accesses are vectorised
+GENERATIONS = 3     # buffer sets a rank cycles through, one per call
 
 
 def slot_size(n: int) -> int:
@@ -47,146 +50,161 @@ def slot_size(n: int) -> int:
     return triton.cdiv(n, SLOT_ALIGN) * SLOT_ALIGN
 
 
-def _programs(n: int, max_programs: int) -> int:
-    """The grid: one program per BLOCK elements, at most max_programs, each looping over its blocks.
+def buffer_elements(capacity: int, world_size: int) -> int:
+    """Elements of a rank's buffer that takes parts of up to `capacity` elements."""
+    return GENERATIONS * world_size * slot_size(capacity)
 
-    A program keeps one block in flight per loop step, so a step of 128 programs moves 1 MB of bf16,
-    above NVLink's bandwidth-delay product (~450 GB/s × ~1 µs): 2 MB takes two steps. Up to 1 MB every
-    program runs one step, and the cost is the flag round trips, which more programs would not shorten
-    (each program's meeting runs alongside the others'). 128 programs of 8 warps stay resident together
-    on an H100/H200 (132 SMs), which the waits need: program p spins until program p of each peer runs.
-    """
-    return min(max_programs, triton.cdiv(n, BLOCK))
+
+def _bits_dtype(dtype: torch.dtype) -> torch.dtype:
+    if dtype.itemsize not in (2, 4):
+        raise ValueError(f"the one-shot all-reduce takes 2- or 4-byte floats, not {dtype}")
+    return torch.int16 if dtype.itemsize == 2 else torch.int32
+
+
+def _bits(dtype: torch.dtype) -> dict:
+    """The kernels' BITS and SENTINEL: integers of the element's width, and -0.0's bits among them."""
+    bits = _bits_dtype(dtype)
+    return {"BITS": tl.int16 if bits == torch.int16 else tl.int32, "SENTINEL": torch.iinfo(bits).min}
+
+
+def clear_buffer(buffer: torch.Tensor) -> torch.Tensor:
+    """Fill a fresh buffer with the sentinel (-0.0), as every slot must hold before its first call."""
+    bits = _bits_dtype(buffer.dtype)
+    return buffer.view(bits).fill_(torch.iinfo(bits).min)
 
 
 @triton.jit
-def _swap_flag(flag, expected, new, stop):
-    """Set *flag from `expected` to `new` once it holds `expected`; give up when *stop is set."""
-    old = tl.atomic_cas(flag, expected, new, sem="acq_rel", scope="sys")
-    # read by one thread and shared, like `old`, so every thread leaves the loop together
-    halted = tl.atomic_add(stop, 0, sem="relaxed", scope="gpu")
-    while (old != expected) & (halted == 0):
-        old = tl.atomic_cas(flag, expected, new, sem="acq_rel", scope="sys")
-        halted = tl.atomic_add(stop, 0, sem="relaxed", scope="gpu")
+def _slots(buf_ptrs, q, generation, slot, W: tl.constexpr, BITS: tl.constexpr):
+    """Slot 0 of this call's generation in rank q's buffer, as this rank maps it, as bits."""
+    base = tl.load(buf_ptrs + q).to(tl.pointer_type(BITS))
+    return tl.multiple_of(base + generation * W * slot, 16)
 
 
 @triton.jit
-def _meet_peers(flag_ptrs, phase, rank, stop, W: tl.constexpr, PROGRAMS: tl.constexpr):
-    """Signal program `pid` of every peer, then wait for each one's signal (flags [2, PROGRAMS, W])."""
-    pid = tl.program_id(0)
-    slot = (phase * PROGRAMS + pid) * W
-    tl.debug_barrier()  # every thread's stores and loads come before the signal that publishes them
+def _own_part(x_ptr, offs, mask, BITS: tl.constexpr, SENTINEL: tl.constexpr):
+    """This rank's part as bits, any -0.0 made +0.0 (the sentinel never travels; every rank sums the
+    same bits)."""
+    bits = tl.load(x_ptr.to(tl.pointer_type(BITS)) + offs, mask=mask, other=0)
+    return tl.where(bits == SENTINEL, tl.zeros_like(bits), bits)
+
+
+@triton.jit
+def _push(x_ptr, buf_ptrs, offs, mask, generation, slot, rank,
+          W: tl.constexpr, BITS: tl.constexpr, SENTINEL: tl.constexpr):
+    """Store x[offs] into slot `rank` of this generation in every peer's buffer."""
+    part = _own_part(x_ptr, offs, mask, BITS, SENTINEL)
     for q in tl.static_range(W):
         if q != rank:
-            # a posted store, not a swap: the flag is 0 by now (the peer took this phase's last signal
-            # before it could signal the meeting that follows it), and nothing waits for the reply
-            peer_flags = tl.load(flag_ptrs + q).to(tl.pointer_type(tl.int32))
-            tl.atomic_xchg(peer_flags + slot + rank, 1, sem="release", scope="sys")
-    own_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int32))
-    for q in tl.static_range(W):
-        if q != rank:
-            _swap_flag(own_flags + slot + q, 1, 0, stop)
-    tl.debug_barrier()  # no thread reads a slot before the signal that published it
+            tl.store(_slots(buf_ptrs, q, generation, slot, W, BITS) + rank * slot + offs, part, mask=mask)
 
 
 @triton.jit
-def _buffer(buf_ptrs, q, dtype: tl.constexpr):
-    """Rank q's buffer as this rank maps it (allocations are at least 16-byte aligned)."""
-    return tl.multiple_of(tl.load(buf_ptrs + q).to(tl.pointer_type(dtype)), 16)
+def _arrived(slot_bits, offs, mask, stop, SENTINEL: tl.constexpr):
+    """A peer's part at offs once every element has arrived (or the stop flag is set)."""
+    bits = tl.load(slot_bits + offs, mask=mask, other=0, volatile=True)
+    missing = tl.sum((bits == SENTINEL).to(tl.int32), axis=0)
+    halted = tl.load(stop, volatile=True)
+    while (missing > 0) & (halted == 0):
+        bits = tl.load(slot_bits + offs, mask=mask, other=0, volatile=True)
+        missing = tl.sum((bits == SENTINEL).to(tl.int32), axis=0)
+        halted = tl.load(stop, volatile=True)
+    return bits
 
 
 @triton.jit
-def _push(x_ptr, buf_ptrs, offs, mask, slot, rank, W: tl.constexpr):
-    """Store x[offs] into slot `rank` of every peer's buffer."""
-    part = tl.load(x_ptr + offs, mask=mask)
-    for q in tl.static_range(W):
-        if q != rank:
-            peer = _buffer(buf_ptrs, q, x_ptr.dtype.element_ty)
-            tl.store(peer + rank * slot + offs, part, mask=mask)
-
-
-@triton.jit
-def _rank_order_sum(x_ptr, own, offs, mask, slot, rank, W: tl.constexpr):
-    """fp32 sum over ranks of their parts at offs: this rank's from x, each peer's from its slot."""
+def _rank_order_sum(x_ptr, buf_ptrs, offs, mask, generation, slot, rank, stop,
+                    W: tl.constexpr, BITS: tl.constexpr, SENTINEL: tl.constexpr):
+    """fp32 sum over ranks of their parts at offs (each peer's waited for in this rank's buffer, then
+    its slot cleared again)."""
+    dtype = x_ptr.dtype.element_ty
+    own = _slots(buf_ptrs, rank, generation, slot, W, BITS)
+    cleared = tl.full(offs.shape, SENTINEL, BITS)
     total = tl.zeros(offs.shape, dtype=tl.float32)
     for q in tl.static_range(W):
-        part = tl.where(q == rank, x_ptr, own + q * slot)
-        total += tl.load(part + offs, mask=mask, other=0.0, cache_modifier=".cv").to(tl.float32)
+        if q == rank:
+            bits = _own_part(x_ptr, offs, mask, BITS, SENTINEL)
+        else:
+            bits = _arrived(own + q * slot, offs, mask, stop, SENTINEL)
+            tl.store(own + q * slot + offs, cleared, mask=mask)
+        total += bits.to(dtype, bitcast=True).to(tl.float32)
     return total
 
 
 @triton.jit(do_not_specialize=["n", "rank"])  # one compiled kernel for every rank and size
-def _one_shot_all_reduce(x_ptr, out_ptr, buf_ptrs, flag_ptrs, stop, n, slot, rank,
-                         W: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
+def _one_shot_all_reduce(x_ptr, out_ptr, buf_ptrs, state, stop, n, slot, rank,
+                         W: tl.constexpr, BLOCK: tl.constexpr, GENERATIONS: tl.constexpr,
+                         BITS: tl.constexpr, SENTINEL: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     dtype = x_ptr.dtype.element_ty
+    calls = tl.load(state + pid)
+    generation = calls % GENERATIONS
     cols = tl.arange(0, BLOCK)
     whole = cols < BLOCK  # blocks below `full` need no bounds: their accesses are vectorised
     full = n // BLOCK * BLOCK
     has_tail = (pid == (n // BLOCK) % programs) & (full < n)  # block n // BLOCK's owner, as in the loop
     for start in range(pid * BLOCK, full, programs * BLOCK):
-        _push(x_ptr, buf_ptrs, start + cols, whole, slot, rank, W)
+        _push(x_ptr, buf_ptrs, start + cols, whole, generation, slot, rank, W, BITS, SENTINEL)
     if has_tail:
-        _push(x_ptr, buf_ptrs, full + cols, full + cols < n, slot, rank, W)
-    _meet_peers(flag_ptrs, 0, rank, stop, W, PROGRAMS)
-    own = _buffer(buf_ptrs, rank, dtype)
+        _push(x_ptr, buf_ptrs, full + cols, full + cols < n, generation, slot, rank, W, BITS, SENTINEL)
     # in place is safe: each element of x is read before its program writes it, and peers never read x
     for start in range(pid * BLOCK, full, programs * BLOCK):
         offs = start + cols
-        total = _rank_order_sum(x_ptr, own, offs, whole, slot, rank, W)
+        total = _rank_order_sum(x_ptr, buf_ptrs, offs, whole, generation, slot, rank, stop, W, BITS, SENTINEL)
         tl.store(out_ptr + offs, _round(total, dtype).to(dtype))  # rounded on the bits: see _round
     if has_tail:
         offs = full + cols
-        total = _rank_order_sum(x_ptr, own, offs, offs < n, slot, rank, W)
+        total = _rank_order_sum(x_ptr, buf_ptrs, offs, offs < n, generation, slot, rank, stop, W, BITS, SENTINEL)
         tl.store(out_ptr + offs, _round(total, dtype).to(dtype), mask=offs < n)
-    _meet_peers(flag_ptrs, 1, rank, stop, W, PROGRAMS)
+    tl.store(state + pid, calls + 1)
 
 
 @triton.jit(do_not_specialize=["rows", "rank"])
-def _one_shot_all_reduce_add_rms_norm(x_ptr, residual_ptr, weight_ptr, out_ptr, buf_ptrs, flag_ptrs, stop,
+def _one_shot_all_reduce_add_rms_norm(x_ptr, residual_ptr, weight_ptr, out_ptr, buf_ptrs, state, stop,
                                       rows, hidden, slot, eps, rank,
-                                      W: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
+                                      W: tl.constexpr, BLOCK: tl.constexpr, GENERATIONS: tl.constexpr,
+                                      BITS: tl.constexpr, SENTINEL: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     dtype = x_ptr.dtype.element_ty
+    calls = tl.load(state + pid)
+    generation = calls % GENERATIONS
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     for row in range(pid, rows, programs):
-        _push(x_ptr, buf_ptrs, row * hidden + cols, mask, slot, rank, W)
+        _push(x_ptr, buf_ptrs, row * hidden + cols, mask, generation, slot, rank, W, BITS, SENTINEL)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # arrives during the wait
-    _meet_peers(flag_ptrs, 0, rank, stop, W, PROGRAMS)
-    own = _buffer(buf_ptrs, rank, dtype)
     for row in range(pid, rows, programs):
         offs = row * hidden + cols
-        reduced = _round(_rank_order_sum(x_ptr, own, offs, mask, slot, rank, W), dtype)
+        total = _rank_order_sum(x_ptr, buf_ptrs, offs, mask, generation, slot, rank, stop, W, BITS, SENTINEL)
+        reduced = _round(total, dtype)
         # rounded as engine/layers/fusion.add_rms_norm: the residual sum, the normalised row, the product
         h = _round(reduced + tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32), dtype)
         tl.store(residual_ptr + offs, h.to(dtype), mask=mask)
         inv = tl.math.rsqrt(tl.sum(h * h, axis=0) / hidden + eps)
         tl.store(out_ptr + offs, _round(weight * _round(h * inv, dtype), dtype).to(dtype), mask=mask)
-    _meet_peers(flag_ptrs, 1, rank, stop, W, PROGRAMS)
+    tl.store(state + pid, calls + 1)
 
 
-def one_shot_all_reduce(x, out, buf_ptrs, flag_ptrs, stop, rank: int, world_size: int,
-                        max_programs: int = MAX_PROGRAMS) -> None:
+def one_shot_all_reduce(x, out, buf_ptrs, state, stop, rank: int, world_size: int,
+                        programs: int = MAX_PROGRAMS) -> None:
     """out = the sum over ranks of each rank's x (contiguous, same shape and dtype on every rank; out
     may be x).
 
-    buf_ptrs / flag_ptrs: int64 tensors of every rank's buffer (≥ world_size × slot_size(x.numel())
-    elements of x's dtype, 16-byte aligned) and flag buffer (2 × max_programs × world_size int32, zero
-    before the first call) addresses as this rank maps them; stop: an int32 tensor, 0 unless the waits
-    are called off. Every rank must pass the same max_programs.
+    buf_ptrs: an int64 tensor of every rank's buffer address as this rank maps it (each buffer ≥
+    buffer_elements(x.numel(), world_size) elements of x's dtype, 16-byte aligned, filled by
+    clear_buffer before the first call); state: int32 [programs] in this rank's memory, zero before the
+    first call; stop: an int32 tensor, 0 unless the waits are called off. Every rank must make the same
+    sequence of calls (of either kernel) with the same `programs`.
     """
     n = x.numel()
-    if n:
-        _one_shot_all_reduce[(_programs(n, max_programs),)](
-            x, out, buf_ptrs, flag_ptrs, stop, n, slot_size(n), rank,
-            W=world_size, BLOCK=BLOCK, PROGRAMS=max_programs, num_warps=WARPS)
+    _one_shot_all_reduce[(programs,)](
+        x, out, buf_ptrs, state, stop, n, slot_size(n), rank,
+        W=world_size, BLOCK=BLOCK, GENERATIONS=GENERATIONS, **_bits(x.dtype), num_warps=WARPS)
 
 
-def one_shot_all_reduce_add_rms_norm(x, residual, weight, eps: float, out, buf_ptrs, flag_ptrs, stop, rank: int,
-                                     world_size: int, max_programs: int = MAX_PROGRAMS) -> None:
+def one_shot_all_reduce_add_rms_norm(x, residual, weight, eps: float, out, buf_ptrs, state, stop, rank: int,
+                                     world_size: int, programs: int = MAX_PROGRAMS) -> None:
     """With s the sum over ranks of each rank's x: residual ← s + residual, out ← rms_norm(residual) ×
     weight, rounded as engine/layers/fusion.add_rms_norm rounds, identical on every rank.
 
@@ -195,8 +213,7 @@ def one_shot_all_reduce_add_rms_norm(x, residual, weight, eps: float, out, buf_p
     """
     rows, hidden = x.shape
     assert hidden <= MAX_HIDDEN, f"rows of {hidden} elements; at most {MAX_HIDDEN}"
-    if rows:
-        block = triton.next_power_of_2(hidden)
-        _one_shot_all_reduce_add_rms_norm[(min(rows, max_programs),)](
-            x, residual, weight, out, buf_ptrs, flag_ptrs, stop, rows, hidden, slot_size(x.numel()), eps, rank,
-            W=world_size, BLOCK=block, PROGRAMS=max_programs, num_warps=_warps(block))
+    block = triton.next_power_of_2(hidden)
+    _one_shot_all_reduce_add_rms_norm[(programs,)](
+        x, residual, weight, out, buf_ptrs, state, stop, rows, hidden, slot_size(x.numel()), eps, rank,
+        W=world_size, BLOCK=block, GENERATIONS=GENERATIONS, **_bits(x.dtype), num_warps=_warps(block))

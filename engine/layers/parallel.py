@@ -18,16 +18,19 @@ ONE_SHOT_MAX_BYTES = 8 << 20
 class OneShotAllReduce:
     """All-reduce of small tensors through symmetric memory (engine/kernels/all_reduce.py): each rank
     stores its part into a slot of every peer's buffer over NVLink, and every rank sums all parts in rank
-    order in one kernel (identical sums on every rank). Decode steps all-reduce a few MB twice a layer,
-    where NCCL's fixed cost dominates. The kernel's waits poll a stop flag, so a dead peer cannot hang
-    them."""
+    order in one kernel (identical sums on every rank), once they have arrived. Decode steps all-reduce
+    a few MB twice a layer, where NCCL's fixed cost dominates. The kernel's waits poll a stop flag, so a
+    dead peer cannot hang them."""
 
-    def __init__(self, buffer: torch.Tensor, buf_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, rank: int,
-                 world_size: int, keep: tuple):
-        self.buffer, self.buf_ptrs, self.flag_ptrs = buffer, buf_ptrs, flag_ptrs
+    def __init__(self, buffer: torch.Tensor, buf_ptrs: torch.Tensor, capacity: int, rank: int,
+                 world_size: int, keep):
+        from engine.kernels.all_reduce import MAX_PROGRAMS
+
+        self.buffer, self.buf_ptrs = buffer, buf_ptrs
         self.rank, self.world_size = rank, world_size
-        self.slot_capacity = buffer.numel() // world_size  # elements of one rank's part
-        self._keep = keep  # the flag buffer and the rendezvous handles: peers map them
+        self.slot_capacity = capacity  # elements of one rank's part
+        self._keep = keep  # the rendezvous handle: peers map the buffer
+        self.state = torch.zeros(MAX_PROGRAMS, dtype=torch.int32, device=buffer.device)  # calls so far
         self.stop = torch.zeros(1, dtype=torch.int32, device=buffer.device)
         self._one = torch.ones(1, dtype=torch.int32, pin_memory=True)
         self._side_stream = torch.cuda.Stream(buffer.device)
@@ -37,7 +40,7 @@ class OneShotAllReduce:
         """Collective over the default group; None on every rank (with a warning) where any rank cannot use
         symmetric memory: the ranks agree first, since a rank that skipped the rendezvous would leave the
         others waiting in it forever."""
-        from engine.kernels.all_reduce import MAX_PROGRAMS  # Triton is an optional extra: import on use
+        from engine.kernels.all_reduce import buffer_elements, clear_buffer  # Triton is optional: import on use
 
         problem = _symmetric_memory_problem(device, rank, world_size)
         agreed = torch.tensor([0 if problem else 1], dtype=torch.int32, device=device)
@@ -54,20 +57,18 @@ class OneShotAllReduce:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", FutureWarning)
                     symm_mem.enable_symm_mem_for_group(group_name)
-            # one slot of ONE_SHOT_MAX_BYTES per rank: each rank's part lands in a slot of its own
-            buffer = symm_mem.empty(world_size * ONE_SHOT_MAX_BYTES // dtype.itemsize, dtype=dtype, device=device)
-            flags = symm_mem.empty(2 * MAX_PROGRAMS * world_size, dtype=torch.int32, device=device)
-            flags.zero_()
+            # slots of ONE_SHOT_MAX_BYTES, one per rank in each of the kernel's generations
+            capacity = ONE_SHOT_MAX_BYTES // dtype.itemsize
+            buffer = symm_mem.empty(buffer_elements(capacity, world_size), dtype=dtype, device=device)
+            clear_buffer(buffer)
             buffers = symm_mem.rendezvous(buffer, group_name)
-            flag_buffers = symm_mem.rendezvous(flags, group_name)
             buf_ptrs = torch.tensor(buffers.buffer_ptrs, dtype=torch.int64, device=device)
-            flag_ptrs = torch.tensor(flag_buffers.buffer_ptrs, dtype=torch.int64, device=device)
             torch.cuda.synchronize(device)
-            dist.barrier()  # every rank's flags are zero before any rank signals
+            dist.barrier()  # every rank's buffer is clear before any rank stores into it
         except Exception as e:  # noqa: BLE001 (any failure here means: use NCCL)
             warnings.warn(f"symmetric-memory all-reduce unavailable, using NCCL for every all-reduce: {e}")
             return None
-        return cls(buffer, buf_ptrs, flag_ptrs, rank, world_size, (flags, buffers, flag_buffers))
+        return cls(buffer, buf_ptrs, capacity, rank, world_size, buffers)
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.dtype == self.buffer.dtype and x.numel() <= self.slot_capacity and x.is_contiguous()
@@ -84,7 +85,7 @@ class OneShotAllReduce:
         from engine.kernels.all_reduce import one_shot_all_reduce
 
         flat = x.view(-1)  # in place: each program reads its share of x before it writes that share
-        one_shot_all_reduce(flat, flat, self.buf_ptrs, self.flag_ptrs, self.stop, self.rank, self.world_size)
+        one_shot_all_reduce(flat, flat, self.buf_ptrs, self.state, self.stop, self.rank, self.world_size)
         return x
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -93,7 +94,7 @@ class OneShotAllReduce:
         both in place: the normed rows over x, the new residual over residual."""
         from engine.kernels.all_reduce import one_shot_all_reduce_add_rms_norm
 
-        one_shot_all_reduce_add_rms_norm(x, residual, weight, eps, x, self.buf_ptrs, self.flag_ptrs, self.stop,
+        one_shot_all_reduce_add_rms_norm(x, residual, weight, eps, x, self.buf_ptrs, self.state, self.stop,
                                          self.rank, self.world_size)
         return x, residual
 
