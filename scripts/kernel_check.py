@@ -1,9 +1,11 @@
 """GPU check of the attention kernels: correctness on many shapes, CUDA-graph capture, then timings.
 
     python scripts/kernel_check.py [--backend triton|flash] [--skip-sweep] [--out DIR]
+    python scripts/kernel_check.py --decode-spread-only   # the two decode schedules on unequal lengths
 
 Prints a short table last; writes <out>/kernel_check_<backend>.json with every figure. Imports only
-engine.kernels, engine.attention (for the flash backend) and tests/kernel_cases.py.
+engine.kernels, engine.attention (for the flash backend), engine.bench (the cards' copy bandwidth) and
+tests/kernel_cases.py.
 """
 from __future__ import annotations
 
@@ -21,10 +23,12 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from kernel_cases import (GPU_SHAPES, check_decode_padding, check_shape, make_case,  # noqa: E402
-                          reference_attention, relative_error)
+from kernel_cases import (GPU_SHAPES, check_balanced_decode, check_decode_padding, check_shape,  # noqa: E402
+                          make_case, reference_attention, relative_error)
 
-BANDWIDTH = 3.02e12   # bytes/s, device copy on the lent H100 (shared/GPU.md)
+from engine.bench import MEASURED_BANDWIDTH  # noqa: E402
+
+BANDWIDTH = MEASURED_BANDWIDTH["H100"]  # bytes/s, device copy; main() sets the running card's
 MATMUL = 697e12       # bf16 FLOP/s, 8192^3 matmul on the same card
 ROWS: list[tuple] = []  # (what, config, ms, floor ms, note)
 
@@ -66,7 +70,13 @@ def check_correctness(log: dict) -> bool:
     res = check_decode_padding("cuda")
     log["correctness"]["padding"] = res
     ok &= report("padding", res)
-    return ok
+    return ok & check_decode_schedules(log)
+
+
+def check_decode_schedules(log: dict) -> bool:
+    res = check_balanced_decode("cuda")
+    log["correctness"]["balanced_decode"] = res
+    return report("balanced decode schedule", res)
 
 
 def report(name: str, res: dict) -> bool:
@@ -154,6 +164,46 @@ def time_decode(attend, tag: str, batch: int, ctx: int, page: int, configs, log:
         log["timing"].append(dict(zip(("what", "config", "ms", "floor_ms", "note"), row)))
 
 
+def graph_ms(fn) -> float:
+    """Median time of one replay of `fn` captured in a CUDA graph, as the engine runs decode."""
+    for _ in range(2):  # compile before capture
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench_ms(graph.replay)
+
+
+def time_decode_spread(sweep: bool, log: dict) -> None:
+    """Decode over bench-like unequal lengths (uniform in 100..2048 in one batch), both schedules, each
+    replayed in a CUDA graph captured with max_seqlen_k 4096 (the engine captures at max_model_len)."""
+    from engine.kernels import DecodeConfig, paged_decode
+    variants = [("grid", None), ("balanced", None)]
+    if sweep:  # (programs per SM, items per program) of the balanced schedule
+        variants += [("balanced", DecodeConfig(programs_per_sm=p, items_per_program=i))
+                     for p, i in ((4, 4), (4, 16), (2, 8), (8, 8), (8, 4))]
+    for model, heads, kv_heads in (("qwen3-8b tp1", 32, 8), ("qwen3-8b tp2", 16, 4)):
+        for batch in (32, 64, 128, 256):
+            lengths = torch.randint(100, 2049, (batch,), generator=torch.Generator().manual_seed(batch)).tolist()
+            case = make_case([1] * batch, lengths, heads, kv_heads, 128, 256, torch.bfloat16, "cuda", seed=batch)
+            ref = reference_attention(case)
+            floor = kv_bytes(case) / BANDWIDTH * 1e3
+            for schedule, config in variants:
+                out = torch.empty_like(case.q)
+                run = lambda: paged_decode(case.q, case.k_cache, case.v_cache, case.seqlens_k,  # noqa: E731
+                                           case.block_tables, 4096, case.scale, out=out, config=config,
+                                           schedule=schedule)
+                ms = graph_ms(run)
+                err = relative_error(out, ref)
+                label = schedule if config is None else \
+                    f"{schedule} {config.programs_per_sm}/SM {config.items_per_program} items/program"
+                row = (f"decode {model} b={batch} ctx 100-2048", label, ms, floor,
+                       f"{kv_bytes(case) / ms / 1e9:.2f} TB/s" + ("" if err < 1e-2 else f" WRONG (rel err {err:.2e})"))
+                ROWS.append(row)
+                log["timing"].append(dict(zip(("what", "config", "ms", "floor_ms", "note"), row)))
+
+
 def time_prefill(attend, tag: str, name: str, q_lens, k_lens, page: int, configs, log: dict) -> None:
     case = make_case(q_lens, k_lens, 16, 8, 128, page, torch.bfloat16, "cuda", seed=2)
     flops = attention_flops(case)
@@ -173,6 +223,9 @@ def time_prefill(attend, tag: str, name: str, q_lens, k_lens, page: int, configs
 def triton_attend(case, is_decode: bool, config):
     from engine.kernels import paged_decode, paged_prefill
     if is_decode:
+        if config in ("balanced", "grid"):  # a schedule with its automatic sizes
+            return paged_decode(case.q, case.k_cache, case.v_cache, case.seqlens_k, case.block_tables,
+                                case.max_seqlen_k, case.scale, schedule=config)
         splits, cfg = config if config else (None, None)
         return paged_decode(case.q, case.k_cache, case.v_cache, case.seqlens_k, case.block_tables,
                             case.max_seqlen_k, case.scale, num_splits=splits, config=cfg)
@@ -225,7 +278,7 @@ def run_timing(backend: str, sweep: bool, log: dict) -> None:
     from engine.kernels import DecodeConfig, PrefillConfig
     if backend == "triton":
         attend = triton_attend
-        dec_cfgs = [None]
+        dec_cfgs = ["balanced", "grid"]
         pre_cfgs = [None]
         if sweep:
             dec_cfgs += [(1, DecodeConfig(bn, w, s)) for bn, w, s in
@@ -238,10 +291,12 @@ def run_timing(backend: str, sweep: bool, log: dict) -> None:
         attend = lambda case, is_decode, _cfg: impl.forward(case.q, case.k_cache, case.v_cache,  # noqa: E731
                                                             meta_of(case, is_decode), case.scale)
         dec_cfgs = pre_cfgs = [None]
+    if backend == "triton":
+        time_decode_spread(sweep, log)
     for page in (256, 16):
-        time_decode(attend, backend, 256, 1024, page, dec_cfgs if page == 256 else [None], log)
+        time_decode(attend, backend, 256, 1024, page, dec_cfgs if page == 256 else dec_cfgs[:2], log)
     for batch, ctx in ((64, 2048), (8, 4096), (1, 8192)):
-        time_decode(attend, backend, batch, ctx, 256, [None], log)
+        time_decode(attend, backend, batch, ctx, 256, dec_cfgs[:2], log)
     if backend == "triton" and sweep:
         for splits in (1, 2, 4, 8, 16):
             time_decode(attend, backend, 8, 4096, 256, [(splits, None)], log)
@@ -267,17 +322,27 @@ def main() -> int:
     parser.add_argument("--backend", default="triton", choices=["triton", "flash"])
     parser.add_argument("--skip-sweep", action="store_true")
     parser.add_argument("--skip-timing", action="store_true")
+    parser.add_argument("--decode-spread-only", action="store_true",
+                        help="only the decode schedule checks and the unequal-length decode timings (triton)")
+    parser.add_argument("--bandwidth", type=float, default=None,
+                        help="bytes/s for the byte floors (default: the measured copy rate of the H100 or H200)")
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = parser.parse_args()
     assert torch.cuda.is_available(), "kernel_check needs a CUDA GPU"
     import triton
-    log = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+    global BANDWIDTH
+    gpu = torch.cuda.get_device_name()
+    BANDWIDTH = args.bandwidth or next((bw for name, bw in MEASURED_BANDWIDTH.items() if name in gpu), BANDWIDTH)
+    log = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "bandwidth": BANDWIDTH,
            "backend": args.backend, "correctness": {}, "timing": []}
-    print(f"{log['gpu']}  torch {torch.__version__}  triton {triton.__version__}  backend {args.backend}", flush=True)
+    print(f"{gpu}  torch {torch.__version__}  triton {triton.__version__}  backend {args.backend}  "
+          f"floors at {BANDWIDTH / 1e12:.2f} TB/s", flush=True)
     t0 = time.time()
     ok = True
     try:
-        if args.backend == "triton":
+        if args.decode_spread_only:
+            ok = check_decode_schedules(log) and check_graphs(log)
+        elif args.backend == "triton":
             ok = check_correctness(log) and check_graphs(log)
         else:
             from engine.attention import get_backend
@@ -287,7 +352,9 @@ def main() -> int:
                 log.setdefault("errors", []).append(error)
             ok = check_backend(get_backend(args.backend, torch.device("cuda")), log)
         print(f"correctness {'PASSED' if ok else 'FAILED'} ({time.time() - t0:.0f} s)", flush=True)
-        if not args.skip_timing:
+        if args.decode_spread_only and not args.skip_timing:
+            time_decode_spread(not args.skip_sweep, log)
+        elif not args.skip_timing:
             run_timing(args.backend, not args.skip_sweep, log)
     except Exception:
         log["traceback"] = traceback.format_exc()
@@ -295,7 +362,8 @@ def main() -> int:
         ok = False
     finally:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / f"kernel_check_{args.backend}.json").write_text(json.dumps(log, indent=1, default=str))
+        name = f"kernel_check_{args.backend}{'_decode_spread' if args.decode_spread_only else ''}.json"
+        (Path(args.out) / name).write_text(json.dumps(log, indent=1, default=str))
         print_table()
         print(f"correctness {'PASSED' if ok else 'FAILED'}; total {time.time() - t0:.0f} s")
     return 0 if ok else 1

@@ -175,7 +175,8 @@ def check_shape(shape: Shape, device: str, dtype: torch.dtype = torch.bfloat16) 
                       skip_decodes=True)
         paged_decode(case.q, case.k_cache, case.v_cache, case.seqlens_k, case.block_tables, case.max_seqlen_k,
                      case.scale, out=out, num_splits=splits, cu_seqlens_q=case.cu_seqlens_q)
-        results[f"mixed_routed_splits_{splits or 'auto'}"] = (relative_error(out, ref), not out.isnan().any().item())
+        results[f"mixed_routed_{f'splits_{splits}' if splits else 'balanced'}"] = (
+            relative_error(out, ref), not out.isnan().any().item())
 
     # decode: the last position of every sequence
     dec = make_case([1] * len(k_lens), k_lens, shape.num_heads, shape.num_kv_heads, shape.head_dim,
@@ -184,11 +185,12 @@ def check_shape(shape: Shape, device: str, dtype: torch.dtype = torch.bfloat16) 
     decode_config = None
     if shape.decode_block_n:
         decode_config = DecodeConfig(block_n=shape.decode_block_n, num_warps=4, num_stages=1 if device == "cpu" else 2)
-    for splits in (None, 1, 3, 8):
+    for splits in (None, 1, 3, 8):  # None: the balanced schedule; a split count: the grid
         out = torch.full_like(dec.q, float("nan"))
         paged_decode(dec.q, dec.k_cache, dec.v_cache, dec.seqlens_k, dec.block_tables, dec.max_seqlen_k,
                      dec.scale, out=out, num_splits=splits, config=decode_config)
-        results[f"decode_splits_{splits or 'auto'}"] = (relative_error(out, dec_ref), not out.isnan().any().item())
+        results[f"decode_{f'splits_{splits}' if splits else 'balanced'}"] = (
+            relative_error(out, dec_ref), not out.isnan().any().item())
 
     # store_kvcache: random distinct slots, some -1; untouched slots keep their values
     num_tokens = sum(q_lens)
@@ -214,27 +216,93 @@ def check_shape(shape: Shape, device: str, dtype: torch.dtype = torch.bfloat16) 
 
 
 def check_decode_padding(device: str, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """CUDA-graph batch filler: rows with seqlen_k 0, an all -1 block table and slot -1 stay finite."""
+    """CUDA-graph batch filler: rows with seqlen_k 0 and an all -1 block table, or seqlen_k 1 over
+    block 0 (what the engine's graphs pad with), and slot -1, are written and stay finite."""
     from engine.kernels import paged_decode, store_kvcache
 
     dec = make_case([1, 1], [37, 5], 8, 2, 64, 16, dtype, device, seed=5)
-    pad_rows = 2
+    pad_rows = 3
     q = torch.cat([dec.q, torch.randn(pad_rows, 8, 64).to(dtype).to(device)])
-    seqlens = torch.cat([dec.seqlens_k, torch.zeros(pad_rows, dtype=torch.int32, device=device)])
+    seqlens = torch.cat([dec.seqlens_k, torch.tensor([0, 0, 1], dtype=torch.int32, device=device)])
     tables = torch.cat([dec.block_tables, torch.full((pad_rows, dec.block_tables.shape[1]), -1,
                                                      dtype=torch.int32, device=device)])
+    tables[-1] = 0
     ref = reference_attention(dec)
     results = {}
-    for splits in (1, 4):
+    for splits in (None, 1, 4):
         out = torch.full_like(q, float("nan"))
         paged_decode(q, dec.k_cache, dec.v_cache, seqlens, tables, 37, dec.scale, out=out, num_splits=splits)
-        results[f"padded_decode_{splits}"] = (relative_error(out[:2], ref),
-                                              bool(torch.isfinite(out).all().item()))
+        results[f"padded_decode_{splits or 'balanced'}"] = (relative_error(out[:2], ref),
+                                                            bool(torch.isfinite(out).all().item()))
     k_cache = dec.k_cache.clone()
     v_cache = dec.v_cache.clone()
     key = torch.randn(3, 2, 64).to(dtype).to(device)
     store_kvcache(key, key, k_cache, v_cache, torch.full((3,), -1, dtype=torch.int64, device=device))
     results["store_all_skipped"] = (float((k_cache != dec.k_cache).sum().item()), True)
+    return results
+
+
+# The balanced decode schedule on CPU: at most 16 programs (4 "SMs" x 4) aiming at 64 items of
+# 16-position tiles unless the case says otherwise. (name, heads, KV heads, head dim, page,
+# q_lens (None: all decodes), k_lens, (programs_per_sm, items_per_program) or None, what it exercises)
+BALANCED_CASES = [
+    ("gqa1_d64_unequal", 4, 4, 64, 16, None, [1, 5, 300, 17], None, "long_chunks"),
+    ("gqa2_d128_page8", 4, 2, 128, 8, None, [70, 33, 129, 2, 45], None, "many_chunks"),
+    ("gqa4_d64_page32", 8, 2, 64, 32, None, [97, 1, 250, 64, 31, 18], None, "many_chunks"),
+    ("short_wide_batch", 4, 2, 64, 16, None, [(7 * i) % 41 + 1 for i in range(20)], None, "items_over_target"),
+    ("gqa8_d128", 8, 1, 128, 16, None, [150, 3, 77], None, "many_chunks"),
+    ("batch1", 4, 2, 64, 16, None, [300], None, "merge_loops"),
+    ("few_programs", 8, 2, 64, 16, None, [90, 200, 7, 33], (1, 1), "long_chunks"),
+    ("mixed", 8, 2, 64, 16, [1, 9, 1, 30, 1], [20, 40, 300, 30, 7], None, "many_chunks"),
+]
+
+
+def balanced_chunks(q_lens: list[int], k_lens: list[int], num_kv_heads: int, target_items: int,
+                    block_n: int) -> tuple[int, list[int]]:
+    """The chunk length and chunks per sequence the balanced decode kernel derives on the device."""
+    lens = [k if q == 1 else 0 for q, k in zip(q_lens, k_lens)]
+    chunk_len = block_n * max(1, -(-sum(lens) * num_kv_heads // (target_items * block_n)))
+    return chunk_len, [max(1, -(-k // chunk_len)) if q == 1 else 0 for q, k in zip(q_lens, lens)]
+
+
+def check_balanced_decode(device: str, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The balanced decode schedule against the reference and the grid schedule on unequal batches."""
+    from engine.kernels import paged_decode, paged_prefill
+    from engine.kernels.paged_decode import (MERGE_TILE, DecodeConfig, _num_sms, balanced_schedule,
+                                             default_decode_config)
+
+    results = {}
+    for name, heads, kv_heads, head_dim, page, q_lens, k_lens, schedule_knobs, exercises in BALANCED_CASES:
+        q_lens = q_lens or [1] * len(k_lens)
+        case = make_case(q_lens, k_lens, heads, kv_heads, head_dim, page, dtype, device, seed=len(name))
+        ref = reference_attention(case)
+        config = default_decode_config(case.q)
+        config = DecodeConfig(config.block_n, config.num_warps, config.num_stages, *(schedule_knobs or (4, 4)))
+        _, target_items = balanced_schedule(len(k_lens), kv_heads, case.max_seqlen_k, config,
+                                            _num_sms(case.q.device))
+        chunk_len, chunks = balanced_chunks(q_lens, k_lens, kv_heads, target_items, config.block_n)
+        holds = {"long_chunks": chunk_len > config.block_n, "many_chunks": max(chunks) > 4,
+                 "merge_loops": max(chunks) > MERGE_TILE,
+                 "items_over_target": sum(chunks) * kv_heads > target_items}[exercises]
+        if device == "cpu":  # the cases are sized for the CPU's schedule; a GPU has more programs
+            results[f"{name}_exercises_{exercises}"] = (0.0 if holds else 1.0, True)
+        mixed = case.cu_seqlens_q if max(q_lens) > 1 else None
+        outs = {}
+        for schedule in ("balanced", "grid"):
+            out = torch.full_like(case.q, float("nan"))
+            paged_decode(case.q, case.k_cache, case.v_cache, case.seqlens_k, case.block_tables, case.max_seqlen_k,
+                         case.scale, out=out, config=config, cu_seqlens_q=mixed, schedule=schedule)
+            outs[schedule] = out
+        if mixed is not None:  # decode leaves the prefill rows alone; prefill fills them in
+            decode_rows = torch.tensor([q == 1 for q in q_lens for _ in range(q)], device=device)
+            untouched = outs["balanced"][~decode_rows].isnan().all().item()
+            results[f"{name}_leaves_prefill_rows"] = (0.0 if untouched else 1.0, True)
+            for out in outs.values():
+                paged_prefill(case.q, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seqlens_k,
+                              case.block_tables, case.max_seqlen_q, case.scale, out=out, skip_decodes=True)
+        results[f"{name}_balanced"] = (relative_error(outs["balanced"], ref), not outs["balanced"].isnan().any().item())
+        results[f"{name}_grid_agrees"] = (relative_error(outs["balanced"], outs["grid"]),
+                                          not outs["grid"].isnan().any().item())
     return results
 
 
@@ -392,6 +460,8 @@ def _main() -> None:
             results[shape.name] = check_shape(shape, "cpu")
     if "padding" in names or not sys.argv[1:]:
         results["padding"] = check_decode_padding("cpu")
+    if "balanced" in names or not sys.argv[1:]:
+        results["balanced"] = check_balanced_decode("cpu")
     if "qkv_prep" in names or not sys.argv[1:]:
         try:
             results["qkv_prep"] = {**check_qkv_prep("cpu"),

@@ -15,8 +15,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from interpreter import run_under_interpreter  # noqa: E402
-from kernel_cases import (CPU_SHAPES, GPU_SHAPES, check_decode_padding, check_norm_act,  # noqa: E402
-                          check_qkv_prep, check_shape)
+from kernel_cases import (CPU_SHAPES, GPU_SHAPES, check_balanced_decode, check_decode_padding,  # noqa: E402
+                          check_norm_act, check_qkv_prep, check_shape)
 
 REL_TOL = 1e-2
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -51,6 +51,17 @@ def test_kernels_match_reference_under_interpreter(interpreted, shape):
 @needs_triton
 def test_decode_padding_rows_stay_finite_under_interpreter(interpreted):
     assert_results(interpreted["padding"])
+
+
+@needs_triton
+def test_balanced_decode_matches_reference_and_grid_schedule_under_interpreter(interpreted):
+    assert_results(interpreted["balanced"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_balanced_decode_matches_reference_and_grid_schedule_on_gpu():
+    assert_results(check_balanced_decode("cuda"))
 
 
 @needs_triton

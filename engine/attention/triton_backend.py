@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.kernels import paged_decode, paged_prefill, qkv_prep, store_kvcache
+from engine.kernels.paged_decode import SCHEDULES as DECODE_SCHEDULES
 
 if TYPE_CHECKING:
     from engine.attention import AttentionMetadata
@@ -16,11 +17,15 @@ class TritonBackend:
     """Paged attention through Triton: split-KV decode, varlen chunked prefill, GQA-packed heads."""
 
     name = "triton"
-    supports_cuda_graphs = True  # decode sizes its split scratch from Python ints only
+    supports_cuda_graphs = True  # decode sizes its grid and scratch from Python ints only
 
     def __init__(self):
         # REDLINE_FUSED_QKV=0 keeps the unfused layers (norm, rotary, store) for comparison
         self.fuses_qkv_prep = os.environ.get("REDLINE_FUSED_QKV", "1") != "0"
+        # REDLINE_DECODE_SCHEDULE=grid keeps the (sequence, KV head, split) decode grid for comparison
+        self.decode_schedule = os.environ.get("REDLINE_DECODE_SCHEDULE", "balanced")
+        if self.decode_schedule not in DECODE_SCHEDULES:
+            raise ValueError(f"REDLINE_DECODE_SCHEDULE={self.decode_schedule!r}; use one of {DECODE_SCHEDULES}")
 
     def qkv_prep(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -41,9 +46,9 @@ class TritonBackend:
                 meta: "AttentionMetadata", scale: float) -> torch.Tensor:
         if meta.is_decode:
             return paged_decode(q, k_cache, v_cache, meta.seqlens_k, meta.block_tables,
-                                meta.max_seqlen_k, scale)
+                                meta.max_seqlen_k, scale, schedule=self.decode_schedule)
         # chunks through the prefill kernel; one-token rows of a mixed batch through split-KV decode
         out = paged_prefill(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqlens_k,
                             meta.block_tables, meta.max_seqlen_q, scale, skip_decodes=True)
         return paged_decode(q, k_cache, v_cache, meta.seqlens_k, meta.block_tables, meta.max_seqlen_k,
-                            scale, out=out, cu_seqlens_q=meta.cu_seqlens_q)
+                            scale, out=out, cu_seqlens_q=meta.cu_seqlens_q, schedule=self.decode_schedule)

@@ -1,12 +1,18 @@
 """Decode attention (one query token per sequence) over a paged KV cache, split-KV style.
 
-Grid: (sequence, KV head, split). Each program reads one contiguous range of the sequence's KV
-positions for all query heads of its KV head (packed as rows of one tl.dot) and leaves a partial
-output with its log-sum-exp; a second kernel merges the splits. With enough sequences x KV heads
-to fill the GPU, num_splits is 1 and the first kernel writes the output directly.
+Every program reads one contiguous range of a sequence's KV positions for all query heads of one KV
+head (packed as rows of one tl.dot) and leaves the output, or a partial output with its log-sum-exp
+that a second kernel merges. Two schedules hand out the ranges:
 
-CUDA-graph safe: the split count and scratch sizes come from Python ints (batch, max_seqlen_k), and
-each program derives its range from its own seqlen on the device, so any split count is correct.
+- balanced (default): a persistent grid of P programs, a few per SM. Each program sums the batch's
+  lengths on the device, picks one chunk length so the whole batch makes about P x items_per_program
+  (chunk, KV head) items, and program p takes items p, p + P, p + 2P, ...; a long sequence is spread
+  over many programs, so unequal lengths in one batch leave little tail. A sequence of one chunk is
+  written directly.
+- grid: (sequence, KV head, split), num_splits ranges per sequence; the longest sequence sets the tail.
+
+CUDA-graph safe: grids and scratch sizes come from Python ints (batch, max_seqlen_k), and ranges are
+derived from the lengths on the device, so one captured launch is correct for any lengths.
 """
 from __future__ import annotations
 
@@ -19,21 +25,53 @@ import triton.language as tl
 
 from engine.kernels.paged_tiles import LOG2E, check_paged_inputs, group_pad, kv_tile_offsets, mma, upcast_dot
 
+SCHEDULES = ("balanced", "grid")
+MERGE_TILE = 16  # partials a merge program reads at once; it loops for more
+
 
 @dataclass(frozen=True)
 class DecodeConfig:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    programs_per_sm: int = 4     # balanced schedule: persistent programs per SM
+    items_per_program: int = 8   # balanced schedule: (chunk, KV head) items aimed at per program
+
+
+@triton.jit
+def _attend_range(q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset, offs_d, start, end, qk_scale,
+                  stride_page, stride_slot, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+    """Online softmax of q [GROUP_PAD, BLOCK_D] over KV positions start..end-1 (start a multiple of
+    BLOCK_N): the normalised output, and its log2-domain log-sum-exp (-inf where there are no keys)."""
+    m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs, mask, valid_n = kv_tile_offsets(block_table_row, n0, end, head_offset, offs_d,
+                                              stride_page, stride_slot, PAGE_SIZE, BLOCK_N,
+                                              HEAD_DIM, BLOCK_D, True)
+        k = tl.load(k_cache_ptr + offs, mask=mask, other=0.0)
+        s = mma(q, tl.trans(k), UPCAST) * qk_scale
+        s = tl.where(valid_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + offs, mask=mask, other=0.0)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST)
+        m_i = m_new
+    has_keys = l_i > 0.0  # false for an empty range or a zero-length padding sequence
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    return out, lse
 
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    seqlens_k_ptr, block_tables_ptr, cu_seqlens_q_ptr,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_page, stride_slot, stride_khead, stride_bt,
-    qk_scale, num_heads, num_splits,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seqlens_k_ptr, block_tables_ptr, cu_seqlens_q_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_page, stride_slot, stride_khead, stride_bt,
+    qk_scale, num_heads, part_out_ptr, part_lse_ptr, num_splits,
     DIRECT: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, MIXED: tl.constexpr,
@@ -58,29 +96,9 @@ def _decode_split_kernel(
     d_mask = offs_d < HEAD_DIM
     q = tl.load(q_ptr + token.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-
-    m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
-    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    head_offset = kv_head * stride_khead
-    for n0 in range(start, end, BLOCK_N):
-        offs, mask, valid_n = kv_tile_offsets(block_table_row, n0, end, head_offset, offs_d,
-                                              stride_page, stride_slot, PAGE_SIZE, BLOCK_N,
-                                              HEAD_DIM, BLOCK_D, True)
-        k = tl.load(k_cache_ptr + offs, mask=mask, other=0.0)
-        s = mma(q, tl.trans(k), UPCAST) * qk_scale
-        s = tl.where(valid_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + offs, mask=mask, other=0.0)
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST)
-        m_i = m_new
-
-    has_keys = l_i > 0.0  # false for an empty split or a zero-length padding sequence
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    out, lse = _attend_range(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
+                             kv_head * stride_khead, offs_d, start, end, qk_scale, stride_page, stride_slot,
+                             GROUP_PAD, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, UPCAST)
     if DIRECT:
         o_ptrs = out_ptr + token.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
@@ -88,48 +106,144 @@ def _decode_split_kernel(
         # scratch layout: part_out [B, H, num_splits, BLOCK_D], part_lse [B, H, num_splits] (log2 domain)
         row = (seq.to(tl.int64) * num_heads + head) * num_splits + split
         tl.store(part_out_ptr + row[:, None] * BLOCK_D + offs_d[None, :], out, mask=g_mask[:, None])
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
 
 
 @triton.jit
-def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, cu_seqlens_q_ptr, stride_ot, stride_oh, num_heads, num_splits,
-    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MIXED: tl.constexpr,
+def _pick(values, offs, index):
+    """values[index] of a vector held in registers."""
+    return tl.sum(tl.where(offs == index, values, 0), 0)
+
+
+@triton.jit
+def _decode_balanced_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seqlens_k_ptr, block_tables_ptr, cu_seqlens_q_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_page, stride_slot, stride_khead, stride_bt,
+    qk_scale, num_heads, part_out_ptr, part_lse_ptr, chunk_offsets_ptr, num_seqs, num_kv_heads, target_items,
+    B_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, MIXED: tl.constexpr,
 ):
+    # every program derives the same schedule from the lengths: no program waits on another
+    offs_b = tl.arange(0, B_PAD)
+    is_decode = offs_b < num_seqs
+    if MIXED:  # sequences of more than one query token are the prefill kernel's: no chunks
+        q_start = tl.load(cu_seqlens_q_ptr + offs_b, mask=is_decode, other=0)
+        q_end = tl.load(cu_seqlens_q_ptr + offs_b + 1, mask=is_decode, other=0)
+        is_decode = is_decode & (q_end - q_start == 1)
+    lens = tl.load(seqlens_k_ptr + offs_b, mask=is_decode, other=0)
+    # chunks are whole KV tiles, long enough that the batch makes at most about target_items items
+    chunk_len = BLOCK_N * tl.maximum(1, tl.cdiv(tl.sum(lens, 0) * num_kv_heads, target_items * BLOCK_N))
+    # a zero-length sequence still gets one (empty) chunk, so its output is written
+    chunks = tl.where(is_decode, tl.maximum(tl.cdiv(lens, chunk_len), 1), 0)
+    last_chunk = tl.cumsum(chunks, 0)  # one past each sequence's last chunk
+    total_chunks = tl.sum(chunks, 0)
+    if tl.program_id(0) == 0:  # where each sequence's partials lie, for the merge kernel
+        tl.store(chunk_offsets_ptr + offs_b, last_chunk - chunks, mask=offs_b < num_seqs)
+        tl.store(chunk_offsets_ptr + num_seqs, total_chunks)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    g_mask = offs_g < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    for item in range(tl.program_id(0), total_chunks * num_kv_heads, tl.num_programs(0)):
+        global_chunk = item // num_kv_heads
+        kv_head = item % num_kv_heads  # neighbouring items: one chunk's KV heads, adjacent in the cache
+        seq = tl.sum((last_chunk <= global_chunk).to(tl.int32), 0)
+        seq_chunks = _pick(chunks, offs_b, seq)
+        start = (global_chunk - _pick(last_chunk, offs_b, seq) + seq_chunks) * chunk_len
+        end = tl.minimum(start + chunk_len, tl.load(seqlens_k_ptr + seq))
+        token = seq
+        if MIXED:
+            token = tl.load(cu_seqlens_q_ptr + seq)
+        head = kv_head * GROUP + offs_g
+        q = tl.load(q_ptr + token.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        out, lse = _attend_range(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
+                                 kv_head * stride_khead, offs_d, start, end, qk_scale, stride_page, stride_slot,
+                                 GROUP_PAD, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, UPCAST)
+        if seq_chunks == 1:
+            o_ptrs = out_ptr + token.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+            tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+        else:
+            # scratch layout: part_out [chunk rows, H, BLOCK_D], part_lse [chunk rows, H] (log2 domain)
+            row = global_chunk.to(tl.int64) * num_heads + head
+            tl.store(part_out_ptr + row[:, None] * BLOCK_D + offs_d[None, :], out, mask=g_mask[:, None])
+            tl.store(part_lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, chunk_offsets_ptr, cu_seqlens_q_ptr,
+    stride_ot, stride_oh, num_heads, num_splits,
+    TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BALANCED: tl.constexpr, MIXED: tl.constexpr,
+):
+    """Merge one (sequence, head)'s partial outputs by their log-sum-exp, TILE partials at a time."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     token = seq
-    if MIXED:
-        token = tl.load(cu_seqlens_q_ptr + seq)
-        if tl.load(cu_seqlens_q_ptr + seq + 1) - token != 1:
+    if BALANCED:  # partials at chunk rows first..first+count-1; one chunk was written directly
+        first = tl.load(chunk_offsets_ptr + seq)
+        count = tl.load(chunk_offsets_ptr + seq + 1) - first
+        if count <= 1:
             return
-    row0 = (seq.to(tl.int64) * num_heads + head) * num_splits
-    offs_s = tl.arange(0, SPLITS_PAD)
+        row0 = first.to(tl.int64) * num_heads + head
+        row_step = num_heads
+        if MIXED:
+            token = tl.load(cu_seqlens_q_ptr + seq)
+    else:  # partials at [seq, head, 0..num_splits-1]
+        if MIXED:
+            token = tl.load(cu_seqlens_q_ptr + seq)
+            if tl.load(cu_seqlens_q_ptr + seq + 1) - token != 1:
+                return
+        count = num_splits
+        row0 = (seq.to(tl.int64) * num_heads + head) * num_splits
+        row_step = 1
+    offs_t = tl.arange(0, TILE)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < num_splits
-    lse = tl.load(part_lse_ptr + row0 + offs_s, mask=s_mask, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # padding sequence: all splits empty
-    weight = tl.exp2(lse - lse_max)
-    parts = tl.load(part_out_ptr + (row0 + offs_s)[:, None] * BLOCK_D + offs_d[None, :],
-                    mask=s_mask[:, None], other=0.0)
-    total = tl.sum(weight, 0)
-    out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    m = tl.full([], -1.0e30, dtype=tl.float32)  # finite: a padding sequence's partials are all -inf
+    total = tl.zeros([], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for t0 in range(0, count, TILE):
+        t_mask = t0 + offs_t < count
+        rows = row0 + (t0 + offs_t) * row_step
+        lse = tl.load(part_lse_ptr + rows, mask=t_mask, other=float("-inf"))
+        parts = tl.load(part_out_ptr + rows[:, None] * BLOCK_D + offs_d[None, :], mask=t_mask[:, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        alpha = tl.exp2(m - m_new)
+        weight = tl.exp2(lse - m_new)
+        total = total * alpha + tl.sum(weight, 0)
+        acc = acc * alpha + tl.sum(parts * weight[:, None], 0)
+        m = m_new
+    out = acc / tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, block_n: int,
                       num_sms: int) -> int:
-    """Enough programs for about four per SM (one program streams its range serially, so an SM needs
-    several in flight to keep memory busy), each split at least two KV tiles long."""
+    """Grid schedule: enough programs for about four per SM (one program streams its range serially,
+    so an SM needs several in flight to keep memory busy), each split at least two KV tiles long."""
     programs = num_seqs * num_kv_heads
     if programs >= 4 * num_sms:
         return 1
     wanted = triton.cdiv(4 * num_sms, programs)
     longest = max(1, triton.cdiv(max_seqlen_k, 2 * block_n))
     return max(1, min(wanted, longest, 64))
+
+
+def balanced_schedule(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, config: DecodeConfig,
+                      num_sms: int) -> tuple[int, int]:
+    """Balanced schedule: (persistent programs, target number of (chunk, KV head) items).
+
+    No more programs than the batch could fill with one-tile chunks. The kernel's chunk length is
+    at least sum(lengths) x KV heads / target, so the batch makes fewer than target / KV heads +
+    num_seqs chunks: the partial scratch's bound.
+    """
+    most_items = num_seqs * num_kv_heads * max(1, triton.cdiv(max_seqlen_k, config.block_n))
+    programs = max(1, min(num_sms * config.programs_per_sm, most_items))
+    return programs, programs * config.items_per_program
 
 
 @functools.cache
@@ -148,12 +262,16 @@ def default_decode_config(q: torch.Tensor) -> DecodeConfig:
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  seqlens_k: torch.Tensor, block_tables: torch.Tensor, max_seqlen_k: int,
                  scale: float, out: torch.Tensor | None = None, num_splits: int | None = None,
-                 config: DecodeConfig | None = None, cu_seqlens_q: torch.Tensor | None = None) -> torch.Tensor:
+                 config: DecodeConfig | None = None, cu_seqlens_q: torch.Tensor | None = None,
+                 schedule: str = "balanced") -> torch.Tensor:
     """One query token per sequence (q: [B, H, D]) over its paged context of seqlens_k[b] positions.
 
     With cu_seqlens_q, q is a varlen batch: only its one-token sequences are computed (into their
-    rows of `out`), the rest are left for paged_prefill(..., skip_decodes=True).
+    rows of `out`), the rest are left for paged_prefill(..., skip_decodes=True). `schedule` is
+    "balanced" or "grid"; an explicit num_splits means the grid schedule with that many splits.
     """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"decode schedule {schedule!r} is not one of {SCHEDULES}")
     num_heads, num_kv_heads, group = check_paged_inputs(q, k_cache, v_cache)
     num_seqs, head_dim = seqlens_k.shape[0], q.shape[2]
     mixed = cu_seqlens_q is not None
@@ -163,29 +281,40 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if num_seqs == 0:
         return out
     config = config or default_decode_config(q)
-    if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seqlen_k, config.block_n,
-                                       _num_sms(q.device))
     block_d = max(16, triton.next_power_of_2(head_dim))
-    if num_splits > 1:
-        part_out = torch.empty(num_seqs, num_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    cu_seqlens_q = cu_seqlens_q if mixed else seqlens_k  # a placeholder pointer when not mixed
+    shared_args = (q, k_cache, v_cache, out, seqlens_k, block_tables, cu_seqlens_q,
+                   q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                   k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+                   scale * LOG2E, num_heads)
+    constants = dict(GROUP=group, GROUP_PAD=max(16, group_pad(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+                     PAGE_SIZE=k_cache.shape[1], BLOCK_N=config.block_n, UPCAST=upcast_dot(q), MIXED=mixed,
+                     num_warps=config.num_warps, num_stages=config.num_stages)
+    balanced = num_splits is None and schedule == "balanced"
+    if balanced:
+        programs, target_items = balanced_schedule(num_seqs, num_kv_heads, max_seqlen_k, config, _num_sms(q.device))
+        rows = target_items // num_kv_heads + num_seqs + 1  # bound on the chunks of the batch
+        part_out = torch.empty(rows, num_heads, block_d, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(rows, num_heads, dtype=torch.float32, device=q.device)
+        chunk_offsets = torch.empty(num_seqs + 1, dtype=torch.int32, device=q.device)
+        _decode_balanced_kernel[(programs,)](
+            *shared_args, part_out, part_lse, chunk_offsets, num_seqs, num_kv_heads, target_items,
+            B_PAD=triton.next_power_of_2(num_seqs), **constants)
+        merge_tile, num_splits = MERGE_TILE, 0
     else:
-        part_out = part_lse = out  # unused
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_out, part_lse, seqlens_k, block_tables,
-        cu_seqlens_q if mixed else seqlens_k,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        scale * LOG2E, num_heads, num_splits,
-        DIRECT=num_splits == 1, GROUP=group, GROUP_PAD=max(16, group_pad(group)),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=k_cache.shape[1], BLOCK_N=config.block_n,
-        UPCAST=upcast_dot(q), MIXED=mixed, num_warps=config.num_warps, num_stages=config.num_stages,
-    )
-    if num_splits > 1:
-        _decode_reduce_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, out, cu_seqlens_q if mixed else seqlens_k, out.stride(0), out.stride(1),
-            num_heads, num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, MIXED=mixed, num_warps=4,
-        )
+        if num_splits is None:
+            num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seqlen_k, config.block_n,
+                                           _num_sms(q.device))
+        shape = (num_seqs, num_heads, num_splits)
+        part_out = torch.empty(*shape, block_d, dtype=torch.float32, device=q.device) if num_splits > 1 else out
+        part_lse = torch.empty(shape, dtype=torch.float32, device=q.device) if num_splits > 1 else out
+        chunk_offsets = seqlens_k  # unused
+        _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+            *shared_args, part_out, part_lse, num_splits, DIRECT=num_splits == 1, **constants)
+        if num_splits == 1:
+            return out
+        merge_tile = triton.next_power_of_2(num_splits)
+    _decode_merge_kernel[(num_seqs, num_heads)](
+        part_out, part_lse, out, chunk_offsets, cu_seqlens_q, out.stride(0), out.stride(1), num_heads, num_splits,
+        TILE=merge_tile, HEAD_DIM=head_dim, BLOCK_D=block_d, BALANCED=balanced, MIXED=mixed, num_warps=4)
     return out
