@@ -22,8 +22,8 @@ class TritonBackend:
     def __init__(self):
         # REDLINE_FUSED_QKV=0 keeps the unfused layers (norm, rotary, store) for comparison
         self.fuses_qkv_prep = os.environ.get("REDLINE_FUSED_QKV", "1") != "0"
-        # REDLINE_DECODE_SCHEDULE=grid keeps the (sequence, KV head, split) decode grid for comparison
-        self.decode_schedule = os.environ.get("REDLINE_DECODE_SCHEDULE", "balanced")
+        # REDLINE_DECODE_SCHEDULE=balanced picks the persistent decode schedule (slower so far)
+        self.decode_schedule = os.environ.get("REDLINE_DECODE_SCHEDULE", "grid")
         if self.decode_schedule not in DECODE_SCHEDULES:
             raise ValueError(f"REDLINE_DECODE_SCHEDULE={self.decode_schedule!r}; use one of {DECODE_SCHEDULES}")
 

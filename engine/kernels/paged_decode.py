@@ -4,12 +4,13 @@ Every program reads one contiguous range of a sequence's KV positions for all qu
 head (packed as rows of one tl.dot) and leaves the output, or a partial output with its log-sum-exp
 that a second kernel merges. Two schedules hand out the ranges:
 
-- balanced (default): a persistent grid of P programs, a few per SM. Each program sums the batch's
-  lengths on the device, picks one chunk length so the whole batch makes about P x items_per_program
+- grid (default): (sequence, KV head, split), num_splits ranges per sequence; the longest sequence
+  sets the tail.
+- balanced (REDLINE_DECODE_SCHEDULE=balanced): a persistent grid of P programs, a few per SM. Each
+  program sums the batch's lengths on the device, picks one chunk length so the whole batch makes about P x items_per_program
   (chunk, KV head) items, and program p takes items p, p + P, p + 2P, ...; a long sequence is spread
   over many programs, so unequal lengths in one batch leave little tail. A sequence of one chunk is
-  written directly.
-- grid: (sequence, KV head, split), num_splits ranges per sequence; the longest sequence sets the tail.
+  written directly. Slower than the grid on the H200 (docs/kernels-notes.md, v3), so not the default.
 
 CUDA-graph safe: grids and scratch sizes come from Python ints (batch, max_seqlen_k), and ranges are
 derived from the lengths on the device, so one captured launch is correct for any lengths.
@@ -263,7 +264,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  seqlens_k: torch.Tensor, block_tables: torch.Tensor, max_seqlen_k: int,
                  scale: float, out: torch.Tensor | None = None, num_splits: int | None = None,
                  config: DecodeConfig | None = None, cu_seqlens_q: torch.Tensor | None = None,
-                 schedule: str = "balanced") -> torch.Tensor:
+                 schedule: str = "grid") -> torch.Tensor:
     """One query token per sequence (q: [B, H, D]) over its paged context of seqlens_k[b] positions.
 
     With cu_seqlens_q, q is a varlen batch: only its one-token sequences are computed (into their
