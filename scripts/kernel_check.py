@@ -180,10 +180,11 @@ def time_decode_spread(sweep: bool, log: dict) -> None:
     replayed in a CUDA graph captured with max_seqlen_k 4096 (the engine captures at max_model_len)."""
     from engine.kernels import DecodeConfig, paged_decode
     variants = [("grid", None), ("balanced", None)]
+    variants += [("grid", DecodeConfig(grid_programs_per_sm=p)) for p in (8, 16, 32)]
     if sweep:  # (programs per SM, items per program) of the balanced schedule
         variants += [("balanced", DecodeConfig(programs_per_sm=p, items_per_program=i))
                      for p, i in ((4, 4), (4, 16), (2, 8), (8, 8), (8, 4))]
-    for model, heads, kv_heads in (("qwen3-8b tp1", 32, 8), ("qwen3-8b tp2", 16, 4)):
+    for model, heads, kv_heads in (("qwen3-8b tp1", 32, 8), ("qwen3-8b tp2", 16, 4), ("qwen3-0.6b", 16, 8)):
         for batch in (32, 64, 128, 256):
             lengths = torch.randint(100, 2049, (batch,), generator=torch.Generator().manual_seed(batch)).tolist()
             case = make_case([1] * batch, lengths, heads, kv_heads, 128, 256, torch.bfloat16, "cuda", seed=batch)
@@ -197,6 +198,7 @@ def time_decode_spread(sweep: bool, log: dict) -> None:
                 ms = graph_ms(run)
                 err = relative_error(out, ref)
                 label = schedule if config is None else \
+                    f"{schedule} {config.grid_programs_per_sm} programs/SM" if schedule == "grid" else \
                     f"{schedule} {config.programs_per_sm}/SM {config.items_per_program} items/program"
                 row = (f"decode {model} b={batch} ctx 100-2048", label, ms, floor,
                        f"{kv_bytes(case) / ms / 1e9:.2f} TB/s" + ("" if err < 1e-2 else f" WRONG (rel err {err:.2e})"))

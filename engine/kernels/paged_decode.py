@@ -18,6 +18,7 @@ derived from the lengths on the device, so one captured launch is correct for an
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,7 @@ class DecodeConfig:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    grid_programs_per_sm: int = 4  # grid schedule: split sequences until about this many programs per SM
     programs_per_sm: int = 4     # balanced schedule: persistent programs per SM
     items_per_program: int = 8   # balanced schedule: (chunk, KV head) items aimed at per program
 
@@ -223,13 +225,14 @@ def _decode_merge_kernel(
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, block_n: int,
-                      num_sms: int) -> int:
-    """Grid schedule: enough programs for about four per SM (one program streams its range serially,
-    so an SM needs several in flight to keep memory busy), each split at least two KV tiles long."""
+                      num_sms: int, programs_per_sm: int = 4) -> int:
+    """Grid schedule: enough programs for about `programs_per_sm` per SM (one program streams its range
+    serially, so an SM needs several in flight to keep memory busy, and short ranges shorten the tail
+    that unequal lengths leave), each split at least two KV tiles long."""
     programs = num_seqs * num_kv_heads
-    if programs >= 4 * num_sms:
+    if programs >= programs_per_sm * num_sms:
         return 1
-    wanted = triton.cdiv(4 * num_sms, programs)
+    wanted = triton.cdiv(programs_per_sm * num_sms, programs)
     longest = max(1, triton.cdiv(max_seqlen_k, 2 * block_n))
     return max(1, min(wanted, longest, 64))
 
@@ -257,7 +260,18 @@ def _num_sms(device: torch.device) -> int:
 def default_decode_config(q: torch.Tensor) -> DecodeConfig:
     if q.device.type != "cuda":
         return DecodeConfig(block_n=16, num_warps=4, num_stages=1)
-    return DecodeConfig()
+    return _cuda_decode_config()
+
+
+@functools.cache
+def _cuda_decode_config() -> DecodeConfig:
+    """REDLINE_DECODE_PROGRAMS_PER_SM sets the grid schedule's programs per SM (for measurements)."""
+    value = os.environ.get("REDLINE_DECODE_PROGRAMS_PER_SM", "")
+    if not value:
+        return DecodeConfig()
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"REDLINE_DECODE_PROGRAMS_PER_SM must be a positive integer, got {value!r}")
+    return DecodeConfig(grid_programs_per_sm=int(value))
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -305,7 +319,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     else:
         if num_splits is None:
             num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seqlen_k, config.block_n,
-                                           _num_sms(q.device))
+                                           _num_sms(q.device), config.grid_programs_per_sm)
         shape = (num_seqs, num_heads, num_splits)
         part_out = torch.empty(*shape, block_d, dtype=torch.float32, device=q.device) if num_splits > 1 else out
         part_lse = torch.empty(shape, dtype=torch.float32, device=q.device) if num_splits > 1 else out
