@@ -277,7 +277,9 @@ def check_balanced_decode(device: str, dtype: torch.dtype = torch.bfloat16) -> d
         case = make_case(q_lens, k_lens, heads, kv_heads, head_dim, page, dtype, device, seed=len(name))
         ref = reference_attention(case)
         config = default_decode_config(case.q)
-        config = DecodeConfig(config.block_n, config.num_warps, config.num_stages, *(schedule_knobs or (4, 4)))
+        programs_per_sm, items_per_program = schedule_knobs or (4, 4)
+        config = DecodeConfig(config.block_n, config.num_warps, config.num_stages,
+                              programs_per_sm=programs_per_sm, items_per_program=items_per_program)
         _, target_items = balanced_schedule(len(k_lens), kv_heads, case.max_seqlen_k, config,
                                             _num_sms(case.q.device))
         chunk_len, chunks = balanced_chunks(q_lens, k_lens, kv_heads, target_items, config.block_n)
