@@ -7,10 +7,10 @@ that a second kernel merges. Two schedules hand out the ranges:
 - grid (default): (sequence, KV head, split), num_splits ranges per sequence; the longest sequence
   sets the tail.
 - balanced (REDLINE_DECODE_SCHEDULE=balanced): a persistent grid of P programs, a few per SM. Each
-  program sums the batch's lengths on the device, picks one chunk length so the whole batch makes about P x items_per_program
-  (chunk, KV head) items, and program p takes items p, p + P, p + 2P, ...; a long sequence is spread
-  over many programs, so unequal lengths in one batch leave little tail. A sequence of one chunk is
-  written directly. Slower than the grid on the H200 (docs/kernels-notes.md, v3), so not the default.
+  program sums the batch's lengths on the device, picks one chunk length so the whole batch makes
+  about P x items_per_program (chunk, KV head) items, and program p takes items p, p + P, p + 2P, ...;
+  a long sequence is spread over many programs. A sequence of one chunk is written directly. Slower
+  than the grid on the H200 (docs/kernels-notes.md, v3), so not the default.
 
 CUDA-graph safe: grids and scratch sizes come from Python ints (batch, max_seqlen_k), and ranges are
 derived from the lengths on the device, so one captured launch is correct for any lengths.
