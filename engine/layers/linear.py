@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.parallel import SINGLE, TPGroup, divide
+from engine.layers.parallel import SINGLE, ReducingSum, TPGroup, divide
 
 
 class _Linear(nn.Module):
@@ -79,7 +79,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(_Linear):
     """Input features split across ranks; outputs are summed over ranks. With reduce_results=False each
-    rank returns its own part, for a later layer to sum (see RMSNorm's `tp`)."""
+    rank returns its own part, for a later layer to sum (see RMSNorm's `tp`), or a ReducingSum: its sum
+    already on its way (large inputs, see TPGroup.partial_linear)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE,
                  reduce_results: bool = True):
@@ -96,6 +97,8 @@ class RowParallelLinear(_Linear):
 
     load_full = weight_loader
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
-        return self.tp.all_reduce(out) if self.reduce_results else out
+    def forward(self, x: torch.Tensor) -> "torch.Tensor | ReducingSum":
+        out = self.tp.partial_linear(x, self.weight, self.bias)
+        if not self.reduce_results:
+            return out
+        return out.wait() if isinstance(out, ReducingSum) else self.tp.all_reduce(out)

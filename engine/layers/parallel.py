@@ -8,11 +8,33 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from engine.layers.fusion import add_rms_norm
 
 # small all-reduces (decode steps) go through symmetric memory up to this size; larger ones through NCCL
 ONE_SHOT_MAX_BYTES = 8 << 20
+# row-parallel projections of at least OVERLAP_MIN_ROWS rows whose sum goes through NCCL (prefill steps)
+# run in OVERLAP_CHUNKS row chunks, each chunk's all-reduce under the next chunk's GEMM (ReducingSum)
+OVERLAP_CHUNKS = 4
+OVERLAP_MIN_ROWS = 1024
+CHUNK_ROW_MULTIPLE = 16
+
+
+class ReducingSum:
+    """A row-parallel projection's output whose sum over ranks is on its way: the rows were computed in
+    chunks, and each chunk's all-reduce was started (asynchronously) as soon as its rows were queued, so
+    it runs while the next chunk's GEMM does. wait() orders the current stream (on CPU: the host) after
+    every chunk's sum and returns the summed tensor."""
+
+    def __init__(self, out: torch.Tensor, works: list):
+        self.out, self.works = out, works
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
+            work.wait()
+        self.works = []
+        return self.out
 
 
 class OneShotAllReduce:
@@ -70,8 +92,11 @@ class OneShotAllReduce:
             return None
         return cls(buffer, buf_ptrs, capacity, rank, world_size, buffers)
 
+    def takes(self, numel: int, dtype: torch.dtype) -> bool:
+        return dtype == self.buffer.dtype and numel <= self.slot_capacity
+
     def fits(self, x: torch.Tensor) -> bool:
-        return x.dtype == self.buffer.dtype and x.numel() <= self.slot_capacity and x.is_contiguous()
+        return self.takes(x.numel(), x.dtype) and x.is_contiguous()
 
     def fits_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether add_rms_norm takes these: contiguous [rows, hidden] rows the kernel holds, one dtype."""
@@ -132,6 +157,8 @@ class TPGroup:
     # set on rank 0 when a peer's process exited: no collective may be queued after that, since it would
     # wait for the dead peer (and could queue behind the communicator's abort)
     peer_exited: threading.Event | None = field(default=None, compare=False, repr=False)
+    overlap_chunks: int = OVERLAP_CHUNKS
+    overlap_min_rows: int = OVERLAP_MIN_ROWS
 
     def _check_peers(self) -> None:
         if self.peer_exited is not None and self.peer_exited.is_set():
@@ -151,11 +178,40 @@ class TPGroup:
             dist.all_reduce(x)
         return x
 
-    def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def partial_linear(self, x: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None) -> "torch.Tensor | ReducingSum":
+        """This rank's part of a row-parallel projection, F.linear(x, weight, bias), for a later
+        all_reduce(_add_rms_norm) to sum over ranks. Where that sum would go through NCCL (or gloo) and x
+        has at least overlap_min_rows rows, the sum is started here instead, chunk by chunk: a
+        ReducingSum. Never while a CUDA graph is being captured (decode steps, which symmetric memory
+        sums)."""
+        if (self.size == 1 or self.overlap_chunks < 2 or x.dim() != 2 or x.shape[0] < self.overlap_min_rows
+                or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+            return F.linear(x, weight, bias)
+        rows = x.shape[0]
+        if self.one_shot is not None and self.one_shot.takes(rows * weight.shape[0], x.dtype):
+            return F.linear(x, weight, bias)
+        self._check_peers()
+        out = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
+        step = -(-rows // self.overlap_chunks)
+        step = -(-step // CHUNK_ROW_MULTIPLE) * CHUNK_ROW_MULTIPLE
+        works = []
+        for start in range(0, rows, step):
+            part, rows_in = out[start:start + step], x[start:start + step]
+            if bias is None:
+                torch.mm(rows_in, weight.t(), out=part)
+            else:
+                torch.addmm(bias, rows_in, weight.t(), out=part)
+            works.append(dist.all_reduce(part, async_op=True))
+        return ReducingSum(out, works)
+
+    def all_reduce_add_rms_norm(self, x: "torch.Tensor | ReducingSum", residual: torch.Tensor,
+                                weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """add_rms_norm (engine/layers/fusion.py) of the sum of `x` over ranks: (normed rows, new residual).
         x and residual may be overwritten: use the results. One kernel through symmetric memory where it
-        fits."""
+        fits; x may also be a ReducingSum (partial_linear), whose sum is on its way."""
+        if isinstance(x, ReducingSum):
+            return add_rms_norm(x.wait(), residual, weight, eps)
         if self.size > 1:
             self._check_peers()
             if self.one_shot is not None and self.one_shot.fits_add_rms_norm(x, residual, weight):
@@ -199,15 +255,33 @@ def rank_group(rank: int, size: int, backend: str, dtype: torch.dtype,
     On GPUs, all-reduces of decode-step size go through symmetric memory (OneShotAllReduce: faster decode
     steps, and the one after each row-parallel projection fused with the residual add and the next
     RMSNorm) unless REDLINE_TP_ALL_REDUCE=nccl keeps every all-reduce in NCCL; where a rank cannot map
-    its peers' memory, every rank uses NCCL, with a warning.
+    its peers' memory, every rank uses NCCL, with a warning. REDLINE_TP_OVERLAP_CHUNKS (1: off) and
+    REDLINE_TP_OVERLAP_MIN_ROWS set how the larger row-parallel projections overlap their all-reduce with
+    their GEMM (TPGroup.partial_linear).
     """
     mode = os.environ.get("REDLINE_TP_ALL_REDUCE", "symm")
     if mode not in ("nccl", "symm"):
         raise ValueError(f"REDLINE_TP_ALL_REDUCE must be 'nccl' or 'symm', got {mode!r}")
+    chunks = _env_int("REDLINE_TP_OVERLAP_CHUNKS", OVERLAP_CHUNKS)
+    min_rows = _env_int("REDLINE_TP_OVERLAP_MIN_ROWS", OVERLAP_MIN_ROWS)
     one_shot = None
     if size > 1 and backend == "nccl" and mode == "symm":
         one_shot = OneShotAllReduce.create(torch.device("cuda", rank), dtype, rank, size)
-    return TPGroup(rank, size, one_shot, peer_exited)
+    return TPGroup(rank, size, one_shot, peer_exited, overlap_chunks=chunks, overlap_min_rows=min_rows)
+
+
+def _env_int(name: str, default: int) -> int:
+    """A positive integer setting from the environment (every rank inherits rank 0's)."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {text!r}")
+    return value
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
