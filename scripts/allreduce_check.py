@@ -2,7 +2,8 @@
 
     python scripts/allreduce_check.py --out $OUT [--settings default,NCCL_PROTO=LL,...]
 
-For each setting (environment variables NCCL reads when a communicator is made; `+` joins several), two
+For each setting (environment variables NCCL reads when a communicator is made, or the engine's own such as
+REDLINE_TP_AR_PROGRAMS=256, which time only the engine's kernels; `+` joins several), two
 fresh processes make a communicator, capture --repeat all-reduces of each size into a CUDA graph and time
 its replays. With the default setting two symmetric-memory one-shot all-reduces are timed too: the engine's
 (engine/kernels/all_reduce.py, "symm") and PyTorch's (`one_shot_all_reduce_copy`, "torch"); and an
@@ -42,7 +43,11 @@ def rank_main(rank: int, setting: str, port: int, sizes: list[int], repeat: int,
                             device_id=torch.device("cuda", rank))
     result = {"setting": setting, "us": {}}
     modes = ["nccl"]
-    if setting == "default":
+    # the engine's own settings (REDLINE_TP_AR_PROGRAMS=...) leave NCCL as it is: time the engine's kernels
+    engine_setting = setting != "default" and all(item.startswith("REDLINE_") for item in setting.split("+"))
+    if engine_setting:
+        modes = ["symm", "fused"]
+    if setting == "default" or engine_setting:
         import torch.distributed._symmetric_memory as symm_mem
 
         from engine.layers.fusion import add_rms_norm
@@ -50,7 +55,8 @@ def rank_main(rank: int, setting: str, port: int, sizes: list[int], repeat: int,
         one_shot = OneShotAllReduce.create(torch.device("cuda", rank), torch.bfloat16, rank, 2)
         torch_buffer = symm_mem.empty(max(sizes) * 4096, dtype=torch.bfloat16, device="cuda")
         symm_mem.rendezvous(torch_buffer, dist.group.WORLD.group_name)
-        modes += ["symm", "torch", "nccl+norm", "symm+norm", "fused"]
+        if not engine_setting:
+            modes += ["symm", "torch", "nccl+norm", "symm+norm", "fused"]
     if "symm" in modes:  # the engine's kernel must give NCCL's sums exactly (two ranks: one rounding each)
         mismatched = 0
         for tokens in sizes:

@@ -2,7 +2,10 @@
 # One call on the GPU machine: the engine's benchmarks under each of several environment settings, in
 # one run (ratios between them are fair), then the GPU tests.
 #   AB="REDLINE_L2_PREFETCH=0 REDLINE_L2_PREFETCH=1" bash scripts/gpu_ab.sh     (logs under $OUT, or ./out)
-# Each word of AB is one variant: NAME=VALUE[,NAME=VALUE...]. STEPS=1 adds a decode-step table per variant.
+# Each word of AB is one variant: NAME=VALUE[,NAME=VALUE...]. STEPS=1 adds a decode-step table per variant;
+# SKIP_BATCH1=1 leaves out the batch-1 bench, SKIP_TESTS=1 the tests. Tensor parallelism, for example:
+#   AB="REDLINE_TP_OVERLAP_CHUNKS=1 REDLINE_TP_OVERLAP_CHUNKS=4" SKIP_BATCH1=1 SKIP_TESTS=1 \
+#     BENCH_ARGS="--model qwen3-8b --tensor-parallel-size 2" bash scripts/gpu_ab.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-out}"; mkdir -p "$OUT"
@@ -15,8 +18,10 @@ for variant in ${AB:-REDLINE_L2_PREFETCH=1}; do
   echo "== $variant" | tee -a "$OUT/ab.log"
   env "${vars[@]}" timeout "${BENCH_TIMEOUT:-180}" python3 -m engine.bench ${BENCH_ARGS:-} 2>&1 \
     | grep -v Warning | tee -a "$OUT/ab.log" || status=1
-  env "${vars[@]}" timeout 120 python3 -m engine.bench --num-seqs 1 --min-input-len 512 --max-input-len 512 \
-    --min-output-len 512 --max-output-len 512 ${BENCH_ARGS:-} 2>&1 | grep -v Warning | tee -a "$OUT/ab.log" || status=1
+  if [ -z "${SKIP_BATCH1:-}" ]; then
+    env "${vars[@]}" timeout 120 python3 -m engine.bench --num-seqs 1 --min-input-len 512 --max-input-len 512 \
+      --min-output-len 512 --max-output-len 512 ${BENCH_ARGS:-} 2>&1 | grep -v Warning | tee -a "$OUT/ab.log" || status=1
+  fi
   if [ -n "${STEPS:-}" ]; then
     env "${vars[@]}" timeout 240 python3 scripts/step_times.py --batches ${STEP_BATCHES:-1,64,256} --steps 32 \
       --profile-batch ${PROFILE_BATCH:-1} --out "$OUT/$name" ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/steps.log" || status=1

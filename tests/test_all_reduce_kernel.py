@@ -61,11 +61,11 @@ def test_add_rms_norm_of_a_single_rank_group_is_add_rms_norm():
 def _two_ranks_on_one_gpu(capacity: int):
     """Buffers (parts of up to `capacity` elements), program counters and stop flags of two "ranks" that
     are streams of one GPU, and the buffers' address tensor."""
-    from engine.kernels.all_reduce import MAX_PROGRAMS, buffer_elements, clear_buffer
+    from engine.kernels.all_reduce import PROGRAMS, buffer_elements, clear_buffer
 
     bufs = [clear_buffer(torch.empty(buffer_elements(capacity, 2), dtype=torch.bfloat16, device="cuda"))
             for _ in range(2)]
-    states = [torch.zeros(MAX_PROGRAMS, dtype=torch.int32, device="cuda") for _ in range(2)]
+    states = [torch.zeros(PROGRAMS, dtype=torch.int32, device="cuda") for _ in range(2)]
     buf_ptrs = torch.tensor([t.data_ptr() for t in bufs], dtype=torch.int64, device="cuda")
     stops = [torch.zeros(1, dtype=torch.int32, device="cuda") for _ in range(2)]
     return bufs, states, buf_ptrs, stops
@@ -108,9 +108,9 @@ def test_on_one_gpu_two_ranks_on_two_streams_sum_exactly_and_a_stop_flag_release
     """Both "ranks" are streams of one GPU over plain device buffers: the kernels meet while both run, the
     sums are exact (into separate outputs and in place), and a rank whose peer never comes returns once
     its stop flag is copied in from a side stream (the copy engine writes it while the kernel spins)."""
-    from engine.kernels.all_reduce import BLOCK, MAX_PROGRAMS, one_shot_all_reduce
+    from engine.kernels.all_reduce import BLOCK, PROGRAMS, one_shot_all_reduce
 
-    sizes = [1, BLOCK + 5, MAX_PROGRAMS * BLOCK * 3 + 7]
+    sizes = [1, BLOCK + 5, PROGRAMS * BLOCK * 3 + 7]
     bufs, states, buf_ptrs, stops = _two_ranks_on_one_gpu(max(sizes))
     one = torch.ones(1, dtype=torch.bfloat16, device="cuda")
     _warm_up(lambda: one_shot_all_reduce(one, one.clone(), buf_ptrs, states[0], stops[0], 0, 2), bufs, states, stops)
@@ -147,10 +147,10 @@ def test_on_one_gpu_two_ranks_on_two_streams_sum_exactly_and_a_stop_flag_release
 def test_on_one_gpu_two_ranks_on_two_streams_fuse_the_all_reduce_with_add_rms_norm():
     """The fused kernel on two streams of one GPU: every rank's residual is the eager bf16 sum of the
     reduced rows and the residual, and its output the RMSNorm of it up to the order of the mean's sum."""
-    from engine.kernels.all_reduce import MAX_PROGRAMS, one_shot_all_reduce_add_rms_norm
+    from engine.kernels.all_reduce import PROGRAMS, one_shot_all_reduce_add_rms_norm
 
     hidden, eps = 4096, 1e-6
-    row_counts = [1, 7, 2 * MAX_PROGRAMS + 3]  # the last: programs loop over rows
+    row_counts = [1, 7, 2 * PROGRAMS + 3]  # the last: programs loop over rows
     bufs, states, buf_ptrs, stops = _two_ranks_on_one_gpu(max(row_counts) * hidden)
     weight = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(torch.bfloat16)
     row = torch.ones(1, hidden, dtype=torch.bfloat16, device="cuda")

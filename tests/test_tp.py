@@ -48,14 +48,16 @@ def _run(llm: LLM, prompts, params) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def _run_on_two_gpus(script: str, checkpoint, mode: str, timeout: float) -> dict:
-    """Run `script` (argv: checkpoint, prompts as JSON) in a fresh process with REDLINE_TP_ALL_REDUCE=mode;
-    its last stdout line, as JSON. GPU engines run in processes of their own (see docs/tensor-parallel.md)."""
+def _run_on_two_gpus(script: str, checkpoint, mode: str, timeout: float, **settings: str) -> dict:
+    """Run `script` (argv: checkpoint, prompts as JSON) in a fresh process with REDLINE_TP_ALL_REDUCE=mode
+    and any other environment `settings`; its last stdout line, as JSON. GPU engines run in processes of
+    their own (see docs/tensor-parallel.md)."""
     import json
     import subprocess
     import sys
 
-    env = dict(os.environ, REDLINE_TP_ALL_REDUCE=mode, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    env = dict(os.environ, REDLINE_TP_ALL_REDUCE=mode, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+               **settings)
     proc = subprocess.run([sys.executable, "-c", script, str(checkpoint), json.dumps(_prompts())],
                           capture_output=True, text=True, env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -224,6 +226,22 @@ def test_symmetric_memory_all_reduce_gives_nccl_tokens_on_two_gpus(qwen3_checkpo
     runs = {mode: _run_on_two_gpus(_TP2_GPU_TOKENS, qwen3_checkpoint, mode, timeout=500) for mode in ("symm", "nccl")}
     assert runs["symm"]["one_shot"] and not runs["nccl"]["one_shot"]
     assert runs["symm"]["tokens"] == runs["nccl"]["tokens"]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 GPUs")
+def test_l2_prefetch_and_chunked_all_reduce_leave_two_gpu_tokens_unchanged(qwen3_checkpoint):
+    """The L2 prefetch beside each decode all-reduce (a fork and a join in every CUDA graph) and the
+    chunk-by-chunk NCCL all-reduce of every projection of more than one row change no token."""
+    plain = _run_on_two_gpus(_TP2_GPU_TOKENS, qwen3_checkpoint, "symm", timeout=500, REDLINE_TP_PREFETCH_MB="0")
+    prefetched = _run_on_two_gpus(_TP2_GPU_TOKENS, qwen3_checkpoint, "symm", timeout=500, REDLINE_TP_PREFETCH_MB="1")
+    chunked = _run_on_two_gpus(_TP2_GPU_TOKENS, qwen3_checkpoint, "nccl", timeout=500,
+                               REDLINE_TP_OVERLAP_MIN_ROWS="2", REDLINE_TP_OVERLAP_CHUNKS="3")
+    assert plain["one_shot"] and prefetched["one_shot"] and not chunked["one_shot"]
+    assert prefetched["tokens"] == plain["tokens"]
+    assert chunked["tokens"] == plain["tokens"]
 
 
 _TP2_GPU_KILL = """

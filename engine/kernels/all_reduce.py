@@ -39,7 +39,7 @@ from engine.kernels.qkv_prep import _round
 
 BLOCK = 4096        # elements per program and loop step: 16 a thread, two 16-byte accesses
 WARPS = 8
-MAX_PROGRAMS = 128  # the grid of every call; state holds one counter per program
+PROGRAMS = 128      # the default grid (the same for every call of an engine); state holds a counter per program
 MAX_HIDDEN = 16384  # widest row the fused kernel holds in one program
 SLOT_ALIGN = 16     # slots start at multiples of 16 elements, so their accesses are vectorised
 GENERATIONS = 3     # buffer sets a rank cycles through, one per call
@@ -187,7 +187,7 @@ def _one_shot_all_reduce_add_rms_norm(x_ptr, residual_ptr, weight_ptr, out_ptr, 
 
 
 def one_shot_all_reduce(x, out, buf_ptrs, state, stop, rank: int, world_size: int,
-                        programs: int = MAX_PROGRAMS) -> None:
+                        programs: int = PROGRAMS) -> None:
     """out = the sum over ranks of each rank's x (contiguous, same shape and dtype on every rank; out
     may be x).
 
@@ -204,7 +204,7 @@ def one_shot_all_reduce(x, out, buf_ptrs, state, stop, rank: int, world_size: in
 
 
 def one_shot_all_reduce_add_rms_norm(x, residual, weight, eps: float, out, buf_ptrs, state, stop, rank: int,
-                                     world_size: int, programs: int = MAX_PROGRAMS) -> None:
+                                     world_size: int, programs: int = PROGRAMS) -> None:
     """With s the sum over ranks of each rank's x: residual ← s + residual, out ← rms_norm(residual) ×
     weight, rounded as engine/layers/fusion.add_rms_norm rounds, identical on every rank.
 
