@@ -17,15 +17,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.tp = tp
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self._feeds: list[nn.Module] = []  # a plain list: the next layer is not a submodule of this one
-
-    def feeds(self, linear: nn.Module) -> None:
-        """The layer that takes this norm's output: under tensor parallelism its weight can be queued
-        into L2 while the all-reduce before the norm waits (TPGroup.all_reduce_add_rms_norm)."""
-        self._feeds = [linear]
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
-        prefetch = self._feeds[0].weight if self._feeds else None
-        return self.tp.all_reduce_add_rms_norm(x, residual, self.weight, self.eps, prefetch)
+        return self.tp.all_reduce_add_rms_norm(x, residual, self.weight, self.eps)

@@ -19,8 +19,6 @@ ONE_SHOT_MAX_BYTES = 8 << 20
 OVERLAP_CHUNKS = 4
 OVERLAP_MIN_ROWS = 1024
 CHUNK_ROW_MULTIPLE = 16
-# MB of the next GEMM's weights queued into L2 during each decode-step all-reduce (OneShotAllReduce)
-PREFETCH_MB = 0
 
 
 class ReducingSum:
@@ -56,12 +54,6 @@ class OneShotAllReduce:
         self._keep = keep  # the rendezvous handle: peers map the buffer
         # every call launches this many programs (the same on every rank: they inherit rank 0's environment)
         self.programs = _env_int("REDLINE_TP_AR_PROGRAMS", PROGRAMS)
-        # bytes of the next GEMM's weights queued into L2 while add_rms_norm waits on NVLink (0: none)
-        self.prefetch_bytes = _env_int("REDLINE_TP_PREFETCH_MB", PREFETCH_MB, minimum=0) << 20
-        if self.prefetch_bytes and torch.cuda.get_device_capability(buffer.device) < (9, 0):
-            warnings.warn("REDLINE_TP_PREFETCH_MB needs a GPU of compute capability 9.0 or later; no prefetch")
-            self.prefetch_bytes = 0
-        self._prefetch_stream = torch.cuda.Stream(buffer.device)
         self.state = torch.zeros(self.programs, dtype=torch.int32, device=buffer.device)  # calls so far
         self.stop = torch.zeros(1, dtype=torch.int32, device=buffer.device)
         self._one = torch.ones(1, dtype=torch.int32, pin_memory=True)
@@ -125,27 +117,13 @@ class OneShotAllReduce:
         return x
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float, prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(s + residual) × weight, s + residual) with s the sum of x over ranks, in one kernel;
-        both in place: the normed rows over x, the new residual over residual.
-
-        prefetch: the weight of the GEMM that takes the normed rows. Its first prefetch_bytes are queued
-        into L2 from a side stream while the kernel waits for the peers, and the current stream waits
-        for both before what comes next (also inside a CUDA graph: a fork and a join)."""
+        both in place: the normed rows over x, the new residual over residual."""
         from engine.kernels.all_reduce import one_shot_all_reduce_add_rms_norm
 
-        side = None
-        if prefetch is not None and self.prefetch_bytes:
-            from engine.kernels.l2_prefetch import l2_prefetch
-
-            main, side = torch.cuda.current_stream(), self._prefetch_stream
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                l2_prefetch(prefetch, self.prefetch_bytes)
         one_shot_all_reduce_add_rms_norm(x, residual, weight, eps, x, self.buf_ptrs, self.state, self.stop,
                                          self.rank, self.world_size, self.programs)
-        if side is not None:
-            main.wait_stream(side)
         return x, residual
 
     def stop_waits(self) -> None:
@@ -231,18 +209,16 @@ class TPGroup:
         return ReducingSum(out, works)
 
     def all_reduce_add_rms_norm(self, x: "torch.Tensor | ReducingSum", residual: torch.Tensor,
-                                weight: torch.Tensor, eps: float,
-                                prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """add_rms_norm (engine/layers/fusion.py) of the sum of `x` over ranks: (normed rows, new residual).
         x and residual may be overwritten: use the results. One kernel through symmetric memory where it
-        fits (prefetch: see OneShotAllReduce.add_rms_norm); x may also be a ReducingSum (partial_linear),
-        whose sum is on its way."""
+        fits; x may also be a ReducingSum (partial_linear), whose sum is on its way."""
         if isinstance(x, ReducingSum):
             return add_rms_norm(x.wait(), residual, weight, eps)
         if self.size > 1:
             self._check_peers()
             if self.one_shot is not None and self.one_shot.fits_add_rms_norm(x, residual, weight):
-                return self.one_shot.add_rms_norm(x, residual, weight, eps, prefetch)
+                return self.one_shot.add_rms_norm(x, residual, weight, eps)
             x = self.all_reduce(x)
         return add_rms_norm(x, residual, weight, eps)
 
@@ -297,18 +273,17 @@ def rank_group(rank: int, size: int, backend: str, dtype: torch.dtype,
     return TPGroup(rank, size, one_shot, peer_exited, overlap_chunks=chunks, overlap_min_rows=min_rows)
 
 
-def _env_int(name: str, default: int, minimum: int = 1) -> int:
-    """An integer setting of at least `minimum` from the environment (every rank inherits rank 0's)."""
+def _env_int(name: str, default: int) -> int:
+    """A positive integer setting from the environment (every rank inherits rank 0's)."""
     text = os.environ.get(name)
     if text is None:
         return default
     try:
         value = int(text)
     except ValueError:
-        value = minimum - 1
-    if value < minimum:
-        what = "a positive integer" if minimum == 1 else f"an integer of at least {minimum}"
-        raise ValueError(f"{name} must be {what}, got {text!r}")
+        value = 0
+    if value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {text!r}")
     return value
 
 

@@ -65,8 +65,6 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp)
-        self.input_layernorm.feeds(self.self_attn.qkv_proj)
-        self.post_attention_layernorm.feeds(self.mlp.gate_up_proj)
 
     def forward(self, positions, x, residual):
         if residual is None:
