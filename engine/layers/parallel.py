@@ -14,9 +14,10 @@ from engine.layers.fusion import add_rms_norm
 
 # small all-reduces (decode steps) go through symmetric memory up to this size; larger ones through NCCL
 ONE_SHOT_MAX_BYTES = 8 << 20
-# row-parallel projections of at least OVERLAP_MIN_ROWS rows whose sum goes through NCCL (prefill steps)
-# run in OVERLAP_CHUNKS row chunks, each chunk's all-reduce under the next chunk's GEMM (ReducingSum)
-OVERLAP_CHUNKS = 4
+# with OVERLAP_CHUNKS > 1, row-parallel projections of at least OVERLAP_MIN_ROWS rows whose sum goes through
+# NCCL (prefill steps) run in that many row chunks, each chunk's all-reduce under the next chunk's GEMM
+# (ReducingSum). Off by default: on 2x H200 over NVLink it saved nothing (docs/tensor-parallel.md)
+OVERLAP_CHUNKS = 1
 OVERLAP_MIN_ROWS = 1024
 CHUNK_ROW_MULTIPLE = 16
 
