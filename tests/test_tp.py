@@ -338,9 +338,8 @@ def test_second_engine_in_a_process_skips_symmetric_memory_bound_to_the_first_on
 
 
 _TWO_RANKS_ONE_BOUND = """
-import json, sys, warnings
+import warnings
 import torch, torch.distributed as dist
-import torch.multiprocessing as mp
 
 
 def rank_main(rank, folder, queue):
@@ -359,8 +358,15 @@ def rank_main(rank, folder, queue):
     queue.put([rank, made is not None, [str(w.message) for w in caught]])
     dist.destroy_process_group()
 
+"""
+
+# the end of a two-rank script: rank_main(rank, folder, queue) in two spawned processes, each putting one
+# [rank, ...] result; prints {"hung": pids still running after 90 s, "ranks": the results in rank order}
+_TWO_RANKS_MAIN = """
 
 if __name__ == "__main__":
+    import json, sys
+    import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=rank_main, args=(r, sys.argv[1], queue)) for r in range(2)]
@@ -376,21 +382,26 @@ if __name__ == "__main__":
 """
 
 
-def test_ranks_agree_to_skip_symmetric_memory_when_one_of_them_cannot_use_it(tmp_path):
-    """A second engine's rank 0 lives in a process whose group name is bound to an earlier store, while
-    its other ranks are new processes: every rank must skip symmetric memory (a rank that entered the
-    rendezvous alone would wait in it forever), and the fresh rank must say why."""
+def run_two_ranks(rank_main_source: str, folder: Path) -> dict:
+    """Run rank_main_source + _TWO_RANKS_MAIN as a script in `folder` (its argument); its JSON result."""
     import json
     import subprocess
     import sys
 
-    script = tmp_path / "two_ranks.py"
-    script.write_text(_TWO_RANKS_ONE_BOUND)
+    script = folder / "two_ranks.py"
+    script.write_text(rank_main_source + _TWO_RANKS_MAIN)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(script), str(folder)], capture_output=True, text=True,
                           timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_ranks_agree_to_skip_symmetric_memory_when_one_of_them_cannot_use_it(tmp_path):
+    """A second engine's rank 0 lives in a process whose group name is bound to an earlier store, while
+    its other ranks are new processes: every rank must skip symmetric memory (a rank that entered the
+    rendezvous alone would wait in it forever), and the fresh rank must say why."""
+    result = run_two_ranks(_TWO_RANKS_ONE_BOUND, tmp_path)
     assert result["hung"] == [] and len(result["ranks"]) == 2, result
     (rank0, made0, warned0), (rank1, made1, warned1) = result["ranks"]
     assert not made0 and not made1

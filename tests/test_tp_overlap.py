@@ -2,20 +2,13 @@
 over gloo: the same sums as computing first and summing after, and the same tokens as TP=1."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from engine import LLM, SamplingParams
+from tests.test_tp import TIGHT_CACHE, _prompts, _run, run_two_ranks
 
 _TWO_RANKS = """
-import json, sys
 import torch, torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 
@@ -47,29 +40,13 @@ def rank_main(rank, folder, queue):
                         "layer_error": (layer(x) - want).abs().max().item()}
     queue.put([rank, report])
     dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, sys.argv[1], queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = sorted(queue.get(timeout=120) for _ in range(2))
-    for p in procs:
-        p.join(30)
-    print(json.dumps(results))
 """
 
 
 def test_chunked_row_parallel_sum_equals_the_sum_of_the_whole_products(tmp_path):
-    script = tmp_path / "two_ranks.py"
-    script.write_text(_TWO_RANKS)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
-                          timeout=180, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_two_ranks(_TWO_RANKS, tmp_path)
+    assert result["hung"] == [], result
+    results = result["ranks"]
     assert [rank for rank, _ in results] == [0, 1]
     for _, report in results:
         assert not report["37"]["chunked"]  # fewer rows than overlap_min_rows: summed later, whole
@@ -82,8 +59,6 @@ def test_chunked_row_parallel_sum_equals_the_sum_of_the_whole_products(tmp_path)
 
 @pytest.mark.timeout(300)
 def test_tp2_with_every_projection_overlapped_gives_tp1_tokens(qwen3_checkpoint, monkeypatch):
-    from tests.test_tp import TIGHT_CACHE, _prompts, _run
-
     prompts = _prompts(seed=3)
     greedy = SamplingParams(temperature=0, max_tokens=12)
     expected = _run(LLM(str(qwen3_checkpoint), **TIGHT_CACHE), prompts, greedy)
