@@ -37,6 +37,9 @@ class DecodeGraphs:
         for bs in reversed(self.sizes):  # largest first, so smaller graphs fit in its memory pool
             ctx.meta = self._meta(bs, max_model_len)
             model(self.input_ids[:bs], self.positions[:bs])  # warm-up: compile kernels outside capture
+            # fresh metadata: what the backend derived during the warm-up (a decode order) must be
+            # derived again inside the capture, from the buffers each replay refills
+            ctx.meta = self._meta(bs, max_model_len)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
                 self.outputs[bs] = model(self.input_ids[:bs], self.positions[:bs])

@@ -153,6 +153,7 @@ def check_shape(shape: Shape, device: str, dtype: torch.dtype = torch.bfloat16) 
     Returns {check name: (relative error or mismatch count, all outputs written)}.
     """
     from engine.kernels import DecodeConfig, PrefillConfig, paged_decode, paged_prefill, store_kvcache
+    from engine.kernels.paged_decode import decode_order
 
     results = {}
     q_lens, k_lens = random_lengths(shape.num_seqs, shape.max_context, shape.max_new,
@@ -174,8 +175,9 @@ def check_shape(shape: Shape, device: str, dtype: torch.dtype = torch.bfloat16) 
                       case.block_tables, case.max_seqlen_q, case.scale, out=out, config=prefill_config,
                       skip_decodes=True)
         paged_decode(case.q, case.k_cache, case.v_cache, case.seqlens_k, case.block_tables, case.max_seqlen_k,
-                     case.scale, out=out, num_splits=splits, cu_seqlens_q=case.cu_seqlens_q)
-        results[f"mixed_routed_{f'splits_{splits}' if splits else 'balanced'}"] = (
+                     case.scale, out=out, num_splits=splits, cu_seqlens_q=case.cu_seqlens_q,
+                     order=None if splits is None else decode_order(case.seqlens_k))
+        results[f"mixed_routed_{f'splits_{splits}_longest_first' if splits else 'balanced'}"] = (
             relative_error(out, ref), not out.isnan().any().item())
 
     # decode: the last position of every sequence
@@ -191,6 +193,17 @@ def check_shape(shape: Shape, device: str, dtype: torch.dtype = torch.bfloat16) 
                      dec.scale, out=out, num_splits=splits, config=decode_config)
         results[f"decode_{f'splits_{splits}' if splits else 'balanced'}"] = (
             relative_error(out, dec_ref), not out.isnan().any().item())
+        if splits is None:
+            continue
+        # the grid's programs started longest sequence first, or in a random order: the same outputs
+        gen = torch.Generator().manual_seed(shape.seed + 3)
+        for order_name, order in (("longest_first", decode_order(dec.seqlens_k)),
+                                  ("random", torch.randperm(len(k_lens), generator=gen).to(torch.int32).to(device))):
+            ordered = torch.full_like(dec.q, float("nan"))
+            paged_decode(dec.q, dec.k_cache, dec.v_cache, dec.seqlens_k, dec.block_tables, dec.max_seqlen_k,
+                         dec.scale, out=ordered, num_splits=splits, config=decode_config, order=order)
+            results[f"decode_splits_{splits}_order_{order_name}_identical"] = (
+                float((ordered != out).sum().item()), not ordered.isnan().any().item())
 
     # store_kvcache: random distinct slots, some -1; untouched slots keep their values
     num_tokens = sum(q_lens)

@@ -8,6 +8,7 @@ import torch
 
 from engine.kernels import paged_decode, paged_prefill, qkv_prep, store_kvcache
 from engine.kernels.paged_decode import SCHEDULES as DECODE_SCHEDULES
+from engine.kernels.paged_decode import decode_order
 
 if TYPE_CHECKING:
     from engine.attention import AttentionMetadata
@@ -26,6 +27,11 @@ class TritonBackend:
         self.decode_schedule = os.environ.get("REDLINE_DECODE_SCHEDULE", "grid")
         if self.decode_schedule not in DECODE_SCHEDULES:
             raise ValueError(f"REDLINE_DECODE_SCHEDULE={self.decode_schedule!r}; use one of {DECODE_SCHEDULES}")
+        # REDLINE_DECODE_ORDER=0 starts decode programs in batch order instead of longest sequence first
+        ordered = os.environ.get("REDLINE_DECODE_ORDER", "1")
+        if ordered not in ("0", "1"):
+            raise ValueError(f"REDLINE_DECODE_ORDER={ordered!r}; use 1 (longest sequence first) or 0")
+        self.orders_decode = ordered == "1" and self.decode_schedule == "grid"
 
     def qkv_prep(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -42,13 +48,26 @@ class TritonBackend:
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         store_kvcache(key, value, k_cache, v_cache, slot_mapping)
 
+    def _decode_order(self, meta: "AttentionMetadata") -> torch.Tensor | None:
+        """The batch's sequences longest first, sorted on the device by the first layer of a forward pass
+        (inside a CUDA graph being captured, the sort is captured with it) and kept for the others."""
+        if not self.orders_decode:
+            return None
+        if meta.step_state is None:
+            meta.step_state = {}
+        if "decode_order" not in meta.step_state:
+            meta.step_state["decode_order"] = decode_order(meta.seqlens_k)
+        return meta.step_state["decode_order"]
+
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: "AttentionMetadata", scale: float) -> torch.Tensor:
+        order = self._decode_order(meta)
         if meta.is_decode:
             return paged_decode(q, k_cache, v_cache, meta.seqlens_k, meta.block_tables,
-                                meta.max_seqlen_k, scale, schedule=self.decode_schedule)
+                                meta.max_seqlen_k, scale, schedule=self.decode_schedule, order=order)
         # chunks through the prefill kernel; one-token rows of a mixed batch through split-KV decode
         out = paged_prefill(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqlens_k,
                             meta.block_tables, meta.max_seqlen_q, scale, skip_decodes=True)
         return paged_decode(q, k_cache, v_cache, meta.seqlens_k, meta.block_tables, meta.max_seqlen_k,
-                            scale, out=out, cu_seqlens_q=meta.cu_seqlens_q, schedule=self.decode_schedule)
+                            scale, out=out, cu_seqlens_q=meta.cu_seqlens_q, schedule=self.decode_schedule,
+                            order=order)

@@ -29,6 +29,7 @@ from engine.kernels.paged_tiles import LOG2E, check_paged_inputs, group_pad, kv_
 
 SCHEDULES = ("balanced", "grid")
 MERGE_TILE = 16  # partials a merge program reads at once; it loops for more
+MAX_GRID_SEQS = 65535  # the grid's sequence axis is its second (CUDA caps it there)
 
 
 @dataclass(frozen=True)
@@ -74,14 +75,18 @@ def _attend_range(q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset, off
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seqlens_k_ptr, block_tables_ptr, cu_seqlens_q_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_page, stride_slot, stride_khead, stride_bt,
-    qk_scale, num_heads, part_out_ptr, part_lse_ptr, num_splits,
+    qk_scale, num_heads, part_out_ptr, part_lse_ptr, num_splits, order_ptr,
     DIRECT: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, MIXED: tl.constexpr,
+    UPCAST: tl.constexpr, MIXED: tl.constexpr, ORDERED: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # the KV head varies fastest, then the sequence: programs start in that order, so with ORDERED (the
+    # sequences by decreasing length) the longest ranges start first and the shortest fill the tail
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
     split = tl.program_id(2)
+    if ORDERED:
+        seq = tl.load(order_ptr + seq).to(tl.int32)
     token = seq
     if MIXED:  # a varlen batch: act only on its one-token sequences, the prefill kernel does the rest
         token = tl.load(cu_seqlens_q_ptr + seq)
@@ -237,6 +242,11 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, block
     return max(1, min(wanted, longest, 64))
 
 
+def decode_order(seqlens_k: torch.Tensor) -> torch.Tensor:
+    """The sequences by decreasing length (on the device, no host sync; CUDA-graph safe)."""
+    return torch.argsort(seqlens_k, descending=True).to(torch.int32)
+
+
 def balanced_schedule(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, config: DecodeConfig,
                       num_sms: int) -> tuple[int, int]:
     """Balanced schedule: (persistent programs, target number of (chunk, KV head) items).
@@ -278,12 +288,15 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  seqlens_k: torch.Tensor, block_tables: torch.Tensor, max_seqlen_k: int,
                  scale: float, out: torch.Tensor | None = None, num_splits: int | None = None,
                  config: DecodeConfig | None = None, cu_seqlens_q: torch.Tensor | None = None,
-                 schedule: str = "grid") -> torch.Tensor:
+                 schedule: str = "grid", order: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence (q: [B, H, D]) over its paged context of seqlens_k[b] positions.
 
     With cu_seqlens_q, q is a varlen batch: only its one-token sequences are computed (into their
     rows of `out`), the rest are left for paged_prefill(..., skip_decodes=True). `schedule` is
     "balanced" or "grid"; an explicit num_splits means the grid schedule with that many splits.
+    `order` (grid schedule): a permutation of the B sequences, the order their programs start in;
+    decode_order(seqlens_k) puts the longest first, so unequal lengths leave a shorter tail. The
+    results do not depend on it.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"decode schedule {schedule!r} is not one of {SCHEDULES}")
@@ -305,6 +318,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     constants = dict(GROUP=group, GROUP_PAD=max(16, group_pad(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
                      PAGE_SIZE=k_cache.shape[1], BLOCK_N=config.block_n, UPCAST=upcast_dot(q), MIXED=mixed,
                      num_warps=config.num_warps, num_stages=config.num_stages)
+    if order is not None:
+        assert order.shape == (num_seqs,) and order.device == q.device, "order: one index per sequence"
+    if num_seqs > MAX_GRID_SEQS:
+        raise ValueError(f"decode batches of at most {MAX_GRID_SEQS} sequences, got {num_seqs}")
     balanced = num_splits is None and schedule == "balanced"
     if balanced:
         programs, target_items = balanced_schedule(num_seqs, num_kv_heads, max_seqlen_k, config, _num_sms(q.device))
@@ -324,8 +341,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         part_out = torch.empty(*shape, block_d, dtype=torch.float32, device=q.device) if num_splits > 1 else out
         part_lse = torch.empty(shape, dtype=torch.float32, device=q.device) if num_splits > 1 else out
         chunk_offsets = seqlens_k  # unused
-        _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-            *shared_args, part_out, part_lse, num_splits, DIRECT=num_splits == 1, **constants)
+        _decode_split_kernel[(num_kv_heads, num_seqs, num_splits)](
+            *shared_args, part_out, part_lse, num_splits, seqlens_k if order is None else order,
+            DIRECT=num_splits == 1, ORDERED=order is not None, **constants)
         if num_splits == 1:
             return out
         merge_tile = triton.next_power_of_2(num_splits)
