@@ -90,7 +90,8 @@ class TPDriver:
             dist.init_process_group(backend, store=workers.store, rank=0, world_size=size,
                                     timeout=timedelta(seconds=GROUP_TIMEOUT_S), **_device_id(backend, 0))
             workers.group = dist.group.WORLD
-            tp = workers.tp = rank_group(0, size, backend, config.torch_dtype, peer_exited=workers.rank_died)
+            tp = workers.tp = rank_group(0, size, backend, config.torch_dtype, peer_exited=workers.rank_died,
+                                         large_capacity=_large_all_reduce_capacity(config))
             self.runner = workers.rank0 = ModelRunner(config, tp, capture_graphs=False)
             workers.collect("ready", expect=self.runner.num_kvcache_blocks, timeout=GROUP_TIMEOUT_S)
             workers.send(("capture",))
@@ -478,7 +479,14 @@ def _start_rank(rank: int, size: int, backend: str, port: int, config_kwargs: di
     store.set(f"joined/{rank}", "1")
     dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                             timeout=timedelta(seconds=GROUP_TIMEOUT_S), **_device_id(backend, rank))
-    return ModelRunner(config, rank_group(rank, size, backend, config.torch_dtype), capture_graphs=False)
+    return ModelRunner(config, rank_group(rank, size, backend, config.torch_dtype,
+                                          large_capacity=_large_all_reduce_capacity(config)),
+                       capture_graphs=False)
+
+
+def _large_all_reduce_capacity(config: EngineConfig) -> int:
+    """Elements of the largest row-parallel output a step sums: a full prefill step's rows × hidden."""
+    return config.max_num_batched_tokens * config.hf_config.hidden_size
 
 
 def _serve(runner: ModelRunner, conn: Connection) -> None:

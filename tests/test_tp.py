@@ -210,9 +210,10 @@ _TP2_GPU_TOKENS = """
 import json, sys
 from engine import LLM, SamplingParams
 llm = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=256, gpu_memory_utilization=0.3)
-one_shot = llm.runner.runner.tp.one_shot is not None
+tp = llm.runner.runner.tp
 outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
-print(json.dumps({"one_shot": one_shot, "tokens": [o.token_ids for o in outs]}))
+print(json.dumps({"one_shot": tp.one_shot is not None, "pushed_calls": tp.pushed.calls if tp.pushed else 0,
+                  "tokens": [o.token_ids for o in outs]}))
 llm.shutdown()
 """
 
@@ -240,6 +241,21 @@ def test_chunked_nccl_all_reduce_leaves_two_gpu_tokens_unchanged(qwen3_checkpoin
                                REDLINE_TP_OVERLAP_MIN_ROWS="2", REDLINE_TP_OVERLAP_CHUNKS="3")
     assert not plain["one_shot"] and not chunked["one_shot"]
     assert chunked["tokens"] == plain["tokens"]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 GPUs")
+def test_copy_engine_all_reduce_gives_nccl_tokens_on_two_gpus(qwen3_checkpoint):
+    """Prefill projections of more than 32 rows summed by the copy engines (CopyEngineSum, chunks of
+    rows, flags, the fused receiving kernel) give NCCL's tokens: both sum in rank order."""
+    runs = {large: _run_on_two_gpus(_TP2_GPU_TOKENS, qwen3_checkpoint, "symm", timeout=500,
+                                    REDLINE_TP_ONE_SHOT_MAX_BYTES="4096", REDLINE_TP_OVERLAP_MIN_ROWS="2",
+                                    REDLINE_TP_COPY_CHUNKS="3", REDLINE_TP_LARGE_ALL_REDUCE=large)
+            for large in ("copy", "nccl")}
+    assert runs["copy"]["pushed_calls"] > 0 and runs["nccl"]["pushed_calls"] == 0
+    assert runs["copy"]["tokens"] == runs["nccl"]["tokens"]
 
 
 _TP2_GPU_KILL = """

@@ -77,3 +77,14 @@ def test_bad_overlap_setting_is_a_clear_error(qwen3_checkpoint, monkeypatch, val
     monkeypatch.setenv("REDLINE_TP_OVERLAP_CHUNKS", value)
     with pytest.raises(ValueError, match=f"REDLINE_TP_OVERLAP_CHUNKS must be a positive integer, got '{value}'"):
         LLM(str(qwen3_checkpoint), device="cpu", tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("REDLINE_TP_COPY_CHUNKS", "0", "REDLINE_TP_COPY_CHUNKS must be a positive integer, got '0'"),
+    ("REDLINE_TP_ONE_SHOT_MAX_BYTES", "8MB", "REDLINE_TP_ONE_SHOT_MAX_BYTES must be a positive integer, got '8MB'"),
+    ("REDLINE_TP_LARGE_ALL_REDUCE", "dma", "REDLINE_TP_LARGE_ALL_REDUCE must be 'copy' or 'nccl', got 'dma'"),
+])
+def test_bad_large_all_reduce_setting_is_a_clear_error(qwen3_checkpoint, monkeypatch, name, value, message):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        LLM(str(qwen3_checkpoint), device="cpu", tensor_parallel_size=2)

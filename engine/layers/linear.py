@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.parallel import SINGLE, ReducingSum, TPGroup, divide
+from engine.layers.parallel import SINGLE, PushedSum, ReducingSum, TPGroup, divide
 
 
 class _Linear(nn.Module):
@@ -101,4 +101,4 @@ class RowParallelLinear(_Linear):
         out = self.tp.partial_linear(x, self.weight, self.bias)
         if not self.reduce_results:
             return out
-        return out.wait() if isinstance(out, ReducingSum) else self.tp.all_reduce(out)
+        return out.wait() if isinstance(out, (ReducingSum, PushedSum)) else self.tp.all_reduce(out)

@@ -20,6 +20,8 @@ ONE_SHOT_MAX_BYTES = 8 << 20
 OVERLAP_CHUNKS = 1
 OVERLAP_MIN_ROWS = 1024
 CHUNK_ROW_MULTIPLE = 16
+# row chunks of a row-parallel projection whose sum the copy engines carry (CopyEngineSum)
+COPY_CHUNKS = 4
 
 
 class ReducingSum:
@@ -36,6 +38,137 @@ class ReducingSum:
             work.wait()
         self.works = []
         return self.out
+
+
+class PushedSum:
+    """A row-parallel projection's output whose peers' parts the copy engines are bringing in
+    (CopyEngineSum.start); finish it with TPGroup.all_reduce_add_rms_norm, or wait() for the plain sum."""
+
+    def __init__(self, owner: "CopyEngineSum", out: torch.Tensor, call: int, chunk_rows: int):
+        self.owner, self.out, self.call, self.chunk_rows = owner, out, call, chunk_rows
+
+    def wait(self) -> torch.Tensor:
+        return self.owner.finish(self)
+
+
+class CopyEngineSum:
+    """All-reduce of a prefill step's large row-parallel outputs, carried by the copy engines under the
+    GEMM (GPUs with symmetric memory).
+
+    start() computes this rank's part in row chunks. After each chunk's GEMM a side stream copies the
+    chunk (cudaMemcpyAsync: the copy engine, no SM taken from the next chunk's GEMM) into this rank's slot
+    of every peer's buffer, then writes the call's number into the peer's flag for (chunk, this rank).
+    finish() runs one kernel (engine/kernels/pushed_sum.py) that waits for each row's chunk from every
+    peer, sums in rank order and, fused, adds the residual and normalises.
+
+    Buffers: two generations of (world_size - 1) slots of `capacity` elements per rank; call k uses
+    generation k % 2. A peer writes generation k % 2 again at call k + 2, after its GEMM of that call,
+    which its stream runs after its own finish() of call k + 1, which waited for this rank's chunks of
+    call k + 1, which this rank copied only after its finish() of call k had read the slots. So a slot is
+    never overwritten while it is read, and every rank must make the same sequence of calls (they do:
+    every rank runs the same forward passes).
+    """
+
+    def __init__(self, data, flags, peer_data: dict, peer_flags: dict, capacity: int, chunks: int,
+                 rank: int, world_size: int, keep):
+        self.data, self.flags = data, flags  # this rank's buffers (flags as int32 for the kernel)
+        self.peer_data, self.peer_flags = peer_data, peer_flags  # {peer: its buffers as this rank maps them}
+        self.capacity, self.chunks = capacity, chunks
+        self.rank, self.world_size = rank, world_size
+        self._keep = keep  # the rendezvous handles: peers map the buffers
+        self.calls = 0
+        self.stop = torch.zeros(1, dtype=torch.int32, device=data.device)
+        self._one = torch.ones(1, dtype=torch.int32, pin_memory=True)
+        self._copy_stream = torch.cuda.Stream(data.device)
+        self._side_stream = torch.cuda.Stream(data.device)
+
+    @classmethod
+    def create(cls, device: torch.device, dtype: torch.dtype, rank: int, world_size: int,
+               capacity: int, chunks: int) -> "CopyEngineSum | None":
+        """Collective over the default group, after OneShotAllReduce.create agreed that every rank can
+        use symmetric memory. None on every rank (with a warning) where any rank cannot allocate the
+        buffers: the ranks agree before the rendezvous, which a rank that skipped it would hang."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        slots = world_size - 1
+        try:
+            data = symm_mem.empty(2 * slots * capacity, dtype=dtype, device=device)
+            flags = symm_mem.empty(chunks * world_size, dtype=torch.uint32, device=device)
+            flags.zero_()
+            problem = None
+        except Exception as e:  # noqa: BLE001 (out of memory, say: NCCL for the large all-reduces)
+            problem = str(e)
+        agreed = torch.tensor([0 if problem else 1], dtype=torch.int32, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        if problem or not agreed.item():
+            warnings.warn(f"copy-engine all-reduce unavailable ({problem or 'another rank could not set it up'}); "
+                          "large all-reduces use NCCL")
+            return None
+        group_name = dist.group.WORLD.group_name
+        data_handle = symm_mem.rendezvous(data, group_name)
+        flags_handle = symm_mem.rendezvous(flags, group_name)
+        peers = [q for q in range(world_size) if q != rank]
+        peer_data = {q: data_handle.get_buffer(q, (data.numel(),), dtype) for q in peers}
+        peer_flags = {q: flags_handle.get_buffer(q, (flags.numel(),), torch.uint32) for q in peers}
+        torch.cuda.synchronize(device)
+        dist.barrier()  # every rank's flags are zero before any rank writes one
+        return cls(data, flags.view(torch.int32), peer_data, peer_flags, capacity, chunks, rank, world_size,
+                   (data_handle, flags_handle, flags))
+
+    def takes(self, rows: int, width: int) -> bool:
+        return rows * width <= self.capacity
+
+    def slot_range(self, generation: int, sender: int, holder: int) -> tuple[int, int]:
+        """Element range of sender's slot in holder's buffer for one generation (holder's own is left out)."""
+        slots = self.world_size - 1
+        index = generation * slots + sender - (1 if sender > holder else 0)
+        return index * self.capacity, (index + 1) * self.capacity
+
+    def start(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> PushedSum:
+        """This rank's part F.linear(x, weight, bias), its chunks on their way to the peers."""
+        self.calls += 1
+        call, generation = self.calls, self.calls % 2
+        rows, width = x.shape[0], weight.shape[0]
+        out = torch.empty(rows, width, dtype=x.dtype, device=x.device)
+        step = -(-rows // self.chunks)
+        step = -(-step // CHUNK_ROW_MULTIPLE) * CHUNK_ROW_MULTIPLE
+        main = torch.cuda.current_stream(x.device)
+        for chunk, first in enumerate(range(0, rows, step)):
+            part = out[first:first + step]
+            if bias is None:
+                torch.mm(x[first:first + step], weight.t(), out=part)
+            else:
+                torch.addmm(bias, x[first:first + step], weight.t(), out=part)
+            self._copy_stream.wait_stream(main)
+            with torch.cuda.stream(self._copy_stream):
+                flat = part.reshape(-1)
+                for q, buffer in self.peer_data.items():
+                    begin, _ = self.slot_range(generation, self.rank, q)
+                    begin += first * width
+                    buffer[begin:begin + flat.numel()].copy_(flat)
+                    torch.ops.symm_mem.stream_write_value32_(self.peer_flags[q], chunk * self.world_size + self.rank,
+                                                             call)
+        out.record_stream(self._copy_stream)  # the copies read it after this returns
+        return PushedSum(self, out, call, step)
+
+    def _own_slots(self, call: int) -> torch.Tensor:
+        """This rank's buffer for the call's generation: every peer's slot, in rank order."""
+        size = (self.world_size - 1) * self.capacity
+        return self.data[call % 2 * size:(call % 2 + 1) * size]
+
+    def finish(self, pending: PushedSum, residual: torch.Tensor | None = None, weight: torch.Tensor | None = None,
+               eps: float = 0.0) -> torch.Tensor:
+        from engine.kernels.pushed_sum import pushed_sum
+
+        # into a new tensor: the side stream may still be copying the part out of pending.out
+        return pushed_sum(pending.out, self._own_slots(pending.call), self.flags, self.stop, pending.call,
+                          pending.chunk_rows, self.rank, self.world_size, out=torch.empty_like(pending.out),
+                          residual=residual, weight=weight, eps=eps)
+
+    def stop_waits(self) -> None:
+        """A peer died: make every waiting and later finish() return at once (see OneShotAllReduce)."""
+        with torch.cuda.stream(self._side_stream):
+            self.stop.copy_(self._one, non_blocking=True)
 
 
 class OneShotAllReduce:
@@ -61,7 +194,8 @@ class OneShotAllReduce:
         self._side_stream = torch.cuda.Stream(buffer.device)
 
     @classmethod
-    def create(cls, device: torch.device, dtype: torch.dtype, rank: int, world_size: int) -> "OneShotAllReduce | None":
+    def create(cls, device: torch.device, dtype: torch.dtype, rank: int, world_size: int,
+               max_bytes: int = ONE_SHOT_MAX_BYTES) -> "OneShotAllReduce | None":
         """Collective over the default group; None on every rank (with a warning) where any rank cannot use
         symmetric memory: the ranks agree first, since a rank that skipped the rendezvous would leave the
         others waiting in it forever."""
@@ -82,8 +216,9 @@ class OneShotAllReduce:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", FutureWarning)
                     symm_mem.enable_symm_mem_for_group(group_name)
-            # slots of ONE_SHOT_MAX_BYTES, one per rank in each of the kernel's generations
-            capacity = ONE_SHOT_MAX_BYTES // dtype.itemsize
+            # slots of max_bytes, one per rank in each of the kernel's generations; larger all-reduces go
+            # through the copy engines or NCCL
+            capacity = max(1, max_bytes // dtype.itemsize)
             buffer = symm_mem.empty(buffer_elements(capacity, world_size), dtype=dtype, device=device)
             clear_buffer(buffer)
             buffers = symm_mem.rendezvous(buffer, group_name)
@@ -163,6 +298,7 @@ class TPGroup:
     peer_exited: threading.Event | None = field(default=None, compare=False, repr=False)
     overlap_chunks: int = OVERLAP_CHUNKS
     overlap_min_rows: int = OVERLAP_MIN_ROWS
+    pushed: CopyEngineSum | None = field(default=None, compare=False, repr=False)
 
     def _check_peers(self) -> None:
         if self.peer_exited is not None and self.peer_exited.is_set():
@@ -172,6 +308,8 @@ class TPGroup:
         """A peer died: release this rank's kernels waiting on it, where a communicator abort cannot."""
         if self.one_shot is not None:
             self.one_shot.stop_waits()
+        if self.pushed is not None:
+            self.pushed.stop_waits()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of `x` over ranks (may be computed in place, or into a new tensor: use the result)."""
@@ -183,17 +321,23 @@ class TPGroup:
         return x
 
     def partial_linear(self, x: torch.Tensor, weight: torch.Tensor,
-                       bias: torch.Tensor | None) -> "torch.Tensor | ReducingSum":
+                       bias: torch.Tensor | None) -> "torch.Tensor | ReducingSum | PushedSum":
         """This rank's part of a row-parallel projection, F.linear(x, weight, bias), for a later
-        all_reduce(_add_rms_norm) to sum over ranks. Where that sum would go through NCCL (or gloo) and x
-        has at least overlap_min_rows rows, the sum is started here instead, chunk by chunk: a
-        ReducingSum. Never while a CUDA graph is being captured (decode steps, which symmetric memory
-        sums)."""
-        if (self.size == 1 or self.overlap_chunks < 2 or x.dim() != 2 or x.shape[0] < self.overlap_min_rows
+        all_reduce(_add_rms_norm) to sum over ranks. Where that sum is too large for the one-shot kernel
+        and x has at least overlap_min_rows rows, the sum is started here instead, chunk by chunk: by the
+        copy engines where the ranks share symmetric memory (a PushedSum), else, with overlap_chunks > 1,
+        by NCCL or gloo (a ReducingSum). Never while a CUDA graph is being captured (decode steps, which
+        the one-shot kernel sums)."""
+        if (self.size == 1 or x.dim() != 2 or x.shape[0] < self.overlap_min_rows
                 or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
             return F.linear(x, weight, bias)
         rows = x.shape[0]
         if self.one_shot is not None and self.one_shot.takes(rows * weight.shape[0], x.dtype):
+            return F.linear(x, weight, bias)
+        if self.pushed is not None and self.pushed.takes(rows, weight.shape[0]) and x.dtype == self.pushed.data.dtype:
+            self._check_peers()
+            return self.pushed.start(x, weight, bias)
+        if self.overlap_chunks < 2:
             return F.linear(x, weight, bias)
         self._check_peers()
         out = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
@@ -209,12 +353,18 @@ class TPGroup:
             works.append(dist.all_reduce(part, async_op=True))
         return ReducingSum(out, works)
 
-    def all_reduce_add_rms_norm(self, x: "torch.Tensor | ReducingSum", residual: torch.Tensor,
+    def all_reduce_add_rms_norm(self, x: "torch.Tensor | ReducingSum | PushedSum", residual: torch.Tensor,
                                 weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """add_rms_norm (engine/layers/fusion.py) of the sum of `x` over ranks: (normed rows, new residual).
         x and residual may be overwritten: use the results. One kernel through symmetric memory where it
-        fits; x may also be a ReducingSum (partial_linear), whose sum is on its way."""
+        fits; x may also be a ReducingSum or a PushedSum (partial_linear), whose sum is on its way (a
+        PushedSum's is finished fused with the residual add and the norm, in one kernel)."""
         if isinstance(x, ReducingSum):
+            return add_rms_norm(x.wait(), residual, weight, eps)
+        if isinstance(x, PushedSum):
+            self._check_peers()
+            if residual.shape == x.out.shape and residual.is_contiguous() and weight.is_contiguous():
+                return x.owner.finish(x, residual, weight, eps), residual
             return add_rms_norm(x.wait(), residual, weight, eps)
         if self.size > 1:
             self._check_peers()
@@ -253,7 +403,7 @@ SINGLE = TPGroup()
 
 
 def rank_group(rank: int, size: int, backend: str, dtype: torch.dtype,
-               peer_exited: threading.Event | None = None) -> TPGroup:
+               peer_exited: threading.Event | None = None, large_capacity: int = 0) -> TPGroup:
     """This rank's TPGroup, once the process group exists; collective (every rank calls it together).
 
     On GPUs, all-reduces of decode-step size go through symmetric memory (OneShotAllReduce: faster decode
@@ -261,17 +411,29 @@ def rank_group(rank: int, size: int, backend: str, dtype: torch.dtype,
     RMSNorm) unless REDLINE_TP_ALL_REDUCE=nccl keeps every all-reduce in NCCL; where a rank cannot map
     its peers' memory, every rank uses NCCL, with a warning. REDLINE_TP_OVERLAP_CHUNKS (1: off) and
     REDLINE_TP_OVERLAP_MIN_ROWS set how the larger row-parallel projections overlap their all-reduce with
-    their GEMM (TPGroup.partial_linear).
+    their GEMM (TPGroup.partial_linear). With symmetric memory, those of up to `large_capacity` elements
+    (a prefill step's rows × hidden size) are carried by the copy engines in REDLINE_TP_COPY_CHUNKS row
+    chunks (CopyEngineSum), unless REDLINE_TP_LARGE_ALL_REDUCE=nccl leaves them to NCCL.
+    REDLINE_TP_ONE_SHOT_MAX_BYTES sets the largest all-reduce the one-shot kernel takes (8 MiB).
     """
     mode = os.environ.get("REDLINE_TP_ALL_REDUCE", "symm")
     if mode not in ("nccl", "symm"):
         raise ValueError(f"REDLINE_TP_ALL_REDUCE must be 'nccl' or 'symm', got {mode!r}")
+    large = os.environ.get("REDLINE_TP_LARGE_ALL_REDUCE", "copy")
+    if large not in ("nccl", "copy"):
+        raise ValueError(f"REDLINE_TP_LARGE_ALL_REDUCE must be 'copy' or 'nccl', got {large!r}")
     chunks = _env_int("REDLINE_TP_OVERLAP_CHUNKS", OVERLAP_CHUNKS)
     min_rows = _env_int("REDLINE_TP_OVERLAP_MIN_ROWS", OVERLAP_MIN_ROWS)
-    one_shot = None
+    copy_chunks = _env_int("REDLINE_TP_COPY_CHUNKS", COPY_CHUNKS)
+    one_shot_bytes = _env_int("REDLINE_TP_ONE_SHOT_MAX_BYTES", ONE_SHOT_MAX_BYTES)
+    one_shot = pushed = None
     if size > 1 and backend == "nccl" and mode == "symm":
-        one_shot = OneShotAllReduce.create(torch.device("cuda", rank), dtype, rank, size)
-    return TPGroup(rank, size, one_shot, peer_exited, overlap_chunks=chunks, overlap_min_rows=min_rows)
+        device = torch.device("cuda", rank)
+        one_shot = OneShotAllReduce.create(device, dtype, rank, size, one_shot_bytes)
+        if one_shot is not None and large == "copy" and large_capacity > 0:
+            pushed = CopyEngineSum.create(device, dtype, rank, size, large_capacity, copy_chunks)
+    return TPGroup(rank, size, one_shot, peer_exited, overlap_chunks=chunks, overlap_min_rows=min_rows,
+                   pushed=pushed)
 
 
 def _env_int(name: str, default: int) -> int:
