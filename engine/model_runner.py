@@ -1,6 +1,7 @@
 """Turns a scheduled batch into tensors, runs the model on one device (one tensor-parallel rank), samples."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,7 @@ class ModelRunner:
             if self.device.index is None:
                 self.device = torch.device("cuda", tp.rank)
             torch.cuda.set_device(self.device)
+        _choose_blas(self.device)
         self.dtype = config.torch_dtype
         self.block_size = config.kvcache_block_size
         self.ctx = ForwardContext(get_backend(config.attention_backend, self.device))
@@ -336,6 +338,18 @@ class SampledTokens:
             return lists[0], None
         chosen, top = lists[1], lists[2:] or [None, None]
         return lists[0], (chosen, top[0], top[1])
+
+
+def _choose_blas(device: torch.device) -> None:
+    """REDLINE_BLAS=cublas or cublaslt picks PyTorch's GEMM library (for measurements; unset: PyTorch's
+    default). Every tensor-parallel rank inherits rank 0's environment."""
+    name = os.environ.get("REDLINE_BLAS")
+    if name is None:
+        return
+    if name not in ("cublas", "cublaslt"):
+        raise ValueError(f"REDLINE_BLAS must be 'cublas' or 'cublaslt', got {name!r}")
+    if device.type == "cuda":
+        torch.backends.cuda.preferred_blas_library(name)
 
 
 def _pending(rows: list[int], src: list[int]) -> dict:

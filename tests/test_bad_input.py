@@ -78,3 +78,9 @@ def test_text_prompt_without_tokenizer_is_a_clear_error(tmp_path):
 def test_bad_engine_options_are_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(TINY_MODEL_DIR, **{"load_format": "dummy", "device": "cpu", **kwargs})
+
+
+def test_bad_blas_setting_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("REDLINE_BLAS", "mkl")
+    with pytest.raises(ValueError, match="REDLINE_BLAS must be 'cublas' or 'cublaslt', got 'mkl'"):
+        LLM(str(TINY_MODEL_DIR), device="cpu")

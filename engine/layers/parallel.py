@@ -21,7 +21,7 @@ OVERLAP_CHUNKS = 1
 OVERLAP_MIN_ROWS = 1024
 CHUNK_ROW_MULTIPLE = 16
 # row chunks of a row-parallel projection whose sum the copy engines carry (CopyEngineSum)
-COPY_CHUNKS = 4
+COPY_CHUNKS = 2
 
 
 class ReducingSum:
