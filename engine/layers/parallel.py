@@ -77,6 +77,12 @@ class CopyEngineSum:
         self.rank, self.world_size = rank, world_size
         self._keep = keep  # the rendezvous handles: peers map the buffers
         self.calls = 0
+        # this rank's part of call k is computed into parts[k % 2]: the copy engine reads it after start()
+        # returns, and it is overwritten only at call k + 2, after the peers' finish() of call k (which
+        # needed all of it) let them send call k + 1, which this rank's finish() of k + 1 waited for. Fixed
+        # buffers: a fresh tensor each call, held for the side stream (record_stream), kept the allocator
+        # from reusing its memory at once, and prefill steps of 128 MB parts ran short of it
+        self.parts = torch.empty(2, capacity, dtype=data.dtype, device=data.device)
         self.stop = torch.zeros(1, dtype=torch.int32, device=data.device)
         self._one = torch.ones(1, dtype=torch.int32, pin_memory=True)
         self._copy_stream = torch.cuda.Stream(data.device)
@@ -129,7 +135,7 @@ class CopyEngineSum:
         self.calls += 1
         call, generation = self.calls, self.calls % 2
         rows, width = x.shape[0], weight.shape[0]
-        out = torch.empty(rows, width, dtype=x.dtype, device=x.device)
+        out = self.parts[generation, :rows * width].view(rows, width)
         step = -(-rows // self.chunks)
         step = -(-step // CHUNK_ROW_MULTIPLE) * CHUNK_ROW_MULTIPLE
         main = torch.cuda.current_stream(x.device)
@@ -148,7 +154,6 @@ class CopyEngineSum:
                     buffer[begin:begin + flat.numel()].copy_(flat)
                     torch.ops.symm_mem.stream_write_value32_(self.peer_flags[q], chunk * self.world_size + self.rank,
                                                              call)
-        out.record_stream(self._copy_stream)  # the copies read it after this returns
         return PushedSum(self, out, call, step)
 
     def _own_slots(self, call: int) -> torch.Tensor:
