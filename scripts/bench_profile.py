@@ -23,7 +23,7 @@ import torch
 from engine import bench
 
 KINDS = (  # first match wins; kernel names are lower-cased
-    ("all-reduce", ("all_reduce", "allreduce", "nccl", "one_shot")),
+    ("all-reduce", ("all_reduce", "allreduce", "nccl", "one_shot", "pushed_sum")),
     ("all-gather", ("all_gather", "allgather")),
     ("attention decode", ("paged_decode", "decode_reduce", "_decode")),
     ("attention prefill", ("paged_prefill", "prefill")),
