@@ -104,9 +104,7 @@ class CopyEngineSum:
             problem = None
         except Exception as e:  # noqa: BLE001 (out of memory, say: NCCL for the large all-reduces)
             problem = str(e)
-        agreed = torch.tensor([0 if problem else 1], dtype=torch.int32, device=device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-        if problem or not agreed.item():
+        if not _every_rank_ready(problem, device):
             warnings.warn(f"copy-engine all-reduce unavailable ({problem or 'another rank could not set it up'}); "
                           "large all-reduces use NCCL")
             return None
@@ -207,9 +205,7 @@ class OneShotAllReduce:
         from engine.kernels.all_reduce import buffer_elements, clear_buffer  # Triton is optional: import on use
 
         problem = _symmetric_memory_problem(device, rank, world_size)
-        agreed = torch.tensor([0 if problem else 1], dtype=torch.int32, device=device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-        if problem or not agreed.item():
+        if not _every_rank_ready(problem, device):
             warnings.warn(f"{problem or 'another tensor-parallel rank cannot use symmetric memory'}; this engine "
                           "uses NCCL for every all-reduce")
             return None
@@ -272,6 +268,13 @@ class OneShotAllReduce:
         is copied from a side stream by the copy engine, so it never queues behind the waiting kernels."""
         with torch.cuda.stream(self._side_stream):
             self.stop.copy_(self._one, non_blocking=True)
+
+
+def _every_rank_ready(problem: str | None, device: torch.device) -> bool:
+    """Whether no rank has a problem (collective over the default group: every rank must call it)."""
+    agreed = torch.tensor([0 if problem else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    return problem is None and bool(agreed.item())
 
 
 def _symmetric_memory_problem(device: torch.device, rank: int, world_size: int) -> str | None:
