@@ -79,9 +79,8 @@ class CopyEngineSum:
         self.calls = 0
         # this rank's part of call k is computed into parts[k % 2]: the copy engine reads it after start()
         # returns, and it is overwritten only at call k + 2, after the peers' finish() of call k (which
-        # needed all of it) let them send call k + 1, which this rank's finish() of k + 1 waited for. Fixed
-        # buffers: a fresh tensor each call, held for the side stream (record_stream), kept the allocator
-        # from reusing its memory at once, and prefill steps of 128 MB parts ran short of it
+        # needed all of it) let them send call k + 1, which this rank's finish() of k + 1 waited for. (A
+        # fresh tensor each call, held for the side stream by record_stream, measured slower.)
         self.parts = torch.empty(2, capacity, dtype=data.dtype, device=data.device)
         self.stop = torch.zeros(1, dtype=torch.int32, device=data.device)
         self._one = torch.ones(1, dtype=torch.int32, pin_memory=True)
@@ -122,11 +121,9 @@ class CopyEngineSum:
     def takes(self, rows: int, width: int) -> bool:
         return rows * width <= self.capacity
 
-    def slot_range(self, generation: int, sender: int, holder: int) -> tuple[int, int]:
-        """Element range of sender's slot in holder's buffer for one generation (holder's own is left out)."""
-        slots = self.world_size - 1
-        index = generation * slots + sender - (1 if sender > holder else 0)
-        return index * self.capacity, (index + 1) * self.capacity
+    def slot_start(self, generation: int, sender: int, holder: int) -> int:
+        """Where sender's slot starts in holder's buffer for one generation (holder's own is left out)."""
+        return (generation * (self.world_size - 1) + sender - (1 if sender > holder else 0)) * self.capacity
 
     def start(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> PushedSum:
         """This rank's part F.linear(x, weight, bias), its chunks on their way to the peers."""
@@ -147,8 +144,7 @@ class CopyEngineSum:
             with torch.cuda.stream(self._copy_stream):
                 flat = part.reshape(-1)
                 for q, buffer in self.peer_data.items():
-                    begin, _ = self.slot_range(generation, self.rank, q)
-                    begin += first * width
+                    begin = self.slot_start(generation, self.rank, q) + first * width
                     buffer[begin:begin + flat.numel()].copy_(flat)
                     torch.ops.symm_mem.stream_write_value32_(self.peer_flags[q], chunk * self.world_size + self.rank,
                                                              call)
