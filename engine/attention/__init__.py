@@ -21,8 +21,8 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     is_decode: bool              # every query length is 1
-    # what a backend derives once per forward pass for all layers (TritonBackend: the decode order)
-    step_state: dict | None = None
+    # the sequences longest first, which TritonBackend sorts once per forward pass for all its layers
+    decode_order: torch.Tensor | None = None
 
 
 class ForwardContext:

@@ -51,13 +51,9 @@ class TritonBackend:
     def _decode_order(self, meta: "AttentionMetadata") -> torch.Tensor | None:
         """The batch's sequences longest first, sorted on the device by the first layer of a forward pass
         (inside a CUDA graph being captured, the sort is captured with it) and kept for the others."""
-        if not self.orders_decode:
-            return None
-        if meta.step_state is None:
-            meta.step_state = {}
-        if "decode_order" not in meta.step_state:
-            meta.step_state["decode_order"] = decode_order(meta.seqlens_k)
-        return meta.step_state["decode_order"]
+        if self.orders_decode and meta.decode_order is None:
+            meta.decode_order = decode_order(meta.seqlens_k)
+        return meta.decode_order
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: "AttentionMetadata", scale: float) -> torch.Tensor:

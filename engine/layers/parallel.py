@@ -24,6 +24,27 @@ CHUNK_ROW_MULTIPLE = 16
 COPY_CHUNKS = 2
 
 
+def _chunk_rows(rows: int, chunks: int) -> int:
+    """Rows of each of (at most) `chunks` row chunks: a multiple of CHUNK_ROW_MULTIPLE."""
+    step = -(-rows // chunks)
+    return -(-step // CHUNK_ROW_MULTIPLE) * CHUNK_ROW_MULTIPLE
+
+
+def _chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                    chunks: int):
+    """F.linear(x, weight, bias) into out, row chunk by row chunk; yields (chunk index, first row, the
+    chunk's rows of out) as soon as each chunk's GEMM is queued."""
+    rows = x.shape[0]
+    step = _chunk_rows(rows, chunks)
+    for index, first in enumerate(range(0, rows, step)):
+        part = out[first:first + step]
+        if bias is None:
+            torch.mm(x[first:first + step], weight.t(), out=part)
+        else:
+            torch.addmm(bias, x[first:first + step], weight.t(), out=part)
+        yield index, first, part
+
+
 class ReducingSum:
     """A row-parallel projection's output whose sum over ranks is on its way: the rows were computed in
     chunks, and each chunk's all-reduce was started (asynchronously) as soon as its rows were queued, so
@@ -118,8 +139,8 @@ class CopyEngineSum:
         return cls(data, flags.view(torch.int32), peer_data, peer_flags, capacity, chunks, rank, world_size,
                    (data_handle, flags_handle, flags))
 
-    def takes(self, rows: int, width: int) -> bool:
-        return rows * width <= self.capacity
+    def takes(self, numel: int, dtype: torch.dtype) -> bool:
+        return dtype == self.data.dtype and numel <= self.capacity
 
     def slot_start(self, generation: int, sender: int, holder: int) -> int:
         """Where sender's slot starts in holder's buffer for one generation (holder's own is left out)."""
@@ -131,15 +152,8 @@ class CopyEngineSum:
         call, generation = self.calls, self.calls % 2
         rows, width = x.shape[0], weight.shape[0]
         out = self.parts[generation, :rows * width].view(rows, width)
-        step = -(-rows // self.chunks)
-        step = -(-step // CHUNK_ROW_MULTIPLE) * CHUNK_ROW_MULTIPLE
         main = torch.cuda.current_stream(x.device)
-        for chunk, first in enumerate(range(0, rows, step)):
-            part = out[first:first + step]
-            if bias is None:
-                torch.mm(x[first:first + step], weight.t(), out=part)
-            else:
-                torch.addmm(bias, x[first:first + step], weight.t(), out=part)
+        for chunk, first, part in _chunked_linear(x, weight, bias, out, self.chunks):
             self._copy_stream.wait_stream(main)
             with torch.cuda.stream(self._copy_stream):
                 flat = part.reshape(-1)
@@ -148,7 +162,7 @@ class CopyEngineSum:
                     buffer[begin:begin + flat.numel()].copy_(flat)
                     torch.ops.symm_mem.stream_write_value32_(self.peer_flags[q], chunk * self.world_size + self.rank,
                                                              call)
-        return PushedSum(self, out, call, step)
+        return PushedSum(self, out, call, _chunk_rows(rows, self.chunks))
 
     def _own_slots(self, call: int) -> torch.Tensor:
         """This rank's buffer for the call's generation: every peer's slot, in rank order."""
@@ -338,23 +352,15 @@ class TPGroup:
         rows = x.shape[0]
         if self.one_shot is not None and self.one_shot.takes(rows * weight.shape[0], x.dtype):
             return F.linear(x, weight, bias)
-        if self.pushed is not None and self.pushed.takes(rows, weight.shape[0]) and x.dtype == self.pushed.data.dtype:
+        if self.pushed is not None and self.pushed.takes(rows * weight.shape[0], x.dtype):
             self._check_peers()
             return self.pushed.start(x, weight, bias)
         if self.overlap_chunks < 2:
             return F.linear(x, weight, bias)
         self._check_peers()
         out = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
-        step = -(-rows // self.overlap_chunks)
-        step = -(-step // CHUNK_ROW_MULTIPLE) * CHUNK_ROW_MULTIPLE
-        works = []
-        for start in range(0, rows, step):
-            part, rows_in = out[start:start + step], x[start:start + step]
-            if bias is None:
-                torch.mm(rows_in, weight.t(), out=part)
-            else:
-                torch.addmm(bias, rows_in, weight.t(), out=part)
-            works.append(dist.all_reduce(part, async_op=True))
+        works = [dist.all_reduce(part, async_op=True)
+                 for _, _, part in _chunked_linear(x, weight, bias, out, self.overlap_chunks)]
         return ReducingSum(out, works)
 
     def all_reduce_add_rms_norm(self, x: "torch.Tensor | ReducingSum | PushedSum", residual: torch.Tensor,
