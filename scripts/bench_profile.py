@@ -39,15 +39,29 @@ def kind_of(name: str) -> str:
     return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
 
 
-def run_steps(llm, prompts, params) -> dict:
+def run_steps(llm, prompts, params, trace: dict | None = None) -> dict:
+    """trace: {first step: (last step, file)}: a Chrome trace of rank 0's GPU over those steps."""
     for p, sp in zip(prompts, params):
         llm.add_request(p, sp)
     wall = defaultdict(float)
     steps = defaultdict(int)
     start = time.perf_counter()
+    tracing = None
+    index = 0
     while llm.has_unfinished():
+        if trace and index in trace:
+            activity = torch.profiler.ProfilerActivity.CUDA if torch.cuda.is_available() else torch.profiler.ProfilerActivity.CPU
+            tracing = (*trace[index], torch.profiler.profile(activities=[activity]))
+            tracing[2].__enter__()
         t = time.perf_counter()
         stats = llm.step(finished_only=True).stats
+        if tracing and index == tracing[0]:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            tracing[2].__exit__(None, None, None)
+            tracing[2].export_chrome_trace(str(tracing[1]))
+            tracing = None
+        index += 1
         kind = "prefill" if stats.num_prefill_tokens else ("decode" if stats.batch_size else "drain")
         wall[kind] += time.perf_counter() - t
         steps[kind] += 1
@@ -61,6 +75,9 @@ def main() -> None:
     bench.add_arguments(parser)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", default="out")
+    parser.add_argument("--trace", default="", metavar="A-B,C-D",
+                        help="after the timed run, run the workload again and write a Chrome trace of rank 0's GPU "
+                             "for each range of step indices (0 is the first step), e.g. 0-1,400-401")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -84,6 +101,12 @@ def main() -> None:
         record["gpu_seconds_by_kind"] = {k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}
         (out / f"kernels_tp{args.tensor_parallel_size}.txt").write_text(
             events.table(sort_by="device_time_total", row_limit=40, max_name_column_width=90))
+    if args.trace:
+        args.seed += 1
+        prompts, params = bench.make_workload(args)
+        ranges = [tuple(int(x) for x in part.split("-")) for part in args.trace.split(",")]
+        trace = {a: (b, out / f"trace_tp{args.tensor_parallel_size}_steps{a}-{b}.json") for a, b in ranges}
+        record["traced_seconds"] = run_steps(llm, prompts, params, trace)["seconds"]
     print(json.dumps(record), flush=True)
     shutdown = getattr(llm, "shutdown", None)
     if shutdown:

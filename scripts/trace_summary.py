@@ -1,0 +1,67 @@
+"""Read a Chrome trace written by `bench_profile.py --trace`: GPU time by stream and kernel kind, copies
+with their bandwidth, and the device timeline of one stretch of the main stream.
+
+    python3 scripts/trace_summary.py out/trace_tp2_steps0-1.json [--timeline 40] [--skip 400]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+from bench_profile import kind_of
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def gpu_events(path: str) -> list[dict]:
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    return sorted((e for e in events if e.get("cat") in GPU_CATEGORIES and "dur" in e), key=lambda e: e["ts"])
+
+
+def label(event: dict) -> str:
+    return kind_of(event["name"]) if event["cat"] == "kernel" else event["name"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("trace")
+    parser.add_argument("--timeline", type=int, default=40, help="events of the main stream to list in order")
+    parser.add_argument("--skip", type=int, default=0, help="main-stream events to skip before the listing")
+    args = parser.parse_args()
+    events = gpu_events(args.trace)
+    if not events:
+        raise SystemExit(f"{args.trace}: no GPU events (a trace taken on CPU?)")
+    by_stream = defaultdict(list)
+    for e in events:
+        by_stream[e["args"].get("stream")].append(e)
+    main_stream = max(by_stream, key=lambda s: len(by_stream[s]))
+    span = (events[-1]["ts"] + events[-1]["dur"] - events[0]["ts"]) / 1e3
+    print(f"{len(events)} GPU events over {span:.2f} ms; main stream {main_stream}")
+    for stream, evs in sorted(by_stream.items(), key=lambda kv: -len(kv[1])):
+        busy = sum(e["dur"] for e in evs) / 1e3
+        kinds = defaultdict(lambda: [0, 0.0])
+        for e in evs:
+            kinds[label(e)][0] += 1
+            kinds[label(e)][1] += e["dur"]
+        print(f"stream {stream}: {len(evs)} events, busy {busy:.2f} ms")
+        for kind, (n, us) in sorted(kinds.items(), key=lambda kv: -kv[1][1]):
+            print(f"    {kind:40s} {n:6d} x {us / n:9.1f} us = {us / 1e3:8.2f} ms")
+    copies = [e for e in events if e["cat"] == "gpu_memcpy"]
+    for e in copies[:6]:
+        a = e["args"]
+        print(f"copy {e['name']!r} stream {a.get('stream')} {a.get('bytes', 0) / 1e6:.1f} MB in {e['dur']:.0f} us"
+              f" ({a.get('memory bandwidth (GB/s)', 0):.0f} GB/s)")
+    mains = by_stream[main_stream]
+    gaps = sum(max(0.0, b["ts"] - (a["ts"] + a["dur"])) for a, b in zip(mains, mains[1:]))
+    print(f"main stream idle between its events: {gaps / 1e3:.2f} ms")
+    t0 = mains[min(args.skip, len(mains) - 1)]["ts"]
+    print("timeline (start us from the first listed event, duration us, stream, name):")
+    listed = [e for e in events if e["ts"] >= t0][:args.timeline]
+    for e in listed:
+        print(f"  {e['ts'] - t0:9.1f} {e['dur']:8.1f}  s{e['args'].get('stream')}  {e['name'][:100]}")
+
+
+if __name__ == "__main__":
+    main()
