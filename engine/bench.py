@@ -145,14 +145,34 @@ def warm_up(llm, args: argparse.Namespace) -> None:
     llm.generate(prompts[:1], params, use_tqdm=False)
 
 
+def compiled_kernels() -> int:
+    """Kernels in Triton's on-disk cache (every process of this user and machine adds its compiles there,
+    tensor-parallel ranks included); 0 without Triton."""
+    try:
+        from triton import knobs
+        cache = Path(knobs.cache.dir)
+    except Exception:  # noqa: BLE001 (no Triton, or one without knobs: nothing to count)
+        return 0
+    return sum(1 for _ in cache.iterdir()) if cache.is_dir() else 0
+
+
+def warn_if_compiled(count: int) -> None:
+    if count:
+        print(f"warning: {count} Triton kernels were compiled during the timed run, so its time includes "
+              "compiling; run the bench again (the cache keeps them)", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> dict:
     """Warm up, time one generate of the workload, print a summary and one JSON line; return the record."""
     prompts, params = make_workload(args)
     llm = build_llm(args)
     warm_up(llm, args)
+    cached = compiled_kernels()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
+    compiled = compiled_kernels() - cached
+    warn_if_compiled(compiled)
     tokens = sum(len(o.token_ids) for o in outputs)
     expected = sum(sp.max_tokens for sp in params)
     gpu = gpu_name()
@@ -170,6 +190,7 @@ def run(args: argparse.Namespace) -> dict:
         "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 1),
         "floor_seconds": round(floor, 3) if floor else None,
         "ratio_to_floor": round(seconds / floor, 2) if floor else None,
+        "kernels_compiled_in_run": compiled,
     }
     print(f"{record['model']} on {gpu} ({record['backend']} attention): {tokens} tokens in {seconds:.2f} s "
           f"= {tokens / seconds:,.0f} tok/s" + (f"; floor {floor:.2f} s, {seconds / floor:.1f}x the floor" if floor else ""))

@@ -126,6 +126,12 @@ class TPDriver:
             workers.fail(e, "during a step")
         return TPStep(workers, step, tokens)
 
+    def trace_ranks(self, path: str | None) -> None:
+        """Measurements: ranks 1..N-1 start a torch.profiler trace of their GPU (path: a file name with
+        {rank} in it), or, with None, stop it and write it there. Not acknowledged; steps stay in order."""
+        self._workers.check_running()
+        self._workers.send(("trace", path))
+
     def shutdown(self) -> None:
         """Tell the other ranks to exit, end any that do not, release the process group. Idempotent."""
         self._finalizer()
@@ -494,6 +500,7 @@ def _serve(runner: ModelRunner, conn: Connection) -> None:
     return on shutdown. While a step runs on the GPU the next command is taken as soon as it arrives, so
     the device never idles while this process wakes, answers and reads."""
     running: deque = deque()  # queued steps not yet acknowledged: a CUDA event each, or _DONE on CPU
+    tracing = None  # (profiler, file) while a trace asked for by TPDriver.trace_ranks runs
     while True:
         while running:
             if running[0].query():
@@ -510,6 +517,9 @@ def _serve(runner: ModelRunner, conn: Connection) -> None:
                 torch.cuda.synchronize(runner.device)
             conn.send(("ok",))
             continue
+        if message[0] == "trace":
+            tracing = _trace(runner, tracing, message[1])
+            continue
         _, wire, sampling = message
         inputs = _from_wire(wire)
         hidden = runner.forward(inputs)
@@ -521,6 +531,22 @@ def _serve(runner: ModelRunner, conn: Connection) -> None:
             running.append(done)
         else:  # the forward pass ran on the host: it is done
             running.append(_DONE)
+
+
+def _trace(runner: ModelRunner, tracing, path: str | None):
+    """Start a trace of this rank's device into path, or stop the running one and write it."""
+    if path is not None:
+        activity = torch.profiler.ProfilerActivity.CUDA if runner.device.type == "cuda" else \
+            torch.profiler.ProfilerActivity.CPU
+        profiler = torch.profiler.profile(activities=[activity])
+        profiler.__enter__()
+        return profiler, path.format(rank=runner.tp.rank)
+    if tracing is not None:
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+        tracing[0].__exit__(None, None, None)
+        tracing[0].export_chrome_trace(tracing[1])
+    return None
 
 
 class _Done:

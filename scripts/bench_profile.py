@@ -53,6 +53,8 @@ def run_steps(llm, prompts, params, trace: dict | None = None) -> dict:
             activity = torch.profiler.ProfilerActivity.CUDA if torch.cuda.is_available() else torch.profiler.ProfilerActivity.CPU
             tracing = (*trace[index], torch.profiler.profile(activities=[activity]))
             tracing[2].__enter__()
+            if hasattr(llm.runner, "trace_ranks"):  # the other tensor-parallel ranks trace the same steps
+                llm.runner.trace_ranks(str(tracing[1]).replace("_steps", "_rank{rank}_steps"))
         t = time.perf_counter()
         stats = llm.step(finished_only=True).stats
         if tracing and index == tracing[0]:
@@ -60,6 +62,8 @@ def run_steps(llm, prompts, params, trace: dict | None = None) -> dict:
                 torch.cuda.synchronize()
             tracing[2].__exit__(None, None, None)
             tracing[2].export_chrome_trace(str(tracing[1]))
+            if hasattr(llm.runner, "trace_ranks"):
+                llm.runner.trace_ranks(None)
             tracing = None
         index += 1
         kind = "prefill" if stats.num_prefill_tokens else ("decode" if stats.batch_size else "drain")
@@ -84,8 +88,11 @@ def main() -> None:
     prompts, params = bench.make_workload(args)
     llm = bench.build_llm(args)
     bench.warm_up(llm, args)
+    cached = bench.compiled_kernels()
     record = {"gpu": bench.gpu_name(), "commit": bench.git_commit(), "model": args.model,
               "tp": args.tensor_parallel_size, **run_steps(llm, prompts, params)}
+    record["kernels_compiled_in_run"] = bench.compiled_kernels() - cached
+    bench.warn_if_compiled(record["kernels_compiled_in_run"])
     if args.profile:
         args.seed += 2  # fresh prompts of the same distribution: no prefix-cache hits from the first run
         prompts, params = bench.make_workload(args)

@@ -46,3 +46,13 @@ def test_run_prints_one_json_record(capsys):
     assert record["seconds"] > 0 and record["ratio_to_floor"] > 0
     last_line = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last_line) == record
+
+
+def test_kernels_compiled_during_the_timed_run_are_counted_and_reported(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    assert bench.compiled_kernels() == 0
+    (tmp_path / "kernel-a").mkdir()
+    (tmp_path / "kernel-b").mkdir()
+    assert bench.compiled_kernels() == 2
+    bench.warn_if_compiled(2)
+    assert "2 Triton kernels were compiled during the timed run" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """Tensor parallelism on CPU (gloo): TP=2 gives TP=1's tokens, and a failed rank stops the engine cleanly."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -52,7 +53,6 @@ def _run_on_two_gpus(script: str, checkpoint, mode: str, timeout: float, **setti
     """Run `script` (argv: checkpoint, prompts as JSON) in a fresh process with REDLINE_TP_ALL_REDUCE=mode
     and any other environment `settings`; its last stdout line, as JSON. GPU engines run in processes of
     their own (see docs/tensor-parallel.md)."""
-    import json
     import subprocess
     import sys
 
@@ -99,7 +99,7 @@ def test_tp2_tokens_equal_tp1_with_prefix_cache_and_preemption(checkpoint):
 
 
 @pytest.mark.timeout(300)
-def test_tp2_async_scheduling_tokens_equal_tp1_with_prefix_cache_and_preemption(checkpoint):
+def test_tp2_async_scheduling_tokens_equal_tp1_with_prefix_cache_and_preemption(checkpoint, tmp_path):
     prompts = _prompts(seed=2)
     greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW)
     seeded = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=8) for i in range(len(prompts))]
@@ -111,11 +111,15 @@ def test_tp2_async_scheduling_tokens_equal_tp1_with_prefix_cache_and_preemption(
     pids = llm.runner.worker_pids
     try:
         assert llm.async_scheduling
+        # rank 1 traces its device over this generate (a measurement hook that must not disturb the steps)
+        llm.runner.trace_ranks(str(tmp_path / "trace_rank{rank}.json"))
         assert _run(llm, prompts, greedy) == expected_greedy
+        llm.runner.trace_ranks(None)
         assert llm.scheduler.num_preemptions > 0
         assert llm.block_manager.num_cache_hits > 0
         assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
-        assert _run(llm, prompts, seeded) == expected_seeded
+        assert _run(llm, prompts, seeded) == expected_seeded  # acknowledged after rank 1 wrote the trace
+        assert json.loads((tmp_path / "trace_rank1.json").read_text())["traceEvents"]
     finally:
         llm.shutdown()
     _assert_gone(pids)
