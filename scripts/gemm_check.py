@@ -24,7 +24,6 @@ from pathlib import Path
 
 REL_TOL = 1e-2
 M_VALUES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-SWEEP_MAX_M = 64
 TOTAL_MAX_M = 16
 NUM_LAYERS_06B = 28
 L2_FLUSH_BYTES = 200 << 20   # graph calls cycle through this many bytes of weight copies (H100 L2: 50 MiB)
@@ -52,6 +51,9 @@ def parse_args() -> argparse.Namespace:
                         help="start no config sweep after this many seconds")
     parser.add_argument("--dry-run", action="store_true",
                         help="tiny shapes on CPU under the Triton interpreter; no timing")
+    parser.add_argument("--models", default="", help="only these models of SHAPES, e.g. 8B-tp2,8B")
+    parser.add_argument("--m-values", default="", help="rows to time, e.g. 32,64,128,256 (default: 1..256)")
+    parser.add_argument("--sweep-max-m", type=int, default=64, help="sweep configs up to this many rows")
     return parser.parse_args()
 
 
@@ -83,6 +85,9 @@ DOT_SWEEP = [
     SkinnyConfig(block_n=64, block_k=256, num_warps=4, num_stages=3, use_dot=True, swap_ab=True),
     SkinnyConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, use_dot=True, swap_ab=False),
     SkinnyConfig(block_n=32, block_k=256, num_warps=4, num_stages=3, use_dot=True, swap_ab=False),
+    SkinnyConfig(block_n=128, block_k=64, num_warps=8, num_stages=4, use_dot=True, swap_ab=True),
+    SkinnyConfig(block_n=128, block_k=128, num_warps=8, num_stages=3, use_dot=True, swap_ab=False),
+    SkinnyConfig(block_n=64, block_k=64, num_warps=4, num_stages=6, use_dot=True, swap_ab=True),
 ]
 REDUCE_SWEEP_MAX_M = 8
 REDUCE_MAX_TILE = 16384  # block_m * block_n * block_k of the reduce path's broadcast product
@@ -300,7 +305,11 @@ def main() -> int:
             "dry_run": ARGS.dry_run, "budget_s": ARGS.budget_s}
     print(json.dumps(info))
     shapes = DRY_SHAPES if ARGS.dry_run else SHAPES
+    if ARGS.models:
+        shapes = [s for s in shapes if s[0] in ARGS.models.split(",")]
     m_values = DRY_M_VALUES if ARGS.dry_run else M_VALUES
+    if ARGS.m_values:
+        m_values = tuple(int(m) for m in ARGS.m_values.split(","))
     dtype = torch.bfloat16
 
     rows = []
@@ -316,7 +325,7 @@ def main() -> int:
 
     skipped = []
     for row in rows:  # phase 2: sweeps, in SHAPES order (0.6B first) while the budget lasts
-        if row["M"] > SWEEP_MAX_M:
+        if row["M"] > ARGS.sweep_max_m:
             continue
         if time.time() - start > ARGS.budget_s:
             skipped.append(f"{row['model']}/{row['layer']}/M{row['M']}")
