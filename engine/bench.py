@@ -132,34 +132,55 @@ def default_bandwidth(gpu: str) -> float | None:
 
 def warm_up(llm, args: argparse.Namespace) -> None:
     """Compile and capture before the clock starts. Triton specialises kernels on their integer arguments
-    (a single-split decode appears only past ~66 sequences, prefill tiles depend on lengths), so the
-    warm-up uses the workload's batch sizes and length range with short outputs; its prompts are not the
-    workload's, so the prefix cache stays cold for it."""
+    (decode splits, the sampler's split count and its padding follow the batch size; prefill tiles follow
+    the lengths), so the warm-up runs as many prompts as the workload, with its length range, and lets
+    the batch shrink through every size range the timed run passes: outputs of 1..24 tokens, then 16
+    prompts ending one step apart. Its prompts are not the workload's, so the prefix cache stays cold
+    for it. The bench reports any kernel compiled inside the timed run all the same."""
     from engine.sampling_params import SamplingParams
 
     rng = random.Random(args.seed + 1)
     prompts = [[rng.randint(0, args.max_token_id) for _ in range(rng.randint(args.min_input_len, args.max_input_len))]
-               for _ in range(min(args.num_seqs, 128))]
-    params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=min(24, args.max_output_len))
-    llm.generate(prompts, params, use_tqdm=False)
-    llm.generate(prompts[:1], params, use_tqdm=False)
+               for _ in range(args.num_seqs)]
+    longest = min(24, args.max_output_len)
+
+    def params(count: int, spread: int) -> list:
+        return [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=1 + i % spread)
+                for i in range(count)]
+
+    llm.generate(prompts, params(len(prompts), longest), use_tqdm=False)
+    llm.generate(prompts[:16], params(min(16, len(prompts)), 16), use_tqdm=False)
+
+
+def _triton_cache() -> Path | None:
+    try:
+        from triton import knobs
+        return Path(knobs.cache.dir)
+    except Exception:  # noqa: BLE001 (no Triton, or one without knobs: nothing to count)
+        return None
 
 
 def compiled_kernels() -> int:
     """Kernels in Triton's on-disk cache (every process of this user and machine adds its compiles there,
     tensor-parallel ranks included); 0 without Triton."""
-    try:
-        from triton import knobs
-        cache = Path(knobs.cache.dir)
-    except Exception:  # noqa: BLE001 (no Triton, or one without knobs: nothing to count)
-        return 0
-    return sum(1 for _ in cache.iterdir()) if cache.is_dir() else 0
+    cache = _triton_cache()
+    return sum(1 for _ in cache.iterdir()) if cache is not None and cache.is_dir() else 0
 
 
-def warn_if_compiled(count: int) -> None:
+def kernels_compiled_since(since: float) -> list[str]:
+    """Names of the kernels Triton compiled into its cache since `since` (a time.time() value)."""
+    cache = _triton_cache()
+    if cache is None or not cache.is_dir():
+        return []
+    return sorted(f.stem for d in cache.iterdir() if d.stat().st_mtime >= since
+                  for f in d.glob("*.json") if not f.name.startswith("__grp__"))
+
+
+def warn_if_compiled(count: int, names: list[str] = ()) -> None:
     if count:
         print(f"warning: {count} Triton kernels were compiled during the timed run, so its time includes "
-              "compiling; run the bench again (the cache keeps them)", file=sys.stderr)
+              f"compiling{' (' + ', '.join(names) + ')' if names else ''}; run the bench again (the cache keeps them)",
+              file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -167,12 +188,12 @@ def run(args: argparse.Namespace) -> dict:
     prompts, params = make_workload(args)
     llm = build_llm(args)
     warm_up(llm, args)
-    cached = compiled_kernels()
+    cached, wall_start = compiled_kernels(), time.time()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     compiled = compiled_kernels() - cached
-    warn_if_compiled(compiled)
+    warn_if_compiled(compiled, kernels_compiled_since(wall_start) if compiled else [])
     tokens = sum(len(o.token_ids) for o in outputs)
     expected = sum(sp.max_tokens for sp in params)
     gpu = gpu_name()

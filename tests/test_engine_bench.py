@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 from engine import bench
 from engine.builtin import TINY_MODEL_DIR
@@ -51,8 +52,13 @@ def test_run_prints_one_json_record(capsys):
 def test_kernels_compiled_during_the_timed_run_are_counted_and_reported(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     assert bench.compiled_kernels() == 0
+    since = time.time() - 1
     (tmp_path / "kernel-a").mkdir()
+    (tmp_path / "kernel-a" / "_pushed_sum.json").write_text("{}")
+    (tmp_path / "kernel-a" / "__grp___pushed_sum.json").write_text("{}")
     (tmp_path / "kernel-b").mkdir()
     assert bench.compiled_kernels() == 2
-    bench.warn_if_compiled(2)
+    assert bench.kernels_compiled_since(since) == ["_pushed_sum"]
+    assert bench.kernels_compiled_since(time.time() + 60) == []
+    bench.warn_if_compiled(2, ["_pushed_sum"])
     assert "2 Triton kernels were compiled during the timed run" in capsys.readouterr().err
