@@ -18,13 +18,14 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 
 @triton.jit
 def wait_for_previous(PDL: tl.constexpr):
     """First statement of a kernel launched with pdl_options(): wait for the previous kernel."""
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        gdc_wait()
 
 
 def pdl_setting() -> bool:
