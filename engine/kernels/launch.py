@@ -18,14 +18,13 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 
 @triton.jit
 def wait_for_previous(PDL: tl.constexpr):
     """First statement of a kernel launched with pdl_options(): wait for the previous kernel."""
     if PDL:
-        gdc_wait()
+        tl.extra.cuda.gdc_wait()
 
 
 def pdl_setting() -> bool:
