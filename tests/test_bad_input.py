@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
 from engine.builtin import TINY_MODEL_DIR
@@ -85,18 +84,3 @@ def test_bad_blas_setting_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("REDLINE_BLAS", "mkl")
     with pytest.raises(ValueError, match="REDLINE_BLAS must be 'cublas' or 'cublaslt', got 'mkl'"):
         LLM(str(TINY_MODEL_DIR), device="cpu")
-
-
-def test_bad_pdl_setting_is_a_clear_error(monkeypatch):
-    from engine.attention.triton_backend import TritonBackend
-
-    monkeypatch.setenv("REDLINE_PDL", "yes")
-    with pytest.raises(ValueError, match="REDLINE_PDL must be 0 or 1, got 'yes'"):
-        TritonBackend()
-
-
-def test_pdl_is_never_asked_for_off_the_gpu(monkeypatch):
-    from engine.kernels.launch import pdl_options
-
-    monkeypatch.setenv("REDLINE_PDL", "1")
-    assert pdl_options(torch.zeros(1)) == {"PDL": False}

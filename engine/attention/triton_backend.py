@@ -32,8 +32,6 @@ class TritonBackend:
         if ordered not in ("0", "1"):
             raise ValueError(f"REDLINE_DECODE_ORDER={ordered!r}; use 1 (longest sequence first) or 0")
         self.orders_decode = ordered == "1" and self.decode_schedule == "grid"
-        from engine.kernels.launch import pdl_setting
-        pdl_setting()  # REDLINE_PDL: a bad value is an error here, at start, not at the first launch
 
     def qkv_prep(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,

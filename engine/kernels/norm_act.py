@@ -10,14 +10,12 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.launch import pdl_options, wait_for_previous
 from engine.kernels.qkv_prep import _round
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, hidden, stride_x, stride_r, stride_o, stride_ro,
-                     eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous(PDL)
+                     eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     dtype = out_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK)
@@ -34,8 +32,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, hidden, stride
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous(PDL)
+def _silu_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_o, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     col = tl.program_id(1)
     dtype = out_ptr.dtype.element_ty
@@ -67,7 +64,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         block = triton.next_power_of_2(hidden)
         _rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight, out, res_out, hidden, x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0),
-            eps, HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block), **pdl_options(x2))
+            eps, HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block))
     if residual is None:
         return out.view(x.shape)
     return out.view(x.shape), res_out.view(x.shape)
@@ -82,5 +79,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0]:
         block = min(1024, triton.next_power_of_2(width))
         _silu_mul_kernel[(x2.shape[0], triton.cdiv(width, block))](
-            x2, out, width, x2.stride(0), out.stride(0), BLOCK=block, num_warps=4, **pdl_options(x2))
+            x2, out, width, x2.stride(0), out.stride(0), BLOCK=block, num_warps=4)
     return out.view(*x.shape[:-1], width)

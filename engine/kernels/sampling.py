@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from engine.kernels.launch import pdl_options, wait_for_previous
 from engine.kernels.paged_decode import _num_sms
 
 NO_COLUMN = tl.constexpr(2**31 - 1)  # sorts after every real column in the tie-break
@@ -85,9 +84,7 @@ def _gumbel_split_kernel(
     logits_ptr, temperatures_ptr, out_ptr, score_ptr, part_ptr,
     stride_row, vocab, first_column, cols_per_split, num_splits, seed,
     DIRECT: tl.constexpr, WITH_SCORE: tl.constexpr, GROUPS: tl.constexpr, FAST_LOG: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    wait_for_previous(PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
     # columns are counted over the whole row; the tensor's column 0 is column first_column
@@ -115,8 +112,7 @@ def _gumbel_split_kernel(
 
 @triton.jit
 def _gumbel_merge_kernel(part_ptr, out_ptr, score_ptr, num_splits, SPLITS_PAD: tl.constexpr,
-                         WITH_SCORE: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous(PDL)
+                         WITH_SCORE: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, SPLITS_PAD)
     mask = offs < num_splits
@@ -187,10 +183,10 @@ def _launch(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, first_c
         logits, temperatures, out, scores, part,
         logits.stride(0), vocab, first_column, tiles_per_split * block, num_splits, seed,
         DIRECT=num_splits == 1, WITH_SCORE=with_score, GROUPS=block // 4,
-        FAST_LOG=logits.is_cuda and not INTERPRETED, num_warps=DEFAULT_WARPS, **pdl_options(logits),
+        FAST_LOG=logits.is_cuda and not INTERPRETED, num_warps=DEFAULT_WARPS,
     )
     if num_splits > 1:
         _gumbel_merge_kernel[(num_rows,)](part, out, scores, num_splits,
                                           SPLITS_PAD=triton.next_power_of_2(num_splits), WITH_SCORE=with_score,
-                                          num_warps=1, **pdl_options(logits))
+                                          num_warps=1)
     return out
