@@ -183,17 +183,29 @@ def warn_if_compiled(count: int, names: list[str] = ()) -> None:
               file=sys.stderr)
 
 
+def watch_compiles():
+    """Call before a timed run; the function it returns, called after the run, warns about the kernels
+    Triton compiled in between and returns (how many, their names)."""
+    cached, since = compiled_kernels(), time.time()
+
+    def done() -> tuple[int, list[str]]:
+        count = compiled_kernels() - cached
+        names = kernels_compiled_since(since) if count else []
+        warn_if_compiled(count, names)
+        return count, names
+    return done
+
+
 def run(args: argparse.Namespace) -> dict:
     """Warm up, time one generate of the workload, print a summary and one JSON line; return the record."""
     prompts, params = make_workload(args)
     llm = build_llm(args)
     warm_up(llm, args)
-    cached, wall_start = compiled_kernels(), time.time()
+    compiles = watch_compiles()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    compiled = compiled_kernels() - cached
-    warn_if_compiled(compiled, kernels_compiled_since(wall_start) if compiled else [])
+    compiled, _ = compiles()
     tokens = sum(len(o.token_ids) for o in outputs)
     expected = sum(sp.max_tokens for sp in params)
     gpu = gpu_name()

@@ -40,31 +40,34 @@ def kind_of(name: str) -> str:
 
 
 def run_steps(llm, prompts, params, trace: dict | None = None) -> dict:
-    """trace: {first step: (last step, file)}: a Chrome trace of rank 0's GPU over those steps."""
+    """trace: {first step: (last step, file, other ranks' file with {rank})}: Chrome traces of every rank's
+    GPU over those steps."""
     for p, sp in zip(prompts, params):
         llm.add_request(p, sp)
     wall = defaultdict(float)
     steps = defaultdict(int)
+    traces_ranks = hasattr(llm.runner, "trace_ranks")  # a tensor-parallel engine: its other ranks trace too
     start = time.perf_counter()
-    tracing = None
+    profiler, last, file = None, -1, None
     index = 0
     while llm.has_unfinished():
         if trace and index in trace:
+            last, file, rank_file = trace[index]
             activity = torch.profiler.ProfilerActivity.CUDA if torch.cuda.is_available() else torch.profiler.ProfilerActivity.CPU
-            tracing = (*trace[index], torch.profiler.profile(activities=[activity]))
-            tracing[2].__enter__()
-            if hasattr(llm.runner, "trace_ranks"):  # the other tensor-parallel ranks trace the same steps
-                llm.runner.trace_ranks(str(tracing[1]).replace("_steps", "_rank{rank}_steps"))
+            profiler = torch.profiler.profile(activities=[activity])
+            profiler.__enter__()
+            if traces_ranks:
+                llm.runner.trace_ranks(rank_file)
         t = time.perf_counter()
         stats = llm.step(finished_only=True).stats
-        if tracing and index == tracing[0]:
+        if profiler is not None and index == last:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            tracing[2].__exit__(None, None, None)
-            tracing[2].export_chrome_trace(str(tracing[1]))
-            if hasattr(llm.runner, "trace_ranks"):
+            profiler.__exit__(None, None, None)
+            profiler.export_chrome_trace(str(file))
+            if traces_ranks:
                 llm.runner.trace_ranks(None)
-            tracing = None
+            profiler = None
         index += 1
         kind = "prefill" if stats.num_prefill_tokens else ("decode" if stats.batch_size else "drain")
         wall[kind] += time.perf_counter() - t
@@ -74,13 +77,27 @@ def run_steps(llm, prompts, params, trace: dict | None = None) -> dict:
             "steps_by_kind": dict(steps)}
 
 
+def step_ranges(text: str) -> list[tuple[int, int]]:
+    """'0-1,400-401' -> [(0, 1), (400, 401)]: first and last step of each range, not overlapping."""
+    ranges = []
+    for part in text.split(","):
+        bounds = part.split("-")
+        if len(bounds) != 2 or not all(b.isdigit() for b in bounds) or int(bounds[0]) > int(bounds[1]):
+            raise argparse.ArgumentTypeError(f"{part!r} is no range of steps like 20-21")
+        ranges.append((int(bounds[0]), int(bounds[1])))
+    ranges.sort()
+    if any(b[0] <= a[1] for a, b in zip(ranges, ranges[1:])):
+        raise argparse.ArgumentTypeError(f"step ranges overlap: {text}")
+    return ranges
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", default="out")
-    parser.add_argument("--trace", default="", metavar="A-B,C-D",
-                        help="after the timed run, run the workload again and write a Chrome trace of rank 0's GPU "
+    parser.add_argument("--trace", default=[], type=step_ranges, metavar="A-B,C-D",
+                        help="after the timed run, run the workload again and write a Chrome trace of every rank's GPU "
                              "for each range of step indices (0 is the first step), e.g. 0-1,400-401")
     args = parser.parse_args()
     out = Path(args.out)
@@ -88,13 +105,12 @@ def main() -> None:
     prompts, params = bench.make_workload(args)
     llm = bench.build_llm(args)
     bench.warm_up(llm, args)
-    cached, wall_start = bench.compiled_kernels(), time.time()
+    compiles = bench.watch_compiles()
     record = {"gpu": bench.gpu_name(), "commit": bench.git_commit(), "model": args.model,
               "tp": args.tensor_parallel_size, **run_steps(llm, prompts, params)}
-    record["kernels_compiled_in_run"] = bench.compiled_kernels() - cached
-    if record["kernels_compiled_in_run"]:
-        record["kernels_compiled"] = bench.kernels_compiled_since(wall_start)
-        bench.warn_if_compiled(record["kernels_compiled_in_run"], record["kernels_compiled"])
+    record["kernels_compiled_in_run"], names = compiles()
+    if names:
+        record["kernels_compiled"] = names
     if args.profile:
         args.seed += 2  # fresh prompts of the same distribution: no prefix-cache hits from the first run
         prompts, params = bench.make_workload(args)
@@ -113,8 +129,9 @@ def main() -> None:
     if args.trace:
         args.seed += 1
         prompts, params = bench.make_workload(args)
-        ranges = [tuple(int(x) for x in part.split("-")) for part in args.trace.split(",")]
-        trace = {a: (b, out / f"trace_tp{args.tensor_parallel_size}_steps{a}-{b}.json") for a, b in ranges}
+        tp = args.tensor_parallel_size
+        trace = {a: (b, out / f"trace_tp{tp}_steps{a}-{b}.json", str(out / f"trace_tp{tp}_rank{{rank}}_steps{a}-{b}.json"))
+                 for a, b in args.trace}
         record["traced_seconds"] = run_steps(llm, prompts, params, trace)["seconds"]
     print(json.dumps(record), flush=True)
     shutdown = getattr(llm, "shutdown", None)

@@ -62,3 +62,33 @@ def test_kernels_compiled_during_the_timed_run_are_counted_and_reported(tmp_path
     assert bench.kernels_compiled_since(time.time() + 60) == []
     bench.warn_if_compiled(2, ["_pushed_sum"])
     assert "2 Triton kernels were compiled during the timed run" in capsys.readouterr().err
+
+
+def _bench_profile():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_profile.py"
+    spec = importlib.util.spec_from_file_location("bench_profile", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_profile_traces_the_steps_asked_for_and_refuses_bad_ranges(tmp_path, monkeypatch, capsys):
+    import pytest
+
+    bench_profile = _bench_profile()
+    assert bench_profile.step_ranges("400-401,0-1") == [(0, 1), (400, 401)]
+    for bad in ("5", "3-1", "a-b", "0-2,2-3"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench_profile.step_ranges(bad)
+    monkeypatch.setattr("sys.argv", ["bench_profile.py", "--model", str(TINY_MODEL_DIR), "--num-seqs", "3",
+                                     "--min-input-len", "5", "--max-input-len", "20", "--min-output-len", "4",
+                                     "--max-output-len", "6", "--max-token-id", "500", "--device", "cpu",
+                                     "--max-model-len", "64", "--trace", "0-0,2-3", "--out", str(tmp_path)])
+    bench_profile.main()
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["kernels_compiled_in_run"] == 0 and record["traced_seconds"] > 0
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["trace_tp1_steps0-0.json", "trace_tp1_steps2-3.json"]
+    assert json.loads((tmp_path / "trace_tp1_steps2-3.json").read_text())["traceEvents"]
