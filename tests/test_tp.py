@@ -344,7 +344,6 @@ print(json.dumps({"same_name": dist.group.WORLD.group_name == name, "made": made
 def test_second_engine_in_a_process_skips_symmetric_memory_bound_to_the_first_ones_store(tmp_path):
     """PyTorch binds a group name to its first store for the process's life and names every new default
     group "0": a second engine's rendezvous would wait on the first engine's store, so it must use NCCL."""
-    import json
     import subprocess
     import sys
 
@@ -404,7 +403,6 @@ if __name__ == "__main__":
 
 def run_two_ranks(rank_main_source: str, folder: Path) -> dict:
     """Run rank_main_source + _TWO_RANKS_MAIN as a script in `folder` (its argument); its JSON result."""
-    import json
     import subprocess
     import sys
 
