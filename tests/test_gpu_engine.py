@@ -75,7 +75,8 @@ def free_gpu():
 @pytest.mark.parametrize("engine_kwargs", [
     dict(),                                                           # CUDA graphs, prefix cache
     dict(max_num_batched_tokens=256, num_kvcache_blocks=48, kvcache_block_size=16, max_model_len=768),  # chunked, preempted
-], ids=["graphs", "chunked-preempted"])
+    dict(max_num_seqs=8),                       # decode batches of <= 8 rows: the GEMV projections, PDL chain
+], ids=["graphs", "chunked-preempted", "small-batches"])
 def test_greedy_tokens_equal_transformers_bf16_up_to_near_ties(gpu_checkpoint, hf_model, engine_kwargs, free_gpu):
     """bf16 rounding differs between any two implementations, so on a random model's flat logits two
     greedy runs part at near-ties. Most sequences must agree in full, and where one parts, the two
@@ -105,3 +106,19 @@ def test_greedy_tokens_equal_transformers_bf16_up_to_near_ties(gpu_checkpoint, h
     print(f"{same}/{len(prompts)} equal; divergence gaps in logit std: {sorted(gaps)}")
     assert same >= len(prompts) // 3
     assert all(g < 0.1 for g in gaps), f"a divergence that is no near-tie: gaps {sorted(gaps)}"
+
+
+def test_programmatic_dependent_launch_keeps_every_token(gpu_checkpoint, monkeypatch, free_gpu):
+    """REDLINE_PDL changes when the decode kernels start, never what they compute: with CUDA graphs and
+    small batches (GEMV projections), sampled (seeded) and greedy tokens equal those without it."""
+    prompts = _prompts(n=24, seed=5)
+    params = [SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=MAX_NEW) for i in range(len(prompts))]
+    tokens = {}
+    for pdl in ("0", "1"):
+        monkeypatch.setenv("REDLINE_PDL", pdl)
+        llm = LLM(str(gpu_checkpoint), device="cuda", dtype="bfloat16", max_model_len=1024, max_num_seqs=8)
+        assert llm.runner.graphs is not None
+        tokens[pdl] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        del llm
+        gc.collect()
+    assert tokens["1"] == tokens["0"]

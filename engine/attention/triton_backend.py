@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.kernels import paged_decode, paged_prefill, qkv_prep, store_kvcache
+from engine.kernels import gemv, paged_decode, paged_prefill, qkv_prep, store_kvcache
+from engine.kernels.launch import pdl_setting
 from engine.kernels.paged_decode import SCHEDULES as DECODE_SCHEDULES
 from engine.kernels.paged_decode import decode_order
 
@@ -32,6 +33,7 @@ class TritonBackend:
         if ordered not in ("0", "1"):
             raise ValueError(f"REDLINE_DECODE_ORDER={ordered!r}; use 1 (longest sequence first) or 0")
         self.orders_decode = ordered == "1" and self.decode_schedule == "grid"
+        pdl_setting(), gemv.max_rows()  # REDLINE_PDL and REDLINE_GEMV_MAX_ROWS: bad values fail here, not mid-step
 
     def qkv_prep(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,

@@ -10,29 +10,34 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.launch import launch_dependents, pdl_options, wait_for_previous
 from engine.kernels.qkv_prep import _round
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, hidden, stride_x, stride_r, stride_o, stride_ro,
-                     eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    launch_dependents(PDL)
     row = tl.program_id(0)
     dtype = out_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    wait_for_previous(PDL)
     h = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         h = _round(h + tl.load(res_ptr + row.to(tl.int64) * stride_r + offs, mask=mask, other=0.0).to(tl.float32),
                    dtype)
         tl.store(res_out_ptr + row.to(tl.int64) * stride_ro + offs, h.to(dtype), mask=mask)
     inv = tl.math.rsqrt(tl.sum(h * h, axis=0) / hidden + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     out = _round(w * _round(h * inv, dtype), dtype)
     tl.store(out_ptr + row.to(tl.int64) * stride_o + offs, out.to(dtype), mask=mask)
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    launch_dependents(PDL)
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     col = tl.program_id(1)
     dtype = out_ptr.dtype.element_ty
@@ -64,7 +69,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         block = triton.next_power_of_2(hidden)
         _rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight, out, res_out, hidden, x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0),
-            eps, HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block))
+            eps, HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block), **pdl_options(x2))
     if residual is None:
         return out.view(x.shape)
     return out.view(x.shape), res_out.view(x.shape)
@@ -79,5 +84,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0]:
         block = min(1024, triton.next_power_of_2(width))
         _silu_mul_kernel[(x2.shape[0], triton.cdiv(width, block))](
-            x2, out, width, x2.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+            x2, out, width, x2.stride(0), out.stride(0), BLOCK=block, num_warps=4, **pdl_options(x2))
     return out.view(*x.shape[:-1], width)

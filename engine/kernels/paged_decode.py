@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.launch import launch_dependents, pdl_options, wait_for_previous
 from engine.kernels.paged_tiles import LOG2E, check_paged_inputs, group_pad, kv_tile_offsets, mma, upcast_dot
 
 SCHEDULES = ("balanced", "grid")
@@ -78,8 +79,10 @@ def _decode_split_kernel(
     qk_scale, num_heads, part_out_ptr, part_lse_ptr, num_splits, order_ptr,
     DIRECT: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, MIXED: tl.constexpr, ORDERED: tl.constexpr,
+    UPCAST: tl.constexpr, MIXED: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr,
 ):
+    launch_dependents(PDL)
+    wait_for_previous(PDL)
     # the KV head varies fastest, then the sequence: programs start in that order, so with ORDERED (the
     # sequences by decreasing length) the longest ranges start first and the shortest fill the tail
     kv_head = tl.program_id(0)
@@ -185,9 +188,11 @@ def _decode_merge_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, chunk_offsets_ptr, cu_seqlens_q_ptr,
     stride_ot, stride_oh, num_heads, num_splits,
     TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BALANCED: tl.constexpr, MIXED: tl.constexpr,
+    BALANCED: tl.constexpr, MIXED: tl.constexpr, PDL: tl.constexpr,
 ):
     """Merge one (sequence, head)'s partial outputs by their log-sum-exp, TILE partials at a time."""
+    launch_dependents(PDL)
+    wait_for_previous(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     token = seq
@@ -343,11 +348,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         chunk_offsets = seqlens_k  # unused
         _decode_split_kernel[(num_kv_heads, num_seqs, num_splits)](
             *shared_args, part_out, part_lse, num_splits, seqlens_k if order is None else order,
-            DIRECT=num_splits == 1, ORDERED=order is not None, **constants)
+            DIRECT=num_splits == 1, ORDERED=order is not None, **constants, **pdl_options(q))
         if num_splits == 1:
             return out
         merge_tile = triton.next_power_of_2(num_splits)
     _decode_merge_kernel[(num_seqs, num_heads)](
         part_out, part_lse, out, chunk_offsets, cu_seqlens_q, out.stride(0), out.stride(1), num_heads, num_splits,
-        TILE=merge_tile, HEAD_DIM=head_dim, BLOCK_D=block_d, BALANCED=balanced, MIXED=mixed, num_warps=4)
+        TILE=merge_tile, HEAD_DIM=head_dim, BLOCK_D=block_d, BALANCED=balanced, MIXED=mixed, num_warps=4,
+        **pdl_options(q))
     return out

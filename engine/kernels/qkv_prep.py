@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.launch import launch_dependents, pdl_options, wait_for_previous
+
 
 @triton.jit
 def _round(x, dtype: tl.constexpr):
@@ -49,8 +51,10 @@ def _qkv_prep_kernel(
     num_heads, num_kv_heads, eps,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    HAS_NORM: tl.constexpr,
+    HAS_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
+    launch_dependents(PDL)
+    wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     dtype = q_out_ptr.dtype.element_ty
     row = qkv_ptr + token * stride_t
@@ -119,6 +123,6 @@ def qkv_prep(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
         num_heads, num_kv_heads, eps,
         HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-        PAGE_SIZE=k_cache.shape[1], HAS_NORM=has_norm,
+        PAGE_SIZE=k_cache.shape[1], HAS_NORM=has_norm, **pdl_options(qkv),
     )
     return q

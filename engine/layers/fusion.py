@@ -1,6 +1,7 @@
 """Fused elementwise chains on CUDA; plain eager torch elsewhere.
 
-RMSNorm (with the residual add) and SiLU·mul run as the engine's Triton kernels (engine/kernels/norm_act.py);
+RMSNorm (with the residual add) and SiLU·mul run as the engine's Triton kernels (engine/kernels/norm_act.py),
+and so do the projections of small decode batches (engine/kernels/gemv.py);
 the other chains are compiled by torch.compile once (dynamic shapes) the first time they see a CUDA
 tensor. Set REDLINE_COMPILE=0 to keep everything eager.
 """
@@ -69,6 +70,25 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     h = residual.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(dtype), residual
+
+
+@functools.cache
+def _gemv_kernels():
+    """engine.kernels.gemv, or None where triton is missing."""
+    try:
+        from engine.kernels import gemv
+    except ImportError:
+        return None
+    return gemv
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; a few rows on CUDA (decode) go through the engine's GEMV, which streams the weight
+    while the kernels before it finish (engine/kernels/gemv.py)."""
+    kernels = _kernels_for(x, weight) and _gemv_kernels()
+    if kernels is not None and kernels.takes(x, weight):
+        return kernels.gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -7,9 +7,9 @@ tensor (dummy weights, so every tensor-parallel size builds the same model).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.fusion import linear
 from engine.layers.parallel import SINGLE, PushedSum, ReducingSum, TPGroup, divide
 
 
@@ -30,7 +30,7 @@ class _Linear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(_Linear):

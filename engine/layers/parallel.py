@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from engine.layers.fusion import add_rms_norm
+from engine.layers.fusion import add_rms_norm, linear
 
 # small all-reduces (decode steps) go through symmetric memory up to this size; larger ones through NCCL
 ONE_SHOT_MAX_BYTES = 8 << 20
@@ -348,7 +348,7 @@ class TPGroup:
         the one-shot kernel sums)."""
         if (self.size == 1 or x.dim() != 2 or x.shape[0] < self.overlap_min_rows
                 or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
-            return F.linear(x, weight, bias)
+            return linear(x, weight, bias)
         rows = x.shape[0]
         if self.one_shot is not None and self.one_shot.takes(rows * weight.shape[0], x.dtype):
             return F.linear(x, weight, bias)

@@ -1,0 +1,102 @@
+"""y = x @ weight.T (+ bias) for the few rows of a small decode batch, streaming the weight once.
+
+One program owns BLOCK_N output columns: it loads its whole [BLOCK_N, K] slice of the weight into
+registers, then computes every row of x against it. Launched with programmatic dependent launch
+(engine/kernels/launch.py), a program lets the next kernel start, loads its weight slice, and only then
+waits for the kernel that writes x: the weight reads of a GEMV overlap the kernels before it, which is
+what a batch-1 decode step, a chain of ~300 short kernels, spends most of its time without. Slices are
+sized to about 16K elements, at least ~128 programs where N allows.
+
+CUDA-graph safe (every size is a Python int from the shapes; nothing syncs). Accumulates in float32 and
+rounds once, as cuBLAS does.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.launch import launch_dependents, pdl_options, wait_for_previous
+
+MAX_SLICE = 16384      # weight elements a program holds in registers
+MIN_PROGRAMS = 128     # narrow the slices until N gives about this many programs
+DEFAULT_MAX_ROWS = 16  # x rows up to which decode_linear takes this kernel (REDLINE_GEMV_MAX_ROWS)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+    launch_dependents(PDL)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    if not EVEN_N:  # rows past N read row N-1 and are not stored
+        offs_n = tl.minimum(offs_n, N - 1)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    if EVEN_K:
+        w = tl.load(w_ptrs)
+    else:
+        w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n).to(tl.float32)
+    wait_for_previous(PDL)  # x is written by an earlier kernel; the weight never is
+    w = w.to(tl.float32)
+    for m in range(M):
+        x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        acc = tl.sum(w * x[None, :], axis=1)
+        if HAS_BIAS:
+            acc += bias
+        tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def slice_rows(N: int, K: int) -> int:
+    """BLOCK_N: weight rows a program holds, a power of two from 1 to 32."""
+    block_k = triton.next_power_of_2(K)
+    rows = max(1, min(32, MAX_SLICE // block_k))
+    while rows > 4 and triton.cdiv(N, rows) < MIN_PROGRAMS:
+        rows //= 2
+    return rows
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [M, K] with few rows (each costs every program a pass over its
+    slice) and weight [N, K], K contiguous; output in x's dtype."""
+    N, K = weight.shape
+    if x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(f"x must be [M, {K}] for a weight of [{N}, {K}], got {tuple(x.shape)}")
+    if x.dtype != weight.dtype or weight.stride(1) != 1 or x.stride(1) != 1:
+        raise ValueError("x and weight need one dtype and contiguous rows")
+    if bias is not None and (bias.shape != (N,) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous [{N}] vector, got {tuple(bias.shape)}")
+    M = x.shape[0]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    block_n = slice_rows(N, K)
+    block_k = triton.next_power_of_2(K)
+    _gemv_kernel[(triton.cdiv(N, block_n),)](
+        x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % block_n == 0, EVEN_K=K == block_k, HAS_BIAS=bias is not None,
+        num_warps=8 if block_n * block_k > 8192 else 4, **pdl_options(x))
+    return out
+
+
+@functools.cache
+def max_rows() -> int:
+    """REDLINE_GEMV_MAX_ROWS: rows up to which decode_linear uses gemv (0: never)."""
+    value = os.environ.get("REDLINE_GEMV_MAX_ROWS", str(DEFAULT_MAX_ROWS))
+    if not value.isdigit():
+        raise ValueError(f"REDLINE_GEMV_MAX_ROWS must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether decode_linear would use gemv for this x and weight."""
+    return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= max_rows() and x.dtype == weight.dtype
+            and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1 and weight.stride(1) == 1
+            and triton.next_power_of_2(weight.shape[1]) <= MAX_SLICE)

@@ -1,0 +1,174 @@
+"""gemv (engine/kernels/gemv.py) against torch's F.linear, and the launch settings around it.
+
+On CPU the kernel cases run under the Triton interpreter in a subprocess (this file run as a script).
+The model-sized shapes, programmatic dependent launch and CUDA-graph replays need CUDA and are marked `gpu`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from interpreter import run_under_interpreter
+
+pytest.importorskip("triton")
+from engine.kernels import gemv as gemv_module  # noqa: E402
+from engine.kernels.gemv import MAX_SLICE, MIN_PROGRAMS, gemv, slice_rows  # noqa: E402
+from engine.kernels.launch import pdl_options  # noqa: E402
+
+TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
+# (N, K) of the Qwen3-0.6B and Qwen3-8B projections, and the 8B's at TP=2
+MODEL_SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072),
+                (6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288),
+                (3072, 4096), (4096, 2048), (12288, 4096), (4096, 6144)]
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def check_case(M: int, N: int, K: int, dtype: torch.dtype, bias: bool, device: str, strided: bool = False,
+               seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K + 24, generator=gen)[:, 7:7 + K] if strided else torch.randn(M, K, generator=gen)
+    w = torch.randn(N, K, generator=gen) / K ** 0.5
+    b = torch.randn(N, generator=gen) if bias else None
+    x, w = x.to(device, dtype), w.to(device, dtype)
+    b = b.to(device, dtype) if b is not None else None
+    out = gemv(x, w, b)
+    ref = F.linear(x.float(), w.float(), b.float() if b is not None else None)
+    return {"error": relative_error(out, ref), "dtype": str(dtype).removeprefix("torch."),
+            "dtype_ok": out.dtype == dtype, "shape_ok": tuple(out.shape) == (M, N)}
+
+
+def interpreter_cases() -> dict[str, dict]:
+    results = {}
+    # N=50: a partial last slice; K=200: a weight row shorter than its power-of-two tile; K=64: exact
+    for M in (1, 3, 16):
+        for N, K in ((50, 200), (64, 64)):
+            for dtype in (torch.float32, torch.bfloat16):
+                for bias in (False, True):
+                    name = f"M{M}-N{N}-K{K}-{str(dtype).removeprefix('torch.')}-{'bias' if bias else 'nobias'}"
+                    results[name] = check_case(M, N, K, dtype, bias, "cpu", seed=M + N + K)
+    results["fp16-bias"] = check_case(5, 50, 200, torch.float16, True, "cpu")
+    results["strided-x"] = check_case(4, 40, 72, torch.bfloat16, True, "cpu", strided=True)
+    return results
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    return run_under_interpreter(Path(__file__))
+
+
+def test_gemv_matches_f_linear_under_interpreter(interpreted):
+    assert len(interpreted) == 3 * 2 * 2 * 2 + 2
+    for name, result in interpreted.items():
+        assert result["dtype_ok"] and result["shape_ok"], f"{name}: wrong output dtype or shape"
+        assert result["error"] < TOLERANCE[result["dtype"]], f"{name}: relative error {result['error']:.3g}"
+
+
+@pytest.mark.parametrize("N,K", MODEL_SHAPES, ids=str)
+def test_slices_fit_the_register_budget_and_fill_the_gpu(N, K):
+    rows = slice_rows(N, K)
+    assert rows & (rows - 1) == 0 and 1 <= rows <= 32
+    assert rows * triton_next_pow2(K) <= MAX_SLICE
+    assert -(-N // rows) >= MIN_PROGRAMS or rows <= 4
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def test_mismatched_inputs_are_rejected_with_the_reason():
+    w = torch.zeros(8, 16)
+    with pytest.raises(ValueError, match=r"x must be \[M, 16\]"):
+        gemv(torch.zeros(2, 15), w)
+    with pytest.raises(ValueError, match="one dtype"):
+        gemv(torch.zeros(2, 16, dtype=torch.float16), w)
+    with pytest.raises(ValueError, match="bias"):
+        gemv(torch.zeros(2, 16), w, torch.zeros(7))
+
+
+def test_decode_linear_never_takes_cpu_tensors():
+    x, w = torch.zeros(1, 16, dtype=torch.bfloat16), torch.zeros(8, 16, dtype=torch.bfloat16)
+    assert not gemv_module.takes(x, w)
+
+
+def test_bad_gemv_rows_setting_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("REDLINE_GEMV_MAX_ROWS", "many")
+    gemv_module.max_rows.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="REDLINE_GEMV_MAX_ROWS must be a non-negative integer, got 'many'"):
+            gemv_module.max_rows()
+    finally:
+        gemv_module.max_rows.cache_clear()
+
+
+def test_bad_pdl_setting_is_a_clear_error(monkeypatch):
+    from engine.attention.triton_backend import TritonBackend
+
+    monkeypatch.setenv("REDLINE_PDL", "yes")
+    with pytest.raises(ValueError, match="REDLINE_PDL must be 0 or 1, got 'yes'"):
+        TritonBackend()
+
+
+def test_pdl_is_never_asked_for_off_the_gpu(monkeypatch):
+    monkeypatch.setenv("REDLINE_PDL", "1")
+    assert pdl_options(torch.zeros(1)) == {"PDL": False}
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("N,K", MODEL_SHAPES, ids=str)
+def test_gemv_matches_f_linear_on_model_shapes_on_gpu(N, K):
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
+    b = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    for M in (1, 2, 5, 8, 16):
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+        out.copy_(gemv(x, w, b))
+        error = relative_error(out, F.linear(x.float(), w.float(), b.float()))
+        assert error < 1e-2, f"[{N}, {K}] M={M}: relative error {error:.3g}"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_chain_of_pdl_kernels_replays_in_a_cuda_graph_in_stream_order():
+    """Each kernel reads what the one before it wrote; with PDL the next one starts early, so a missing wait
+    would read stale rows. A graph of GEMVs and norms, replayed with new inputs, must equal the eager chain
+    launched without PDL."""
+    from engine.kernels.norm_act import rms_norm
+
+    assert pdl_options(torch.zeros(1, device="cuda")).get("PDL") == (torch.cuda.get_device_capability()[0] >= 9)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weights = [(torch.randn(4096, 1024, device="cuda", generator=gen, dtype=torch.bfloat16) / 32,
+                torch.randn(1024, 4096, device="cuda", generator=gen, dtype=torch.bfloat16) / 64,
+                torch.rand(1024, device="cuda", generator=gen, dtype=torch.bfloat16) + 0.5) for _ in range(6)]
+    x = torch.randn(3, 1024, device="cuda", dtype=torch.bfloat16)
+
+    def chain(h):
+        for up, down, norm in weights:
+            h = rms_norm(gemv(gemv(h, up), down), norm, 1e-6)
+        return h
+
+    chain(x)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(x)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("REDLINE_PDL", "0")
+            ref = chain(x.clone())
+        assert torch.equal(out, ref)
+
+
+if __name__ == "__main__":
+    print(json.dumps(interpreter_cases()))
