@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 from engine.kernels import gemv as gemv_module  # noqa: E402
 from engine.kernels.gemv import MAX_SLICE, MIN_PROGRAMS, gemv, slice_rows  # noqa: E402
 from engine.kernels.launch import pdl_options  # noqa: E402
+from engine.kernels.norm_act import silu_and_mul  # noqa: E402
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
 # (N, K) of the Qwen3-0.6B and Qwen3-8B projections, and the 8B's at TP=2
@@ -30,15 +31,19 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def check_case(M: int, N: int, K: int, dtype: torch.dtype, bias: bool, device: str, strided: bool = False,
-               seed: int = 0) -> dict:
+               gated: bool = False, seed: int = 0) -> dict:
+    """gemv against F.linear in float32 on random inputs; gated: against F.linear of silu_and_mul(x) (the
+    engine's own activation, whose roundings the fused prologue must repeat)."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K + 24, generator=gen)[:, 7:7 + K] if strided else torch.randn(M, K, generator=gen)
+    width = 2 * K if gated else K
+    x = torch.randn(M, width + 24, generator=gen)[:, 7:7 + width] if strided else torch.randn(M, width, generator=gen)
     w = torch.randn(N, K, generator=gen) / K ** 0.5
     b = torch.randn(N, generator=gen) if bias else None
     x, w = x.to(device, dtype), w.to(device, dtype)
     b = b.to(device, dtype) if b is not None else None
-    out = gemv(x, w, b)
-    ref = F.linear(x.float(), w.float(), b.float() if b is not None else None)
+    out = gemv(x, w, b, gated=gated)
+    x_in = silu_and_mul(x) if gated else x
+    ref = F.linear(x_in.float(), w.float(), b.float() if b is not None else None)
     return {"error": relative_error(out, ref), "dtype": str(dtype).removeprefix("torch."),
             "dtype_ok": out.dtype == dtype, "shape_ok": tuple(out.shape) == (M, N)}
 
@@ -54,6 +59,10 @@ def interpreter_cases() -> dict[str, dict]:
                     results[name] = check_case(M, N, K, dtype, bias, "cpu", seed=M + N + K)
     results["fp16-bias"] = check_case(5, 50, 200, torch.float16, True, "cpu")
     results["strided-x"] = check_case(4, 40, 72, torch.bfloat16, True, "cpu", strided=True)
+    for M in (1, 6):
+        for dtype in (torch.float32, torch.bfloat16):
+            results[f"gated-M{M}-{str(dtype).removeprefix('torch.')}"] = check_case(
+                M, 50, 200, dtype, M > 1, "cpu", gated=True, strided=M > 1)
     return results
 
 
@@ -63,7 +72,7 @@ def interpreted() -> dict:
 
 
 def test_gemv_matches_f_linear_under_interpreter(interpreted):
-    assert len(interpreted) == 3 * 2 * 2 * 2 + 2
+    assert len(interpreted) == 3 * 2 * 2 * 2 + 2 + 4
     for name, result in interpreted.items():
         assert result["dtype_ok"] and result["shape_ok"], f"{name}: wrong output dtype or shape"
         assert result["error"] < TOLERANCE[result["dtype"]], f"{name}: relative error {result['error']:.3g}"
@@ -89,6 +98,8 @@ def test_mismatched_inputs_are_rejected_with_the_reason():
         gemv(torch.zeros(2, 16, dtype=torch.float16), w)
     with pytest.raises(ValueError, match="bias"):
         gemv(torch.zeros(2, 16), w, torch.zeros(7))
+    with pytest.raises(ValueError, match=r"x must be \[M, 32\] .*\(gated\)"):
+        gemv(torch.zeros(2, 16), w, gated=True)
 
 
 def test_decode_linear_never_takes_cpu_tensors():
@@ -134,6 +145,10 @@ def test_gemv_matches_f_linear_on_model_shapes_on_gpu(N, K):
         out.copy_(gemv(x, w, b))
         error = relative_error(out, F.linear(x.float(), w.float(), b.float()))
         assert error < 1e-2, f"[{N}, {K}] M={M}: relative error {error:.3g}"
+        gate_up = torch.randn(M, 2 * K, device="cuda", dtype=torch.bfloat16)
+        fused = gemv(gate_up, w, gated=True)
+        error = relative_error(fused, F.linear(silu_and_mul(gate_up).float(), w.float()))
+        assert error < 1e-2, f"[{N}, {K}] M={M} gated: relative error {error:.3g}"
 
 
 @pytest.mark.gpu

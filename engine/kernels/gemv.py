@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.launch import launch_dependents, pdl_options, wait_for_previous
+from engine.kernels.qkv_prep import _round
 
 MAX_SLICE = 16384      # weight elements a program holds in registers
 MIN_PROGRAMS = 128     # narrow the slices until N gives about this many programs
@@ -29,7 +30,7 @@ DEFAULT_MAX_ROWS = 16  # x rows up to which decode_linear takes this kernel (RED
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
     launch_dependents(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -46,12 +47,16 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
         bias = tl.load(bias_ptr + offs_n).to(tl.float32)
     wait_for_previous(PDL)  # x is written by an earlier kernel; the weight never is
     w = w.to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
     for m in range(M):
         x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        if GATED:  # x row is [gate | up]: silu(gate) * up, rounded as the SiLU·mul kernel rounds
+            up = tl.load(x_ptr + m * stride_xm + K + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            x = _round(_round(x / (1.0 + tl.exp(-x)), dtype) * up, dtype)
         acc = tl.sum(w * x[None, :], axis=1)
         if HAS_BIAS:
             acc += bias
-        tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+        tl.store(out_ptr + m * stride_om + offs_n, acc.to(dtype), mask=n_mask)
 
 
 def slice_rows(N: int, K: int) -> int:
@@ -63,12 +68,16 @@ def slice_rows(N: int, K: int) -> int:
     return rows
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         gated: bool = False) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [M, K] with few rows (each costs every program a pass over its
-    slice) and weight [N, K], K contiguous; output in x's dtype."""
+    slice) and weight [N, K], K contiguous; output in x's dtype. gated: x is [M, 2K], packed [gate | up],
+    and the product is with silu(gate) * up (the SiLU·mul kernel fused in)."""
     N, K = weight.shape
-    if x.dim() != 2 or x.shape[1] != K:
-        raise ValueError(f"x must be [M, {K}] for a weight of [{N}, {K}], got {tuple(x.shape)}")
+    width = 2 * K if gated else K
+    if x.dim() != 2 or x.shape[1] != width:
+        raise ValueError(f"x must be [M, {width}] for a weight of [{N}, {K}]{' (gated)' if gated else ''}, "
+                         f"got {tuple(x.shape)}")
     if x.dtype != weight.dtype or weight.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError("x and weight need one dtype and contiguous rows")
     if bias is not None and (bias.shape != (N,) or not bias.is_contiguous()):
@@ -82,7 +91,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % block_n == 0, EVEN_K=K == block_k, HAS_BIAS=bias is not None,
-        num_warps=8 if block_n * block_k > 8192 else 4, **pdl_options(x))
+        GATED=gated, num_warps=8 if block_n * block_k > 8192 else 4, **pdl_options(x))
     return out
 
 
@@ -96,7 +105,7 @@ def max_rows() -> int:
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether decode_linear would use gemv for this x and weight."""
+    """Whether the layers use gemv for this x and weight (for a gated x, pass either half of it)."""
     return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= max_rows() and x.dtype == weight.dtype
             and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1 and weight.stride(1) == 1
             and triton.next_power_of_2(weight.shape[1]) <= MAX_SLICE)

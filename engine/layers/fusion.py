@@ -91,6 +91,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """linear(silu_and_mul(x), weight, bias); where the GEMV takes the rows, the activation is computed in
+    its prologue instead of a kernel of its own."""
+    kernels = _kernels_for(x, weight) and _gemv_kernels()
+    if kernels is not None and kernels.takes(x, weight):
+        return kernels.gemv(x, weight, bias, gated=True)
+    return linear(silu_and_mul(x), weight, bias)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up over a packed [gate | up] last dimension."""
     kernels = _kernels_for(x)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers.fusion import linear
+from engine.layers.fusion import linear, silu_and_mul, silu_and_mul_linear
 from engine.layers.parallel import SINGLE, PushedSum, ReducingSum, TPGroup, divide
 
 
@@ -98,7 +98,16 @@ class RowParallelLinear(_Linear):
     load_full = weight_loader
 
     def forward(self, x: torch.Tensor) -> "torch.Tensor | ReducingSum":
-        out = self.tp.partial_linear(x, self.weight, self.bias)
+        return self._reduced(self.tp.partial_linear(x, self.weight, self.bias))
+
+    def forward_silu_and_mul(self, gate_up: torch.Tensor) -> "torch.Tensor | ReducingSum":
+        """forward(silu_and_mul(gate_up)); the activation is fused into the projection where this rank's
+        part is a plain product (always for decode rows; see TPGroup.partial_linear)."""
+        if self.tp.size == 1 or gate_up.dim() != 2 or gate_up.shape[0] < self.tp.overlap_min_rows:
+            return self._reduced(silu_and_mul_linear(gate_up, self.weight, self.bias))
+        return self.forward(silu_and_mul(gate_up))
+
+    def _reduced(self, out):
         if not self.reduce_results:
             return out
         return out.wait() if isinstance(out, (ReducingSum, PushedSum)) else self.tp.all_reduce(out)

@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from engine.attention import ForwardContext
-from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
 from engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -52,10 +51,9 @@ class MLP(nn.Module):
             raise ValueError("mlp_bias=True is not supported")
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp=tp)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp, reduce_results=False)
-        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj.forward_silu_and_mul(self.gate_up_proj(x))  # SwiGLU: silu(gate) * up
 
 
 class DecoderLayer(nn.Module):
