@@ -24,7 +24,7 @@ from engine.kernels.qkv_prep import _round
 
 MAX_SLICE = 16384      # weight elements a program holds in registers
 MIN_PROGRAMS = 128     # narrow the slices until N gives about this many programs
-DEFAULT_MAX_ROWS = 16  # x rows up to which decode_linear takes this kernel (REDLINE_GEMV_MAX_ROWS)
+DEFAULT_MAX_ROWS = 16  # x rows up to which the layers take this kernel (REDLINE_GEMV_MAX_ROWS)
 
 
 @triton.jit
@@ -97,7 +97,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 @functools.cache
 def max_rows() -> int:
-    """REDLINE_GEMV_MAX_ROWS: rows up to which decode_linear uses gemv (0: never)."""
+    """REDLINE_GEMV_MAX_ROWS: rows up to which the layers use gemv (0: never)."""
     value = os.environ.get("REDLINE_GEMV_MAX_ROWS", str(DEFAULT_MAX_ROWS))
     if not value.isdigit():
         raise ValueError(f"REDLINE_GEMV_MAX_ROWS must be a non-negative integer, got {value!r}")

@@ -8,6 +8,7 @@ tensor. Set REDLINE_COMPILE=0 to keep everything eager.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 
 import torch
@@ -31,22 +32,28 @@ def fused(fn):
 
 
 @functools.cache
-def _norm_act_kernels():
-    """engine.kernels.norm_act, or None where triton is missing."""
+def _kernel_module(name: str):
+    """engine.kernels.<name>, or None where triton is missing."""
     try:
-        from engine.kernels import norm_act
+        return importlib.import_module(f"engine.kernels.{name}")
     except ImportError:
         return None
-    return norm_act
 
 
-def _kernels_for(x: torch.Tensor, weight: torch.Tensor | None = None):
-    """The Triton kernels if they apply to x (CUDA, fusion on, weight of x's dtype), else None."""
+def _kernels_for(x: torch.Tensor, weight: torch.Tensor | None = None, name: str = "norm_act"):
+    """The Triton kernel module `name` if its kernels apply to x (CUDA, fusion on, weight of x's dtype),
+    else None."""
     if not x.is_cuda or os.environ.get("REDLINE_COMPILE", "1") == "0":
         return None
     if weight is not None and weight.dtype != x.dtype:
         return None
-    return _norm_act_kernels()
+    return _kernel_module(name)
+
+
+def _gemv_for(x: torch.Tensor, weight: torch.Tensor):
+    """engine.kernels.gemv where it takes these rows (few, on CUDA), else None."""
+    kernels = _kernels_for(x, weight, "gemv")
+    return kernels if kernels is not None and kernels.takes(x, weight) else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -72,21 +79,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return weight * h.to(dtype), residual
 
 
-@functools.cache
-def _gemv_kernels():
-    """engine.kernels.gemv, or None where triton is missing."""
-    try:
-        from engine.kernels import gemv
-    except ImportError:
-        return None
-    return gemv
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear; a few rows on CUDA (decode) go through the engine's GEMV, which streams the weight
     while the kernels before it finish (engine/kernels/gemv.py)."""
-    kernels = _kernels_for(x, weight) and _gemv_kernels()
-    if kernels is not None and kernels.takes(x, weight):
+    kernels = _gemv_for(x, weight)
+    if kernels is not None:
         return kernels.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -94,8 +91,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """linear(silu_and_mul(x), weight, bias); where the GEMV takes the rows, the activation is computed in
     its prologue instead of a kernel of its own."""
-    kernels = _kernels_for(x, weight) and _gemv_kernels()
-    if kernels is not None and kernels.takes(x, weight):
+    kernels = _gemv_for(x, weight)
+    if kernels is not None:
         return kernels.gemv(x, weight, bias, gated=True)
     return linear(silu_and_mul(x), weight, bias)
 

@@ -103,7 +103,7 @@ class RowParallelLinear(_Linear):
     def forward_silu_and_mul(self, gate_up: torch.Tensor) -> "torch.Tensor | ReducingSum":
         """forward(silu_and_mul(gate_up)); the activation is fused into the projection where this rank's
         part is a plain product (always for decode rows; see TPGroup.partial_linear)."""
-        if self.tp.size == 1 or gate_up.dim() != 2 or gate_up.shape[0] < self.tp.overlap_min_rows:
+        if self.tp.is_plain_product(gate_up):
             return self._reduced(silu_and_mul_linear(gate_up, self.weight, self.bias))
         return self.forward(silu_and_mul(gate_up))
 

@@ -338,6 +338,12 @@ class TPGroup:
             dist.all_reduce(x)
         return x
 
+    def is_plain_product(self, x: torch.Tensor) -> bool:
+        """Whether partial_linear of x is a plain F.linear with nothing started beside it: one rank, decode
+        rows, or a CUDA graph being captured."""
+        return (self.size == 1 or x.dim() != 2 or x.shape[0] < self.overlap_min_rows
+                or (x.is_cuda and torch.cuda.is_current_stream_capturing()))
+
     def partial_linear(self, x: torch.Tensor, weight: torch.Tensor,
                        bias: torch.Tensor | None) -> "torch.Tensor | ReducingSum | PushedSum":
         """This rank's part of a row-parallel projection, F.linear(x, weight, bias), for a later
@@ -346,8 +352,7 @@ class TPGroup:
         copy engines where the ranks share symmetric memory (a PushedSum), else, with overlap_chunks > 1,
         by NCCL or gloo (a ReducingSum). Never while a CUDA graph is being captured (decode steps, which
         the one-shot kernel sums)."""
-        if (self.size == 1 or x.dim() != 2 or x.shape[0] < self.overlap_min_rows
-                or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+        if self.is_plain_product(x):
             return linear(x, weight, bias)
         rows = x.shape[0]
         if self.one_shot is not None and self.one_shot.takes(rows * weight.shape[0], x.dtype):
