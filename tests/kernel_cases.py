@@ -242,11 +242,12 @@ def check_decode_padding(device: str, dtype: torch.dtype = torch.bfloat16) -> di
     tables[-1] = 0
     ref = reference_attention(dec)
     results = {}
-    for splits in (None, 1, 4):
+    for splits, schedule in ((None, "grid"), (1, "grid"), (4, "grid"), (None, "balanced")):
         out = torch.full_like(q, float("nan"))
-        paged_decode(q, dec.k_cache, dec.v_cache, seqlens, tables, 37, dec.scale, out=out, num_splits=splits)
-        results[f"padded_decode_{splits or 'balanced'}"] = (relative_error(out[:2], ref),
-                                                            bool(torch.isfinite(out).all().item()))
+        paged_decode(q, dec.k_cache, dec.v_cache, seqlens, tables, 37, dec.scale, out=out, num_splits=splits,
+                     schedule=schedule)
+        results[f"padded_decode_{splits or schedule}"] = (relative_error(out[:2], ref),
+                                                          bool(torch.isfinite(out).all().item()))
     k_cache = dec.k_cache.clone()
     v_cache = dec.v_cache.clone()
     key = torch.randn(3, 2, 64).to(dtype).to(device)
@@ -281,8 +282,8 @@ def balanced_chunks(q_lens: list[int], k_lens: list[int], num_kv_heads: int, tar
 def check_balanced_decode(device: str, dtype: torch.dtype = torch.bfloat16) -> dict:
     """The balanced decode schedule against the reference and the grid schedule on unequal batches."""
     from engine.kernels import paged_decode, paged_prefill
-    from engine.kernels.paged_decode import (MERGE_TILE, DecodeConfig, _num_sms, balanced_schedule,
-                                             default_decode_config)
+    from engine.kernels import DecodeConfig
+    from engine.kernels.paged_decode import MERGE_TILE, _num_sms, balanced_schedule, default_decode_config
 
     results = {}
     for name, heads, kv_heads, head_dim, page, q_lens, k_lens, schedule_knobs, exercises in BALANCED_CASES:
@@ -318,7 +319,33 @@ def check_balanced_decode(device: str, dtype: torch.dtype = torch.bfloat16) -> d
         results[f"{name}_balanced"] = (relative_error(outs["balanced"], ref), not outs["balanced"].isnan().any().item())
         results[f"{name}_grid_agrees"] = (relative_error(outs["balanced"], outs["grid"]),
                                           not outs["grid"].isnan().any().item())
+    results.update(check_plan_rewritten(device, dtype))
     return results
+
+
+def check_plan_rewritten(device: str, dtype: torch.dtype) -> dict:
+    """A decode graph's plan lives in fixed memory that every step rewrites: a batch of longer sequences
+    first (more chunk rows), the table then poisoned with rows naming sequence 0, then the plan rewritten
+    for shorter lengths. Rows past the new last chunk must say "no chunk" and the decode must be right."""
+    from engine.kernels import DecodeConfig, paged_decode
+    from engine.kernels.paged_decode import plan_decode
+
+    long_lens, short_lens = [300, 250, 280], [20, 3, 41]
+    config = DecodeConfig(block_n=16, num_warps=4, num_stages=1, programs_per_sm=4, items_per_program=4) \
+        if device == "cpu" else None
+    case = make_case([1] * 3, short_lens, 4, 2, 64, 16, dtype, device, seed=11)
+    plan = plan_decode(torch.tensor(long_lens, dtype=torch.int32, device=device), 2, 512, config=config)
+    long_chunks = int(plan.chunk_offsets[-1].item())
+    plan.table.zero_()
+    plan_decode(case.seqlens_k, 2, 512, config=config, out=plan)
+    chunks = int(plan.chunk_offsets[-1].item())
+    stale = int((plan.table[chunks:, 0] != -1).sum().item())
+    out = torch.full_like(case.q, float("nan"))
+    paged_decode(case.q, case.k_cache, case.v_cache, case.seqlens_k, case.block_tables, 512, case.scale,
+                 out=out, config=config, schedule="balanced", plan=plan)
+    return {"plan_rewrite_has_fewer_chunks": (0.0 if chunks < long_chunks else 1.0, True),
+            "plan_rewrite_rows_past_last_chunk_identical": (float(stale), True),
+            "plan_rewrite_decode": (relative_error(out, reference_attention(case)), not out.isnan().any().item())}
 
 
 def check_backend_contract(device: str, dtype: torch.dtype = torch.bfloat16) -> dict:

@@ -21,8 +21,10 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     is_decode: bool              # every query length is 1
-    # the sequences longest first, which TritonBackend sorts once per forward pass for all its layers
+    # what TritonBackend derives from the lengths once per forward pass for all its layers: the
+    # sequences longest first (grid decode schedule), or the chunk table (balanced schedule)
     decode_order: torch.Tensor | None = None
+    decode_plan: object | None = None
 
 
 class ForwardContext:

@@ -9,7 +9,7 @@ import torch
 from engine.kernels import gemv, paged_decode, paged_prefill, qkv_prep, store_kvcache
 from engine.kernels.launch import pdl_setting
 from engine.kernels.paged_decode import SCHEDULES as DECODE_SCHEDULES
-from engine.kernels.paged_decode import decode_order
+from engine.kernels.paged_decode import decode_order, plan_decode
 
 if TYPE_CHECKING:
     from engine.attention import AttentionMetadata
@@ -24,7 +24,7 @@ class TritonBackend:
     def __init__(self):
         # REDLINE_FUSED_QKV=0 keeps the unfused layers (norm, rotary, store) for comparison
         self.fuses_qkv_prep = os.environ.get("REDLINE_FUSED_QKV", "1") != "0"
-        # REDLINE_DECODE_SCHEDULE=balanced picks the persistent decode schedule (slower so far)
+        # REDLINE_DECODE_SCHEDULE: "grid" or "balanced" (equal chunks from a per-step plan)
         self.decode_schedule = os.environ.get("REDLINE_DECODE_SCHEDULE", "grid")
         if self.decode_schedule not in DECODE_SCHEDULES:
             raise ValueError(f"REDLINE_DECODE_SCHEDULE={self.decode_schedule!r}; use one of {DECODE_SCHEDULES}")
@@ -57,15 +57,24 @@ class TritonBackend:
             meta.decode_order = decode_order(meta.seqlens_k)
         return meta.decode_order
 
+    def _decode_plan(self, meta: "AttentionMetadata", num_kv_heads: int):
+        """The balanced schedule's chunk table, written by the first layer of a forward pass (captured
+        with the decode graphs like the order) and read by the others."""
+        if self.decode_schedule == "balanced" and meta.decode_plan is None:
+            meta.decode_plan = plan_decode(meta.seqlens_k, num_kv_heads, meta.max_seqlen_k,
+                                           None if meta.is_decode else meta.cu_seqlens_q)
+        return meta.decode_plan
+
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: "AttentionMetadata", scale: float) -> torch.Tensor:
         order = self._decode_order(meta)
+        plan = self._decode_plan(meta, k_cache.shape[2])
         if meta.is_decode:
             return paged_decode(q, k_cache, v_cache, meta.seqlens_k, meta.block_tables,
-                                meta.max_seqlen_k, scale, schedule=self.decode_schedule, order=order)
+                                meta.max_seqlen_k, scale, schedule=self.decode_schedule, order=order, plan=plan)
         # chunks through the prefill kernel; one-token rows of a mixed batch through split-KV decode
         out = paged_prefill(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqlens_k,
                             meta.block_tables, meta.max_seqlen_q, scale, skip_decodes=True)
         return paged_decode(q, k_cache, v_cache, meta.seqlens_k, meta.block_tables, meta.max_seqlen_k,
                             scale, out=out, cu_seqlens_q=meta.cu_seqlens_q, schedule=self.decode_schedule,
-                            order=order)
+                            order=order, plan=plan)

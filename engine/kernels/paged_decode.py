@@ -6,11 +6,11 @@ that a second kernel merges. Two schedules hand out the ranges:
 
 - grid (default): (sequence, KV head, split), num_splits ranges per sequence; the longest sequence
   sets the tail.
-- balanced (REDLINE_DECODE_SCHEDULE=balanced): a persistent grid of P programs, a few per SM. Each
-  program sums the batch's lengths on the device, picks one chunk length so the whole batch makes
-  about P x items_per_program (chunk, KV head) items, and program p takes items p, p + P, p + 2P, ...;
-  a long sequence is spread over many programs. A sequence of one chunk is written directly. Slower
-  than the grid on the H200 (docs/kernels-notes.md, v3), so not the default.
+- balanced (REDLINE_DECODE_SCHEDULE=balanced): once per step, one small kernel (plan_decode) picks one
+  chunk length for the whole batch, so that it makes about SMs x programs_per_sm x items_per_program
+  (chunk, KV head) items, and writes a table of the chunks; every layer's decode then runs the grid
+  (KV head, chunk row) over that table. A long sequence is spread over many programs, and every
+  program reads at most one chunk. A sequence of one chunk is written directly.
 
 CUDA-graph safe: grids and scratch sizes come from Python ints (batch, max_seqlen_k), and ranges are
 derived from the lengths on the device, so one captured launch is correct for any lengths.
@@ -31,6 +31,9 @@ from engine.kernels.paged_tiles import LOG2E, check_paged_inputs, group_pad, kv_
 SCHEDULES = ("balanced", "grid")
 MERGE_TILE = 16  # partials a merge program reads at once; it loops for more
 MAX_GRID_SEQS = 65535  # the grid's sequence axis is its second (CUDA caps it there)
+# balanced schedule, a chunk table row: sequence (-1: no chunk), query token, start, end, the sequence's
+# chunk count; padded to 8 int32 so a row is one 32-byte sector
+PLAN_COLS = tl.constexpr(8)
 
 
 @dataclass(frozen=True)
@@ -121,66 +124,87 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _pick(values, offs, index):
-    """values[index] of a vector held in registers."""
-    return tl.sum(tl.where(offs == index, values, 0), 0)
+def _decode_plan_kernel(
+    seqlens_k_ptr, cu_seqlens_q_ptr, plan_ptr, chunk_offsets_ptr, num_seqs, num_rows, num_kv_heads, target_items,
+    B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, ROW_TILE: tl.constexpr, MIXED: tl.constexpr, PDL: tl.constexpr,
+):
+    """One program: cut the batch's decode rows into chunks of one length (whole KV tiles, long enough
+    that the batch makes at most about target_items (chunk, KV head) items) and write the chunk table,
+    one row per chunk: (sequence, query token, start, end, the sequence's chunk count); rows past the
+    last chunk get sequence -1. Each sequence's first chunk row goes to chunk_offsets for the merge."""
+    launch_dependents(PDL)
+    wait_for_previous(PDL)
+    offs_b = tl.arange(0, B_PAD)
+    in_batch = offs_b < num_seqs
+    is_decode = in_batch
+    tokens = offs_b
+    if MIXED:  # sequences of more than one query token are the prefill kernel's: no chunks
+        tokens = tl.load(cu_seqlens_q_ptr + offs_b, mask=in_batch, other=0)
+        q_end = tl.load(cu_seqlens_q_ptr + offs_b + 1, mask=in_batch, other=0)
+        is_decode = in_batch & (q_end - tokens == 1)
+    lens = tl.load(seqlens_k_ptr + offs_b, mask=is_decode, other=0)
+    total = tl.sum(lens.to(tl.int64), 0) * num_kv_heads
+    chunk_len = (BLOCK_N * tl.maximum(1, tl.cdiv(total, target_items * BLOCK_N))).to(tl.int32)
+    # a zero-length sequence still gets one (empty) chunk, so its output is written
+    chunks = tl.where(is_decode, tl.maximum(tl.cdiv(lens, chunk_len), 1), 0)
+    first = tl.cumsum(chunks, 0) - chunks
+    total_chunks = tl.sum(chunks, 0)
+    tl.store(chunk_offsets_ptr + offs_b, first, mask=in_batch)
+    tl.store(chunk_offsets_ptr + num_seqs, total_chunks)
+    for j in range(0, tl.max(chunks, 0)):
+        row = plan_ptr + (first + j).to(tl.int64) * PLAN_COLS
+        has = j < chunks
+        start = j * chunk_len
+        tl.store(row, offs_b, mask=has)
+        tl.store(row + 1, tokens, mask=has)
+        tl.store(row + 2, start, mask=has)
+        tl.store(row + 3, tl.minimum(start + chunk_len, lens), mask=has)
+        tl.store(row + 4, chunks, mask=has)
+    for r0 in range(total_chunks, num_rows, ROW_TILE):
+        rows = r0 + tl.arange(0, ROW_TILE)
+        tl.store(plan_ptr + rows.to(tl.int64) * PLAN_COLS, -1, mask=rows < num_rows)
 
 
 @triton.jit
-def _decode_balanced_kernel(
+def _decode_chunk_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seqlens_k_ptr, block_tables_ptr, cu_seqlens_q_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_page, stride_slot, stride_khead, stride_bt,
-    qk_scale, num_heads, part_out_ptr, part_lse_ptr, chunk_offsets_ptr, num_seqs, num_kv_heads, target_items,
-    B_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    qk_scale, num_heads, part_out_ptr, part_lse_ptr, plan_ptr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, MIXED: tl.constexpr,
+    UPCAST: tl.constexpr, MIXED: tl.constexpr, PDL: tl.constexpr,
 ):
-    # every program derives the same schedule from the lengths: no program waits on another
-    offs_b = tl.arange(0, B_PAD)
-    is_decode = offs_b < num_seqs
-    if MIXED:  # sequences of more than one query token are the prefill kernel's: no chunks
-        q_start = tl.load(cu_seqlens_q_ptr + offs_b, mask=is_decode, other=0)
-        q_end = tl.load(cu_seqlens_q_ptr + offs_b + 1, mask=is_decode, other=0)
-        is_decode = is_decode & (q_end - q_start == 1)
-    lens = tl.load(seqlens_k_ptr + offs_b, mask=is_decode, other=0)
-    # chunks are whole KV tiles, long enough that the batch makes at most about target_items items
-    chunk_len = BLOCK_N * tl.maximum(1, tl.cdiv(tl.sum(lens, 0) * num_kv_heads, target_items * BLOCK_N))
-    # a zero-length sequence still gets one (empty) chunk, so its output is written
-    chunks = tl.where(is_decode, tl.maximum(tl.cdiv(lens, chunk_len), 1), 0)
-    last_chunk = tl.cumsum(chunks, 0)  # one past each sequence's last chunk
-    total_chunks = tl.sum(chunks, 0)
-    if tl.program_id(0) == 0:  # where each sequence's partials lie, for the merge kernel
-        tl.store(chunk_offsets_ptr + offs_b, last_chunk - chunks, mask=offs_b < num_seqs)
-        tl.store(chunk_offsets_ptr + num_seqs, total_chunks)
-
+    """Balanced schedule: program (KV head, chunk row) attends over the chunk the plan put in that row."""
+    launch_dependents(PDL)
+    wait_for_previous(PDL)
+    kv_head = tl.program_id(0)  # neighbouring programs: one chunk's KV heads, adjacent in the cache
+    chunk = tl.program_id(1)
+    row = plan_ptr + chunk.to(tl.int64) * PLAN_COLS
+    seq = tl.load(row)
+    if seq < 0:
+        return
+    token = tl.load(row + 1)
+    start = tl.load(row + 2)
+    end = tl.load(row + 3)
+    seq_chunks = tl.load(row + 4)
     offs_g = tl.arange(0, GROUP_PAD)
+    head = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    for item in range(tl.program_id(0), total_chunks * num_kv_heads, tl.num_programs(0)):
-        global_chunk = item // num_kv_heads
-        kv_head = item % num_kv_heads  # neighbouring items: one chunk's KV heads, adjacent in the cache
-        seq = tl.sum((last_chunk <= global_chunk).to(tl.int32), 0)
-        seq_chunks = _pick(chunks, offs_b, seq)
-        start = (global_chunk - _pick(last_chunk, offs_b, seq) + seq_chunks) * chunk_len
-        end = tl.minimum(start + chunk_len, tl.load(seqlens_k_ptr + seq))
-        token = seq
-        if MIXED:
-            token = tl.load(cu_seqlens_q_ptr + seq)
-        head = kv_head * GROUP + offs_g
-        q = tl.load(q_ptr + token.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-        out, lse = _attend_range(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
-                                 kv_head * stride_khead, offs_d, start, end, qk_scale, stride_page, stride_slot,
-                                 GROUP_PAD, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, UPCAST)
-        if seq_chunks == 1:
-            o_ptrs = out_ptr + token.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-            tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
-        else:
-            # scratch layout: part_out [chunk rows, H, BLOCK_D], part_lse [chunk rows, H] (log2 domain)
-            row = global_chunk.to(tl.int64) * num_heads + head
-            tl.store(part_out_ptr + row[:, None] * BLOCK_D + offs_d[None, :], out, mask=g_mask[:, None])
-            tl.store(part_lse_ptr + row, lse, mask=g_mask)
+    q = tl.load(q_ptr + token.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    out, lse = _attend_range(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
+                             kv_head * stride_khead, offs_d, start, end, qk_scale, stride_page, stride_slot,
+                             GROUP_PAD, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, UPCAST)
+    if seq_chunks == 1:
+        o_ptrs = out_ptr + token.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        # scratch layout: part_out [chunk rows, H, BLOCK_D], part_lse [chunk rows, H] (log2 domain)
+        prow = chunk.to(tl.int64) * num_heads + head
+        tl.store(part_out_ptr + prow[:, None] * BLOCK_D + offs_d[None, :], out, mask=g_mask[:, None])
+        tl.store(part_lse_ptr + prow, lse, mask=g_mask)
 
 
 @triton.jit
@@ -254,15 +278,50 @@ def decode_order(seqlens_k: torch.Tensor) -> torch.Tensor:
 
 def balanced_schedule(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, config: DecodeConfig,
                       num_sms: int) -> tuple[int, int]:
-    """Balanced schedule: (persistent programs, target number of (chunk, KV head) items).
+    """Balanced schedule: (rows of the chunk table, target number of (chunk, KV head) items).
 
-    No more programs than the batch could fill with one-tile chunks. The kernel's chunk length is
-    at least sum(lengths) x KV heads / target, so the batch makes fewer than target / KV heads +
-    num_seqs chunks: the partial scratch's bound.
+    The target is about `items_per_program` items for each of `programs_per_sm` programs an SM, and
+    no more than the batch could fill with one-tile chunks. The plan's chunk length is at least
+    sum(lengths) x KV heads / target, so the batch makes fewer than target / KV heads + num_seqs
+    chunks: the table's (and the partial scratch's) rows.
     """
     most_items = num_seqs * num_kv_heads * max(1, triton.cdiv(max_seqlen_k, config.block_n))
-    programs = max(1, min(num_sms * config.programs_per_sm, most_items))
-    return programs, programs * config.items_per_program
+    target = max(1, min(num_sms * config.programs_per_sm, most_items)) * config.items_per_program
+    return target // num_kv_heads + num_seqs + 1, target
+
+
+@dataclass
+class DecodePlan:
+    """The balanced schedule's chunks of one batch: written on the device by one small kernel, read by
+    every layer's decode (the lengths are the same in all layers of a step)."""
+    table: torch.Tensor          # [rows, PLAN_COLS] int32
+    chunk_offsets: torch.Tensor  # [B + 1] int32: each sequence's first chunk row, then the chunk count
+    num_kv_heads: int
+
+
+def plan_decode(seqlens_k: torch.Tensor, num_kv_heads: int, max_seqlen_k: int,
+                cu_seqlens_q: torch.Tensor | None = None, config: DecodeConfig | None = None,
+                out: DecodePlan | None = None) -> DecodePlan:
+    """The balanced schedule's chunk table for a batch (no host sync; CUDA-graph safe: its size comes
+    from the batch size and max_seqlen_k only). `out`: a plan of the same sizes to rewrite in place."""
+    num_seqs = seqlens_k.shape[0]
+    if not 0 < num_seqs <= MAX_GRID_SEQS:
+        raise ValueError(f"decode batches of 1 to {MAX_GRID_SEQS} sequences, got {num_seqs}")
+    config = config or default_decode_config(seqlens_k)
+    rows, target = balanced_schedule(num_seqs, num_kv_heads, max_seqlen_k, config, _num_sms(seqlens_k.device))
+    if rows > MAX_GRID_SEQS:
+        raise ValueError(f"the balanced decode schedule's {rows} chunk rows exceed the grid's {MAX_GRID_SEQS}")
+    if out is None:
+        out = DecodePlan(torch.empty(rows, PLAN_COLS.value, dtype=torch.int32, device=seqlens_k.device),
+                         torch.empty(num_seqs + 1, dtype=torch.int32, device=seqlens_k.device), num_kv_heads)
+    table, chunk_offsets = out.table, out.chunk_offsets
+    assert table.shape == (rows, PLAN_COLS.value) and chunk_offsets.shape == (num_seqs + 1,), "plan of other sizes"
+    b_pad = triton.next_power_of_2(num_seqs)
+    _decode_plan_kernel[(1,)](
+        seqlens_k, seqlens_k if cu_seqlens_q is None else cu_seqlens_q, table, chunk_offsets, num_seqs, rows,
+        num_kv_heads, target, B_PAD=b_pad, BLOCK_N=config.block_n, ROW_TILE=max(16, min(1024, b_pad)),
+        MIXED=cu_seqlens_q is not None, num_warps=4, **pdl_options(seqlens_k))
+    return out
 
 
 @functools.cache
@@ -272,8 +331,9 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_decode_config(q: torch.Tensor) -> DecodeConfig:
-    if q.device.type != "cuda":
+def default_decode_config(t: torch.Tensor) -> DecodeConfig:
+    """The decode kernels' tiles and schedule sizes for tensors on t's device."""
+    if t.device.type != "cuda":
         return DecodeConfig(block_n=16, num_warps=4, num_stages=1)
     return _cuda_decode_config()
 
@@ -293,7 +353,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  seqlens_k: torch.Tensor, block_tables: torch.Tensor, max_seqlen_k: int,
                  scale: float, out: torch.Tensor | None = None, num_splits: int | None = None,
                  config: DecodeConfig | None = None, cu_seqlens_q: torch.Tensor | None = None,
-                 schedule: str = "grid", order: torch.Tensor | None = None) -> torch.Tensor:
+                 schedule: str = "grid", order: torch.Tensor | None = None,
+                 plan: DecodePlan | None = None) -> torch.Tensor:
     """One query token per sequence (q: [B, H, D]) over its paged context of seqlens_k[b] positions.
 
     With cu_seqlens_q, q is a varlen batch: only its one-token sequences are computed (into their
@@ -301,7 +362,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     "balanced" or "grid"; an explicit num_splits means the grid schedule with that many splits.
     `order` (grid schedule): a permutation of the B sequences, the order their programs start in;
     decode_order(seqlens_k) puts the longest first, so unequal lengths leave a shorter tail. The
-    results do not depend on it.
+    results do not depend on it. `plan` (balanced schedule): plan_decode's chunks of this batch, made
+    here when not given; the same config and cu_seqlens_q must make it.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"decode schedule {schedule!r} is not one of {SCHEDULES}")
@@ -329,14 +391,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"decode batches of at most {MAX_GRID_SEQS} sequences, got {num_seqs}")
     balanced = num_splits is None and schedule == "balanced"
     if balanced:
-        programs, target_items = balanced_schedule(num_seqs, num_kv_heads, max_seqlen_k, config, _num_sms(q.device))
-        rows = target_items // num_kv_heads + num_seqs + 1  # bound on the chunks of the batch
+        plan = plan or plan_decode(seqlens_k, num_kv_heads, max_seqlen_k, cu_seqlens_q if mixed else None, config)
+        assert plan.num_kv_heads == num_kv_heads and plan.chunk_offsets.shape[0] == num_seqs + 1, "plan of another batch"
+        rows = plan.table.shape[0]
         part_out = torch.empty(rows, num_heads, block_d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(rows, num_heads, dtype=torch.float32, device=q.device)
-        chunk_offsets = torch.empty(num_seqs + 1, dtype=torch.int32, device=q.device)
-        _decode_balanced_kernel[(programs,)](
-            *shared_args, part_out, part_lse, chunk_offsets, num_seqs, num_kv_heads, target_items,
-            B_PAD=triton.next_power_of_2(num_seqs), **constants)
+        chunk_offsets = plan.chunk_offsets
+        _decode_chunk_kernel[(num_kv_heads, rows)](
+            *shared_args, part_out, part_lse, plan.table, **constants, **pdl_options(q))
         merge_tile, num_splits = MERGE_TILE, 0
     else:
         if num_splits is None:
