@@ -325,7 +325,7 @@ def run_timing(backend: str, sweep: bool, log: dict) -> None:
 def print_table() -> None:
     print(f"\n{'what':44s} {'config':56s} {'ms':>9s} {'floor':>8s} {'x floor':>7s}  rate")
     for what, config, ms, floor, note in ROWS:
-        print(f"{what:44s} {config[:56]:56s} {ms:9.4f} {floor:8.4f} {ms / floor:7.2f}  {note}")
+        print(f"{what:44s} {config[:56]:56s} {ms:9.4f} {floor:8.4f} {ms / floor if floor else float('nan'):7.2f}  {note}")
 
 
 def main() -> int:
