@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 from engine.kernels import gemv as gemv_module  # noqa: E402
 from engine.kernels.gemv import MAX_SLICE, MIN_PROGRAMS, gemv, slice_rows  # noqa: E402
 from engine.kernels.launch import pdl_options  # noqa: E402
-from engine.kernels.norm_act import silu_and_mul  # noqa: E402
+from engine.kernels.norm_act import rms_norm, silu_and_mul  # noqa: E402
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
 # (N, K) of the Qwen3-0.6B and Qwen3-8B projections, and the 8B's at TP=2
@@ -31,20 +31,33 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def check_case(M: int, N: int, K: int, dtype: torch.dtype, bias: bool, device: str, strided: bool = False,
-               gated: bool = False, seed: int = 0) -> dict:
+               gated: bool = False, norm: str | None = None, seed: int = 0) -> dict:
     """gemv against F.linear in float32 on random inputs; gated: against F.linear of silu_and_mul(x) (the
-    engine's own activation, whose roundings the fused prologue must repeat)."""
+    engine's own activation, whose roundings the fused prologue must repeat); norm "residual" or "plain":
+    against F.linear of the engine's RMSNorm kernel's output (with or without a residual added first),
+    and the new residual equal to that kernel's."""
     gen = torch.Generator().manual_seed(seed)
     width = 2 * K if gated else K
     x = torch.randn(M, width + 24, generator=gen)[:, 7:7 + width] if strided else torch.randn(M, width, generator=gen)
     w = torch.randn(N, K, generator=gen) / K ** 0.5
     b = torch.randn(N, generator=gen) if bias else None
+    residual = torch.randn(M, K, generator=gen).to(device, dtype) if norm == "residual" else None
+    norm_weight = (torch.rand(K, generator=gen) + 0.5).to(device, dtype)
     x, w = x.to(device, dtype), w.to(device, dtype)
     b = b.to(device, dtype) if b is not None else None
-    out = gemv(x, w, b, gated=gated)
-    x_in = silu_and_mul(x) if gated else x
+    result = {}
+    if norm is None:
+        out = gemv(x, w, b, gated=gated)
+        x_in = silu_and_mul(x) if gated else x
+    elif residual is None:
+        out = gemv(x, w, b, norm=(None, norm_weight, 1e-6))
+        x_in = rms_norm(x, norm_weight, 1e-6)
+    else:
+        out, new_residual = gemv(x, w, b, norm=(residual, norm_weight, 1e-6))
+        x_in, want_residual = rms_norm(x, norm_weight, 1e-6, residual=residual)
+        result["residual_equal"] = torch.equal(new_residual, want_residual)
     ref = F.linear(x_in.float(), w.float(), b.float() if b is not None else None)
-    return {"error": relative_error(out, ref), "dtype": str(dtype).removeprefix("torch."),
+    return {**result, "error": relative_error(out, ref), "dtype": str(dtype).removeprefix("torch."),
             "dtype_ok": out.dtype == dtype, "shape_ok": tuple(out.shape) == (M, N)}
 
 
@@ -63,6 +76,10 @@ def interpreter_cases() -> dict[str, dict]:
         for dtype in (torch.float32, torch.bfloat16):
             results[f"gated-M{M}-{str(dtype).removeprefix('torch.')}"] = check_case(
                 M, 50, 200, dtype, M > 1, "cpu", gated=True, strided=M > 1)
+    for M, N, K, norm in ((1, 50, 200, "residual"), (5, 64, 64, "residual"), (3, 40, 72, "plain")):
+        for dtype in (torch.float32, torch.bfloat16):
+            results[f"norm-{norm}-M{M}-N{N}-K{K}-{str(dtype).removeprefix('torch.')}"] = check_case(
+                M, N, K, dtype, M > 1, "cpu", norm=norm, strided=M == 3, seed=M + K)
     return results
 
 
@@ -72,9 +89,10 @@ def interpreted() -> dict:
 
 
 def test_gemv_matches_f_linear_under_interpreter(interpreted):
-    assert len(interpreted) == 3 * 2 * 2 * 2 + 2 + 4
+    assert len(interpreted) == 3 * 2 * 2 * 2 + 2 + 4 + 6
     for name, result in interpreted.items():
         assert result["dtype_ok"] and result["shape_ok"], f"{name}: wrong output dtype or shape"
+        assert result.get("residual_equal", True), f"{name}: the new residual differs from x + residual"
         assert result["error"] < TOLERANCE[result["dtype"]], f"{name}: relative error {result['error']:.3g}"
 
 
@@ -96,6 +114,12 @@ def test_mismatched_inputs_are_rejected_with_the_reason():
         gemv(torch.zeros(2, 16), w, torch.zeros(7))
     with pytest.raises(ValueError, match=r"x must be \[M, 32\] .*\(gated\)"):
         gemv(torch.zeros(2, 16), w, gated=True)
+    with pytest.raises(ValueError, match="either the RMSNorm or the SiLU"):
+        gemv(torch.zeros(2, 32), w, gated=True, norm=(None, torch.ones(16), 1e-6))
+    with pytest.raises(ValueError, match=r"norm weight must be a contiguous \[16\]"):
+        gemv(torch.zeros(2, 16), w, norm=(None, torch.ones(15), 1e-6))
+    with pytest.raises(ValueError, match="residual must be"):
+        gemv(torch.zeros(2, 16), w, norm=(torch.zeros(3, 16), torch.ones(16), 1e-6))
 
 
 def test_gemv_is_never_taken_for_cpu_tensors():

@@ -29,8 +29,10 @@ DEFAULT_MAX_ROWS = 16  # x rows up to which the layers take this kernel (REDLINE
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                 res_ptr, norm_w_ptr, res_out_ptr, stride_rm, stride_rom, eps,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                 PDL: tl.constexpr):
     launch_dependents(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -45,7 +47,9 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
         w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n).to(tl.float32)
-    wait_for_previous(PDL)  # x is written by an earlier kernel; the weight never is
+    if NORM:
+        norm_w = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    wait_for_previous(PDL)  # x is written by an earlier kernel; the weights never are
     w = w.to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     for m in range(M):
@@ -53,6 +57,14 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
         if GATED:  # x row is [gate | up]: silu(gate) * up, rounded as the SiLU·mul kernel rounds
             up = tl.load(x_ptr + m * stride_xm + K + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             x = _round(_round(x / (1.0 + tl.exp(-x)), dtype) * up, dtype)
+        if NORM:  # RMSNorm of the row (after the residual add), rounded as the RMSNorm kernel rounds
+            if HAS_RESIDUAL:
+                x = _round(x + tl.load(res_ptr + m * stride_rm + offs_k, mask=k_mask, other=0.0).to(tl.float32),
+                           dtype)
+                if tl.program_id(0) == 0:  # every program sums the row; one writes the new residual
+                    tl.store(res_out_ptr + m * stride_rom + offs_k, x.to(dtype), mask=k_mask)
+            inv = tl.math.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+            x = _round(norm_w * _round(x * inv, dtype), dtype)
         acc = tl.sum(w * x[None, :], axis=1)
         if HAS_BIAS:
             acc += bias
@@ -69,11 +81,17 @@ def slice_rows(N: int, K: int) -> int:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         gated: bool = False) -> torch.Tensor:
+         gated: bool = False, norm: "tuple[torch.Tensor | None, torch.Tensor, float] | None" = None):
     """F.linear(x, weight, bias) for x [M, K] with few rows (each costs every program a pass over its
     slice) and weight [N, K], K contiguous; output in x's dtype. gated: x is [M, 2K], packed [gate | up],
-    and the product is with silu(gate) * up (the SiLU·mul kernel fused in)."""
+    and the product is with silu(gate) * up (the SiLU·mul kernel fused in).
+
+    norm = (residual or None, norm weight [K], eps): the product is with rms_norm(x + residual) x norm
+    weight (the RMSNorm kernel fused in), and the result is (output, x + residual), or just the output
+    without a residual."""
     N, K = weight.shape
+    if norm is not None and gated:
+        raise ValueError("gemv fuses either the RMSNorm or the SiLU·mul, not both")
     width = 2 * K if gated else K
     if x.dim() != 2 or x.shape[1] != width:
         raise ValueError(f"x must be [M, {width}] for a weight of [{N}, {K}]{' (gated)' if gated else ''}, "
@@ -83,16 +101,25 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if bias is not None and (bias.shape != (N,) or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous [{N}] vector, got {tuple(bias.shape)}")
     M = x.shape[0]
+    residual, norm_weight, eps = norm if norm is not None else (None, None, 0.0)
+    if norm_weight is not None and (norm_weight.shape != (K,) or not norm_weight.is_contiguous()):
+        raise ValueError(f"the norm weight must be a contiguous [{K}] vector, got {tuple(norm_weight.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
+        raise ValueError(f"the residual must be [M, {K}] like x with contiguous rows, got {tuple(residual.shape)}")
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if M == 0:
-        return out
-    block_n = slice_rows(N, K)
-    block_k = triton.next_power_of_2(K)
-    _gemv_kernel[(triton.cdiv(N, block_n),)](
-        x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % block_n == 0, EVEN_K=K == block_k, HAS_BIAS=bias is not None,
-        GATED=gated, num_warps=8 if block_n * block_k > 8192 else 4, **pdl_options(x))
-    return out
+    res_out = torch.empty_like(x) if residual is not None else None
+    if M:
+        block_n = slice_rows(N, K)
+        block_k = triton.next_power_of_2(K)
+        _gemv_kernel[(triton.cdiv(N, block_n),)](
+            x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), weight.stride(0),
+            out.stride(0), residual if residual is not None else x, norm_weight if norm_weight is not None else weight,
+            res_out if res_out is not None else out, (residual if residual is not None else x).stride(0),
+            (res_out if res_out is not None else x).stride(0), eps,
+            BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % block_n == 0, EVEN_K=K == block_k,
+            HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None, HAS_RESIDUAL=residual is not None,
+            num_warps=8 if block_n * block_k > 8192 else 4, **pdl_options(x))
+    return out if res_out is None else (out, res_out)
 
 
 @functools.cache

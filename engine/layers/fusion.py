@@ -1,7 +1,8 @@
 """Fused elementwise chains on CUDA; plain eager torch elsewhere.
 
 RMSNorm (with the residual add) and SiLU·mul run as the engine's Triton kernels (engine/kernels/norm_act.py),
-and so do the projections of small decode batches (engine/kernels/gemv.py);
+and so do the projections of small decode batches (engine/kernels/gemv.py), which take the norm or the
+SiLU·mul before them into their prologue;
 the other chains are compiled by torch.compile once (dynamic shapes) the first time they see a CUDA
 tensor. Set REDLINE_COMPILE=0 to keep everything eager.
 """
@@ -86,6 +87,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if kernels is not None:
         return kernels.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """(linear(rms_norm(x + residual) x norm_weight, weight, bias), x + residual); where the GEMV takes the
+    rows, the residual add and the norm run in its prologue instead of a kernel of their own."""
+    kernels = _gemv_for(x, weight)
+    if (kernels is not None and norm_weight.dtype == x.dtype and residual.shape == x.shape
+            and residual.dtype == x.dtype and residual.stride(1) == 1 and norm_weight.is_contiguous()):
+        return kernels.gemv(x, weight, bias, norm=(residual, norm_weight, eps))
+    normed, residual = add_rms_norm(x, residual, norm_weight, eps)
+    return linear(normed, weight, bias), residual
 
 
 def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

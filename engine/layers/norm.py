@@ -1,7 +1,7 @@
 import torch
 from torch import nn
 
-from engine.layers.fusion import rms_norm
+from engine.layers.fusion import add_rms_norm_linear, rms_norm
 from engine.layers.parallel import SINGLE, TPGroup
 
 
@@ -22,3 +22,11 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return self.tp.all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
+
+    def linear(self, x: torch.Tensor, residual: torch.Tensor, proj) -> tuple[torch.Tensor, torch.Tensor]:
+        """(proj(norm of x + residual), x + residual). On one rank, for the rows the GEMV takes (decode),
+        the add and the norm run in the projection's prologue: one kernel less."""
+        if self.tp.size == 1 and proj.tp.size == 1 and isinstance(x, torch.Tensor):
+            return add_rms_norm_linear(x, residual, self.weight, self.eps, proj.weight, proj.bias)
+        x, residual = self(x, residual)
+        return proj(x), residual

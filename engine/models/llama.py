@@ -38,8 +38,9 @@ class DecoderAttention(nn.Module):
         self.qk_norm = family.qk_norm
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, ctx)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Attention over the packed q/k/v rows (qkv_proj's output, which the layer computes with its
+        norm), then the output projection."""
         q_norm, k_norm = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
         return self.o_proj(self.attn(qkv, positions, self.rotary_emb, q_norm, k_norm))
 
@@ -52,8 +53,9 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp=tp)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp, reduce_results=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward_silu_and_mul(self.gate_up_proj(x))  # SwiGLU: silu(gate) * up
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of gate_up_proj's output (which the layer computes with its norm): down(silu(gate) * up)."""
+        return self.down_proj.forward_silu_and_mul(gate_up)
 
 
 class DecoderLayer(nn.Module):
@@ -65,14 +67,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp)
 
     def forward(self, positions, x, residual):
+        # each norm goes with the projection after it (fused into it where the GEMV runs: decode batches)
         if residual is None:
             residual = x
-            x = self.input_layernorm(x)
+            qkv = self.self_attn.qkv_proj(self.input_layernorm(x))
         else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+            qkv, residual = self.input_layernorm.linear(x, residual, self.self_attn.qkv_proj)
+        x = self.self_attn(positions, qkv)
+        gate_up, residual = self.post_attention_layernorm.linear(x, residual, self.mlp.gate_up_proj)
+        return self.mlp(gate_up), residual
 
 
 class DecoderModel(nn.Module):
