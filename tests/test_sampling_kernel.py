@@ -131,3 +131,25 @@ def test_sample_on_cuda_seeds_the_kernel_from_the_host_generator():
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=torch.Generator().manual_seed(5)))
     assert tokens.tolist() == gumbel_argmax(logits, st.temperatures, seed).tolist()
     assert tokens.tolist() == sample(logits, st, seed_gen=torch.Generator().manual_seed(5)).tolist()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_sampling_kernel_compiles_one_variant_for_every_seed():
+    """The seed changes every step; a variant compiled for seeds divisible by 16 (Triton specialises
+    integer arguments) would first compile inside a timed run."""
+    from engine.kernels import sampling
+
+    def variants() -> int:
+        caches = getattr(sampling._gumbel_split_kernel, "device_caches", None)
+        if caches is None:
+            pytest.skip("this Triton does not expose its kernel caches")
+        return sum(len(cache[0]) for cache in caches.values())
+
+    logits = torch.randn(3, 1000, device="cuda")
+    temperatures = torch.ones(3, device="cuda")
+    sampling.gumbel_argmax(logits, temperatures, 17)
+    before = variants()
+    for seed in (1, 16, 32, 2**20, 12345):
+        sampling.gumbel_argmax(logits, temperatures, seed)
+    assert variants() == before

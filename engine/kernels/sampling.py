@@ -79,7 +79,7 @@ def _scan(row_ptr, row, start, end, inv_t, seed, NOISE: tl.constexpr, GROUPS: tl
     return best, best_col
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])  # a fresh seed every step: no variant for seeds divisible by 16
 def _gumbel_split_kernel(
     logits_ptr, temperatures_ptr, out_ptr, score_ptr, part_ptr,
     stride_row, vocab, first_column, cols_per_split, num_splits, seed,
