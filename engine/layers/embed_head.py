@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.fusion import linear
 from engine.layers.parallel import SINGLE, TPGroup
 
 
@@ -35,12 +36,13 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] of the positions to sample → logits [N, vocab_size]."""
-        logits = F.linear(hidden, self.weight)
+        """hidden: [N, hidden] of the positions to sample → logits [N, vocab_size]. A few rows (decode)
+        go through the engine's GEMV (engine/layers/fusion.py linear), more through cuBLAS."""
+        logits = linear(hidden, self.weight)
         return self.tp.gather_last_dim(logits)[:, : self.vocab_size]
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] → this rank's logits [N, n], of tokens vocab_start .. vocab_start + n - 1
         (the last rank's padding past vocab_size left out); each the same as forward's."""
         num_tokens = max(0, min(self.local_vocab, self.vocab_size - self.vocab_start))
-        return F.linear(hidden, self.weight)[:, :num_tokens]
+        return linear(hidden, self.weight)[:, :num_tokens]
