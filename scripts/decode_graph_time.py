@@ -1,0 +1,68 @@
+"""GPU time of one decode step at a small batch, without the host: the captured decode graph replayed
+back to back, the LM head and the sampler timed with CUDA events. Host jitter moves the batch-1 bench
+by +-10% between runs; this does not see it.
+
+    PYTHONPATH=. python3 scripts/decode_graph_time.py [--batches 1,8] [--context 768] [--replays 200]
+Prints one JSON line: {batch: {"graph_ms", "lm_head_ms", "sample_ms"}} (medians of 5 rounds).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from engine import bench
+
+
+def events_ms(fn, repeats: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--context", type=int, default=768, help="prompt length before the timed steps")
+    parser.add_argument("--replays", type=int, default=200)
+    args = parser.parse_args()
+    from engine.layers.sampler import SamplingTensors, sample
+    from engine.sampling_params import SamplingParams
+
+    llm = bench.build_llm(args)
+    runner = llm.runner
+    results = {}
+    for batch in (int(b) for b in args.batches.split(",")):
+        prompts = [[(7 * i + j) % 10000 for j in range(args.context)] for i in range(batch)]
+        llm.generate(prompts, SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=4),
+                     use_tqdm=False)  # the graph of this size now holds this batch's last step
+        size = next(s for s in runner.graphs.sizes if s >= batch)
+        graph, hidden = runner.graphs.graphs[size], runner.graphs.outputs[size][:batch]
+        vocab = runner.model.lm_head.vocab_size
+        st = SamplingTensors(temperatures=torch.full((batch,), args.temperature, device="cuda"),
+                             top_ks=torch.full((batch,), vocab, device="cuda"),
+                             top_ps=torch.ones(batch, device="cuda"), min_ps=torch.zeros(batch, device="cuda"),
+                             generators=[None] * batch, all_greedy=False, needs_filter=False)
+        seeds = torch.Generator().manual_seed(0)
+        logits = runner.model.compute_logits(hidden)
+        rounds = {"graph_ms": [], "lm_head_ms": [], "sample_ms": []}
+        for _ in range(5):
+            rounds["graph_ms"].append(events_ms(graph.replay, args.replays))
+            rounds["lm_head_ms"].append(events_ms(lambda: runner.model.compute_logits(hidden), args.replays))
+            rounds["sample_ms"].append(events_ms(lambda: sample(logits, st, None, seeds), args.replays))
+        results[batch] = {k: round(statistics.median(v), 4) for k, v in rounds.items()}
+        print(f"batch {batch}: decode graph {results[batch]['graph_ms']:.4f} ms, LM head "
+              f"{results[batch]['lm_head_ms']:.4f} ms, sampling {results[batch]['sample_ms']:.4f} ms", flush=True)
+    print(json.dumps({"gpu": bench.gpu_name(), "commit": bench.git_commit(), "model": args.model, "steps": results}))
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
