@@ -114,11 +114,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if M:
         block_n = slice_rows(N, K)
         block_k = triton.next_power_of_2(K)
+        res_in, res_to = (residual, res_out) if residual is not None else (x, x)  # placeholders without one
         _gemv_kernel[(triton.cdiv(N, block_n),)](
             x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), weight.stride(0),
-            out.stride(0), residual if residual is not None else x, norm_weight if norm_weight is not None else weight,
-            res_out if res_out is not None else out, (residual if residual is not None else x).stride(0),
-            (res_out if res_out is not None else x).stride(0), eps,
+            out.stride(0), res_in, norm_weight if norm_weight is not None else weight, res_to, res_in.stride(0),
+            res_to.stride(0), eps,
             BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % block_n == 0, EVEN_K=K == block_k,
             HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None, HAS_RESIDUAL=residual is not None,
             num_warps=8 if block_n * block_k > 8192 else 4, **pdl_options(x))

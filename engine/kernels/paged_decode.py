@@ -42,8 +42,8 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 3
     grid_programs_per_sm: int = 4  # grid schedule: split sequences until about this many programs per SM
-    programs_per_sm: int = 4     # balanced schedule: persistent programs per SM
-    items_per_program: int = 8   # balanced schedule: (chunk, KV head) items aimed at per program
+    programs_per_sm: int = 4     # balanced schedule: the plan aims at SMs x programs_per_sm x items_per_program
+    items_per_program: int = 8   # (chunk, KV head) items a step
 
 
 @triton.jit

@@ -26,7 +26,7 @@ class RMSNorm(nn.Module):
     def linear(self, x: torch.Tensor, residual: torch.Tensor, proj) -> tuple[torch.Tensor, torch.Tensor]:
         """(proj(norm of x + residual), x + residual). On one rank, for the rows the GEMV takes (decode),
         the add and the norm run in the projection's prologue: one kernel less."""
-        if self.tp.size == 1 and proj.tp.size == 1 and isinstance(x, torch.Tensor):
+        if self.tp.size == 1 and proj.tp.size == 1:
             return add_rms_norm_linear(x, residual, self.weight, self.eps, proj.weight, proj.bias)
         x, residual = self(x, residual)
         return proj(x), residual
