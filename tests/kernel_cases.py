@@ -373,7 +373,51 @@ def check_backend_contract(device: str, dtype: torch.dtype = torch.bfloat16) -> 
     triton_backend.store_kvcache(key, -key, mine[0], mine[1], slots)
     torch_backend.store_kvcache(key, -key, caches[0], caches[1], slots)
     results["backend_store_kvcache"] = (float(sum((a != b).sum().item() for a, b in zip(mine, caches))), True)
+    results.update(_check_attention_layer_decode(triton_backend, torch_backend, device, dtype))
     return results
+
+
+def _check_attention_layer_decode(triton_backend, torch_backend, device: str, dtype: torch.dtype) -> dict:
+    """The Attention layer on a decode batch with each backend, from the same qkv rows: the triton one
+    takes its one-kernel path (decode_from_qkv), the torch one the eager layers; outputs and caches."""
+    from engine.attention import AttentionMetadata, ForwardContext
+    from engine.layers.attention import Attention
+    from engine.layers.norm import RMSNorm
+    from engine.layers.rotary import RotaryEmbedding
+
+    heads, kv_heads, head_dim, page = 8, 2, 64, 16
+    case = make_case([1, 1, 1], [17, 1, 64], heads, kv_heads, head_dim, page, dtype, device, seed=11)
+    gen = torch.Generator().manual_seed(11)
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype).to(device)
+    positions = (case.seqlens_k - 1).long()
+    tables = case.block_tables.long()
+    slots = tables[torch.arange(3, device=device), positions // page] * page + positions % page
+    meta = AttentionMetadata(slot_mapping=slots, cu_seqlens_q=case.cu_seqlens_q, seqlens_k=case.seqlens_k,
+                             block_tables=case.block_tables, max_seqlen_q=1, max_seqlen_k=case.max_seqlen_k,
+                             is_decode=True)
+    rotary = RotaryEmbedding(head_dim, 128, 1e6, {"rope_type": "default"}).to(device)
+    norms = [RMSNorm(head_dim, 1e-6).to(device) for _ in range(2)]
+    for n in norms:
+        n.weight.data = (torch.rand(head_dim, generator=gen) + 0.5).to(dtype).to(device)
+    outs, caches = [], []
+    saved = os.environ.get("REDLINE_COMPILE")
+    os.environ["REDLINE_COMPILE"] = "0"  # the eager layers, rounding at every op as the kernels emulate
+    try:
+        for backend in (triton_backend, torch_backend):
+            layer = Attention(heads, kv_heads, head_dim, head_dim ** -0.5, ForwardContext(backend))
+            layer.k_cache, layer.v_cache = case.k_cache.clone(), case.v_cache.clone()
+            layer.ctx.meta = meta
+            outs.append(layer(qkv, positions, rotary, norms[0], norms[1]))
+            caches.append((layer.k_cache, layer.v_cache))
+    finally:
+        if saved is None:
+            del os.environ["REDLINE_COMPILE"]
+        else:
+            os.environ["REDLINE_COMPILE"] = saved
+    return {"layer_decode_fused_path": (float(not triton_backend.fuses_decode), True),
+            "layer_decode": (relative_error(outs[0], outs[1]), not outs[0].isnan().any().item()),
+            "layer_decode_k_cache": (relative_error(caches[0][0], caches[1][0]), True),
+            "layer_decode_store_v": (float((caches[0][1] != caches[1][1]).sum().item()), True)}
 
 
 def check_qkv_prep(device: str, dtype: torch.dtype = torch.bfloat16) -> dict:

@@ -78,7 +78,21 @@ def seed_case(device: str, vocab: int = 37, num_rows: int = 32, layout=(2, 16)) 
     logits = strided(torch.zeros(num_rows, vocab), torch.float32, device)
     temperatures = torch.ones(num_rows, device=device)
     return {"first": run(logits, temperatures, 7, layout), "again": run(logits, temperatures, 7, layout),
-            "other": run(logits, temperatures, 8, layout)}
+            "other": run(logits, temperatures, 8, layout), "in_memory": seed_in_memory(logits, temperatures, 7, layout)}
+
+
+def seed_in_memory(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, layout) -> list[int]:
+    """The tokens with the seed read from a device tensor (as a CUDA graph replays it), written into a
+    given buffer; -1 marks a row left unwritten."""
+    from engine.kernels.sampling import gumbel_argmax
+
+    num_splits, block = layout
+    kwargs = {"num_splits": num_splits} | ({"block": block} if block else {})
+    out = torch.full((logits.shape[0],), -1, dtype=torch.int64, device=logits.device)
+    seed_tensor = torch.tensor([seed], dtype=torch.int64, device=logits.device)
+    returned = gumbel_argmax(logits, temperatures, seed_tensor, out=out, **kwargs)
+    assert returned.data_ptr() == out.data_ptr(), "the tokens go into `out`"
+    return out.tolist()
 
 
 def _main() -> None:

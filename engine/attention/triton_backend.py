@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.kernels import gemv, paged_decode, paged_prefill, qkv_prep, store_kvcache
+from engine.kernels import fused_decode, gemv, paged_decode, paged_prefill, qkv_prep, store_kvcache
 from engine.kernels.launch import pdl_setting
 from engine.kernels.paged_decode import SCHEDULES as DECODE_SCHEDULES
 from engine.kernels.paged_decode import decode_order, plan_decode
@@ -33,6 +33,14 @@ class TritonBackend:
         if ordered not in ("0", "1"):
             raise ValueError(f"REDLINE_DECODE_ORDER={ordered!r}; use 1 (longest sequence first) or 0")
         self.orders_decode = ordered == "1" and self.decode_schedule == "grid"
+        # REDLINE_FUSED_DECODE=0 keeps qkv preparation, decode and the merge of its splits three kernels
+        fused = os.environ.get("REDLINE_FUSED_DECODE", "1")
+        if fused not in ("0", "1"):
+            raise ValueError(f"REDLINE_FUSED_DECODE={fused!r}; use 1 (one kernel) or 0")
+        self.fuses_decode = fused == "1" and self.fuses_qkv_prep and self.decode_schedule == "grid"
+        # fused decode's split counters, zero between launches; earlier, smaller sets stay alive for the
+        # CUDA graphs that captured them
+        self._counters: list[torch.Tensor] = []
         pdl_setting(), gemv.max_rows()  # REDLINE_PDL and REDLINE_GEMV_MAX_ROWS: bad values fail here, not mid-step
 
     def qkv_prep(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm,
@@ -46,6 +54,28 @@ class TritonBackend:
                         0.0 if q_norm is None else q_norm.eps, k_cache, v_cache, slot_mapping,
                         num_heads, num_kv_heads, head_dim)
 
+    def decode_from_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, meta: "AttentionMetadata",
+                        num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor | None:
+        """A decode batch's attention output [B, H, D] straight from the qkv rows, K/V stored: one kernel
+        (engine/kernels/fused_decode.py); None where it does not apply (then qkv_prep and forward)."""
+        if not (self.fuses_decode and meta.is_decode and fused_decode.fits(head_dim)):
+            return None
+        if q_norm is not None and q_norm.eps != k_norm.eps:
+            raise ValueError("the fused q/k norm needs one eps for both")
+        num_seqs = qkv.shape[0]
+        return fused_decode.fused_decode(
+            qkv, positions, rotary.cos, rotary.sin, None if q_norm is None else q_norm.weight,
+            None if k_norm is None else k_norm.weight, 0.0 if q_norm is None else q_norm.eps, k_cache, v_cache,
+            meta.slot_mapping, meta.seqlens_k, meta.block_tables, meta.max_seqlen_k, scale, num_heads,
+            num_kv_heads, self._split_counters(num_seqs * num_kv_heads, qkv.device),
+            order=self._decode_order(meta))
+
+    def _split_counters(self, count: int, device: torch.device) -> torch.Tensor:
+        if not self._counters or self._counters[-1].numel() < count or self._counters[-1].device != device:
+            self._counters.append(torch.zeros(max(count, 1024), dtype=torch.int32, device=device))
+        return self._counters[-1]
+
     def store_kvcache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         store_kvcache(key, value, k_cache, v_cache, slot_mapping)
@@ -53,7 +83,7 @@ class TritonBackend:
     def _decode_order(self, meta: "AttentionMetadata") -> torch.Tensor | None:
         """The batch's sequences longest first, sorted on the device by the first layer of a forward pass
         (inside a CUDA graph being captured, the sort is captured with it) and kept for the others."""
-        if self.orders_decode and meta.decode_order is None:
+        if self.orders_decode and meta.decode_order is None and meta.seqlens_k.shape[0] > 1:
             meta.decode_order = decode_order(meta.seqlens_k)
         return meta.decode_order
 

@@ -82,11 +82,14 @@ def _scan(row_ptr, row, start, end, inv_t, seed, NOISE: tl.constexpr, GROUPS: tl
 @triton.jit(do_not_specialize=["seed"])  # a fresh seed every step: no variant for seeds divisible by 16
 def _gumbel_split_kernel(
     logits_ptr, temperatures_ptr, out_ptr, score_ptr, part_ptr,
-    stride_row, vocab, first_column, cols_per_split, num_splits, seed,
+    stride_row, vocab, first_column, cols_per_split, num_splits, seed, seed_ptr,
     DIRECT: tl.constexpr, WITH_SCORE: tl.constexpr, GROUPS: tl.constexpr, FAST_LOG: tl.constexpr,
+    SEED_IN_MEMORY: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
+    if SEED_IN_MEMORY:  # a CUDA graph's step seed, written to the device before each replay
+        seed = tl.load(seed_ptr)
     # columns are counted over the whole row; the tensor's column 0 is column first_column
     start = first_column + split * cols_per_split
     end = tl.minimum(start + cols_per_split, first_column + vocab)
@@ -131,16 +134,19 @@ def choose_num_splits(num_rows: int, num_tiles: int, num_sms: int) -> int:
     return max(1, min(triton.cdiv(4 * num_sms, num_rows), num_tiles))
 
 
-def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, *,
-                  num_splits: int | None = None, block: int = DEFAULT_BLOCK) -> torch.Tensor:
+def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seed: int | torch.Tensor, *,
+                  num_splits: int | None = None, block: int = DEFAULT_BLOCK,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Token ids [S] int64: argmax(logits / t + Gumbel noise) per row, a draw from softmax(logits / t),
     or argmax(logits) (ties to the lowest id) where t = 0.
 
     logits: [S, V], any float dtype, unit column stride; scores are computed in float32 (float64
     logits are compared after rounding; a NaN logit is never chosen). temperatures: [S] float32.
     The same seed gives the same tokens, whatever num_splits and block (a power of two, at least 8) are.
+    seed: an int, or a one-element int64 tensor on the device read when the kernel runs (what a CUDA
+    graph captures). out: a [S] int64 tensor to write the tokens into (a graph's static buffer).
     """
-    return _launch(logits, temperatures, seed, 0, None, num_splits, block)
+    return _launch(logits, temperatures, seed, 0, None, num_splits, block, out)
 
 
 def gumbel_best(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, first_column: int, *,
@@ -157,19 +163,26 @@ def gumbel_best(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, fir
     return scores, _launch(logits, temperatures, seed, first_column, scores, num_splits, block)
 
 
-def _launch(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, first_column: int,
-            scores: torch.Tensor | None, num_splits: int | None, block: int) -> torch.Tensor:
+def _launch(logits: torch.Tensor, temperatures: torch.Tensor, seed: int | torch.Tensor, first_column: int,
+            scores: torch.Tensor | None, num_splits: int | None, block: int,
+            out: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's winning column [S] int64 (counted from first_column); its score into `scores` if given."""
     assert logits.dim() == 2 and temperatures.shape == logits.shape[:1], "logits [S, V], temperatures [S]"
     assert block >= 8 and block & (block - 1) == 0, f"block must be a power of two >= 8, got {block}"
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     num_rows, vocab = logits.shape
+    if out is None:
+        out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    assert out.shape == (num_rows,) and out.dtype == torch.int64 and out.is_contiguous(), "out: [S] int64"
+    seed_in_memory = isinstance(seed, torch.Tensor)
+    if seed_in_memory:
+        assert seed.numel() == 1 and seed.dtype == torch.int64 and seed.device == logits.device, \
+            "a seed tensor holds one int64 on the logits' device"
     if num_rows == 0 or vocab == 0:
         if scores is not None:
             scores.fill_(float("-inf"))
-        return torch.full((num_rows,), first_column, dtype=torch.int64, device=logits.device)
-    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+        return out.fill_(first_column)
     num_tiles = triton.cdiv(vocab, block)
     if num_splits is None:
         num_splits = choose_num_splits(num_rows, num_tiles, _num_sms(logits.device))
@@ -181,9 +194,10 @@ def _launch(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, first_c
     with_score = scores is not None
     _gumbel_split_kernel[(num_rows, num_splits)](
         logits, temperatures, out, scores, part,
-        logits.stride(0), vocab, first_column, tiles_per_split * block, num_splits, seed,
+        logits.stride(0), vocab, first_column, tiles_per_split * block, num_splits,
+        0 if seed_in_memory else seed, seed if seed_in_memory else out,
         DIRECT=num_splits == 1, WITH_SCORE=with_score, GROUPS=block // 4,
-        FAST_LOG=logits.is_cuda and not INTERPRETED, num_warps=DEFAULT_WARPS,
+        FAST_LOG=logits.is_cuda and not INTERPRETED, SEED_IN_MEMORY=seed_in_memory, num_warps=DEFAULT_WARPS,
     )
     if num_splits > 1:
         _gumbel_merge_kernel[(num_rows,)](part, out, scores, num_splits,

@@ -17,6 +17,11 @@ class Attention(nn.Module):
     def forward(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: nn.Module,
                 q_norm: nn.Module | None = None, k_norm: nn.Module | None = None) -> torch.Tensor:
         meta, backend = self.ctx.meta, self.ctx.backend
+        if hasattr(backend, "decode_from_qkv"):  # decode: one kernel from the qkv rows, where it applies
+            out = backend.decode_from_qkv(qkv, positions, rotary, q_norm, k_norm, self.k_cache, self.v_cache, meta,
+                                          self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
+            if out is not None:
+                return out.flatten(1)
         if getattr(backend, "fuses_qkv_prep", False):  # one kernel instead of about seven
             q = backend.qkv_prep(qkv, positions, rotary, q_norm, k_norm, self.k_cache, self.v_cache,
                                  meta.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)

@@ -1,0 +1,184 @@
+"""Decode attention straight from the packed qkv projection: one kernel where there were three.
+
+The split-KV decode kernel (paged_decode.py, grid schedule) with the work of the kernels on either side
+of it folded in:
+
+- before: qkv preparation (qkv_prep.py). Each program normalises and rotates its KV head's query heads
+  itself, with qkv_prep's code, so the queries are the same bits. The program whose range holds the new
+  token (the sequence's last position) normalises, rotates and stores that token's K and V, then
+  synchronises its threads before reading the cache, which then holds them.
+- after: the merge of the partial outputs. Every program of a (sequence, KV head) writes its partial
+  and takes a ticket from a counter; the one that takes the last ticket merges the partials of that
+  KV head's query heads (the merge kernel's arithmetic) and resets the counter for the next launch.
+
+So a layer's decode attention is one launch in the chain of kernels that a batch-1 step waits on,
+instead of three. Prefill, mixed batches and the balanced schedule keep the separate kernels.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.launch import launch_dependents, pdl_options, wait_for_previous
+from engine.kernels.paged_decode import (MAX_GRID_SEQS, DecodeConfig, _attend_range, _num_sms,
+                                         choose_num_splits, default_decode_config)
+from engine.kernels.paged_tiles import LOG2E, check_paged_inputs, group_pad, upcast_dot
+from engine.kernels.qkv_prep import _norm_rope, _round
+
+
+@triton.jit
+def _fused_decode_kernel(
+    qkv_ptr, positions_ptr, slot_mapping_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr,
+    k_cache_ptr, v_cache_ptr, out_ptr, seqlens_k_ptr, block_tables_ptr,
+    part_out_ptr, part_lse_ptr, counters_ptr, order_ptr,
+    stride_t, stride_cos, stride_ot, stride_oh, stride_page, stride_slot, stride_khead, stride_bt,
+    qk_scale, eps, num_heads, num_kv_heads, num_splits,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    UPCAST: tl.constexpr, HAS_NORM: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr,
+):
+    launch_dependents(PDL)
+    wait_for_previous(PDL)
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
+    split = tl.program_id(2)
+    if ORDERED:
+        seq = tl.load(order_ptr + seq).to(tl.int32)
+    seqlen = tl.load(seqlens_k_ptr + seq)
+    per_split = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seqlen)
+    dtype = out_ptr.dtype.element_ty
+
+    # the queries of this KV head, normed and rotated as qkv_prep does, halves joined into [GROUP_PAD, D]
+    row = qkv_ptr + seq.to(tl.int64) * stride_t
+    pos = tl.load(positions_ptr + seq)
+    offs_half = tl.arange(0, HALF)
+    all_half = offs_half < HALF
+    cos = _round(tl.load(cos_ptr + pos * stride_cos + offs_half), dtype)
+    sin = _round(tl.load(sin_ptr + pos * stride_cos + offs_half), dtype)
+    offs_g = tl.arange(0, GROUP_PAD)
+    g_mask = offs_g < GROUP
+    head = kv_head * GROUP + offs_g
+    q_lo = row + head[:, None] * HEAD_DIM + offs_half[None, :]
+    q1 = tl.load(q_lo, mask=g_mask[:, None], other=0.0).to(tl.float32)
+    q2 = tl.load(q_lo + HALF, mask=g_mask[:, None], other=0.0).to(tl.float32)
+    q1, q2 = _norm_rope(q1, q2, q_weight_ptr, cos, sin, offs_half, all_half, eps, HEAD_DIM, HAS_NORM, HALF, dtype)
+    q = tl.reshape(tl.permute(tl.join(q1.to(dtype), q2.to(dtype)), (0, 2, 1)), (GROUP_PAD, HEAD_DIM))
+
+    # the new token's K and V, by the program whose range holds the sequence's last position
+    slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
+    if (split == (seqlen - 1) // tl.maximum(per_split, 1)) & (slot >= 0):  # slot -1: a CUDA graph's padding row
+        k_lo = row + (num_heads + kv_head) * HEAD_DIM + offs_half[None, :]
+        v_lo = k_lo + num_kv_heads * HEAD_DIM
+        k1 = tl.load(k_lo).to(tl.float32)
+        k2 = tl.load(k_lo + HALF).to(tl.float32)
+        k1, k2 = _norm_rope(k1, k2, k_weight_ptr, cos, sin, offs_half, all_half, eps, HEAD_DIM, HAS_NORM, HALF, dtype)
+        dst = (slot // PAGE_SIZE) * stride_page + (slot % PAGE_SIZE) * stride_slot + kv_head * stride_khead \
+            + offs_half[None, :]
+        tl.store(k_cache_ptr + dst, k1.to(dtype))
+        tl.store(k_cache_ptr + dst + HALF, k2.to(dtype))
+        tl.store(v_cache_ptr + dst, tl.load(v_lo))
+        tl.store(v_cache_ptr + dst + HALF, tl.load(v_lo + HALF))
+    tl.debug_barrier()  # the program's own stores are visible to all its threads' cache reads below
+
+    offs_d = tl.arange(0, HEAD_DIM)
+    out, lse = _attend_range(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
+                             kv_head * stride_khead, offs_d, start, end, qk_scale, stride_page, stride_slot,
+                             GROUP_PAD, HEAD_DIM, HEAD_DIM, PAGE_SIZE, BLOCK_N, UPCAST)
+    if SPLITS_PAD == 1:
+        o_ptrs = out_ptr + seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(dtype), mask=g_mask[:, None])
+    else:
+        # partials [B, H, num_splits, D] and their log-sum-exps [B, H, num_splits] (log2 domain)
+        prow = (seq.to(tl.int64) * num_heads + head) * num_splits + split
+        tl.store(part_out_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], out, mask=g_mask[:, None])
+        tl.store(part_lse_ptr + prow, lse, mask=g_mask)
+        tl.debug_barrier()  # every thread's partial stored before the ticket releases them
+        counter = counters_ptr + seq * num_kv_heads + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            tl.store(counter, 0)
+            _merge_group(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_heads, num_splits,
+                         stride_ot, stride_oh, GROUP, HEAD_DIM, SPLITS_PAD)
+
+
+@triton.jit
+def _merge_group(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_heads, num_splits, stride_ot, stride_oh,
+                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """The merge kernel's arithmetic for the GROUP query heads of one KV head (all partials in one tile);
+    the partials are read from L2 (.cg), where the other programs' released stores are."""
+    offs_t = tl.arange(0, SPLITS_PAD)
+    t_mask = offs_t < num_splits
+    offs_d = tl.arange(0, HEAD_DIM)
+    for g in tl.static_range(GROUP):
+        head = kv_head * GROUP + g
+        rows = (seq.to(tl.int64) * num_heads + head) * num_splits + offs_t
+        lse = tl.load(part_lse_ptr + rows, mask=t_mask, other=float("-inf"), cache_modifier=".cg")
+        parts = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=t_mask[:, None],
+                        other=0.0, cache_modifier=".cg")
+        m = tl.maximum(-1.0e30, tl.max(lse, 0))  # finite: a padding sequence's partials are all -inf
+        weight = tl.exp2(lse - m)
+        total = tl.sum(weight, 0)
+        acc = tl.sum(parts * weight[:, None], 0)
+        out = acc / tl.where(total > 0.0, total, 1.0)
+        tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+def fits(head_dim: int) -> bool:
+    """Whether fused_decode takes this head size (a power of two from 16: the joined query halves)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 seqlens_k: torch.Tensor, block_tables: torch.Tensor, max_seqlen_k: int, scale: float,
+                 num_heads: int, num_kv_heads: int, counters: torch.Tensor, order: torch.Tensor | None = None,
+                 num_splits: int | None = None, config: DecodeConfig | None = None) -> torch.Tensor:
+    """Attention output [B, H, D] of one new token per sequence, from its qkv row [B, (H + 2 Hkv) D]:
+    what qkv_prep followed by paged_decode (grid schedule) computes, K/V stored the same way.
+
+    counters: int32 zeros, at least B x Hkv of them, left zero again; one set per stream of launches
+    (the caller keeps it). Other arguments as in qkv_prep and paged_decode.
+    """
+    head_dim = k_cache.shape[3]
+    if not fits(head_dim):
+        raise ValueError(f"fused decode needs a power-of-two head_dim >= 16, got {head_dim}")
+    num_seqs = qkv.shape[0]
+    assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and qkv.stride(1) == 1
+    assert cos.shape == sin.shape and cos.stride(1) == 1 and sin.stride() == cos.stride()
+    assert positions.shape == slot_mapping.shape == seqlens_k.shape == (num_seqs,)
+    assert (q_weight is None) == (k_weight is None)
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    heads, kv_heads, group = check_paged_inputs(out, k_cache, v_cache)
+    assert (heads, kv_heads) == (num_heads, num_kv_heads) and k_cache.stride(2) == head_dim
+    if num_seqs == 0:
+        return out
+    if num_seqs > MAX_GRID_SEQS:
+        raise ValueError(f"decode batches of at most {MAX_GRID_SEQS} sequences, got {num_seqs}")
+    assert counters.dtype == torch.int32 and counters.numel() >= num_seqs * num_kv_heads
+    config = config or default_decode_config(qkv)
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seqlen_k, config.block_n,
+                                       _num_sms(qkv.device), config.grid_programs_per_sm)
+    if num_splits > 1:
+        part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=qkv.device)
+        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=qkv.device)
+    else:
+        part_out = part_lse = out  # unused
+    has_norm = q_weight is not None
+    if order is not None:
+        assert order.shape == (num_seqs,) and order.device == qkv.device, "order: one index per sequence"
+    _fused_decode_kernel[(num_kv_heads, num_seqs, num_splits)](
+        qkv, positions, slot_mapping, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos,
+        k_cache, v_cache, out, seqlens_k, block_tables, part_out, part_lse, counters,
+        seqlens_k if order is None else order,
+        qkv.stride(0), cos.stride(0), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        scale * LOG2E, eps, num_heads, num_kv_heads, num_splits,
+        GROUP=group, GROUP_PAD=max(16, group_pad(group)), HEAD_DIM=head_dim, HALF=head_dim // 2,
+        PAGE_SIZE=k_cache.shape[1], BLOCK_N=config.block_n, SPLITS_PAD=triton.next_power_of_2(num_splits),
+        UPCAST=upcast_dot(qkv), HAS_NORM=has_norm, ORDERED=order is not None,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(qkv))
+    return out

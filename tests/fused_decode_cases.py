@@ -1,0 +1,124 @@
+"""fused_decode (engine/kernels/fused_decode.py) against the two kernels it stands for, qkv_prep then
+paged_decode, and against the fp32 reference; shared by tests/test_fused_decode.py (the interpreter on
+CPU, the GPU shapes on CUDA). Run as a script, it prints one JSON object of the CPU results.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_cases import PagedCase, reference_attention, relative_error  # noqa: E402
+
+# name, heads, KV heads, head dim, page size, context lengths (this step's token included), q/k norm,
+# splits (None: the engine's choice), start longest first, padding rows (a CUDA graph's filler)
+CPU_CASES = [
+    ("gqa2_d64_norm", 4, 2, 64, 16, [37, 5, 64, 1], True, None, True, 0),
+    ("gqa8_d128_norm_split4", 8, 1, 128, 32, [100, 3], True, 4, False, 0),
+    ("mha_d64_plain_direct", 4, 4, 64, 16, [20, 50, 9], False, 1, False, 0),
+    ("gqa7_d64_padded_split3", 14, 2, 64, 16, [45, 17], True, 3, True, 2),
+    ("gqa4_d128_batch1_long", 8, 2, 128, 16, [300], True, None, False, 0),
+]
+GPU_CASES = [
+    ("qwen3_0.6b_batch1", 16, 8, 128, 256, [1024], True, None, False, 0),
+    ("qwen3_0.6b_batch4_padded", 16, 8, 128, 256, [700, 1, 1500, 255], True, None, True, 4),
+    ("qwen3_0.6b_batch256", 16, 8, 128, 256, [(37 * i) % 2000 + 1 for i in range(256)], True, None, True, 0),
+    ("qwen3_8b_tp2_batch16", 16, 4, 128, 256, [(301 * i) % 3000 + 1 for i in range(16)], True, None, True, 0),
+    ("gqa8_d64_page16_batch33", 8, 1, 64, 16, [(53 * i) % 900 + 1 for i in range(33)], False, None, True, 3),
+    ("mha_d64_page32_split64", 8, 8, 64, 32, [4000, 17], True, 64, False, 0),
+]
+
+
+def _problem(heads: int, kv_heads: int, head_dim: int, page: int, lens: list[int], has_norm: bool,
+             padding: int, dtype: torch.dtype, device: str, seed: int):
+    """qkv rows (a strided view), positions, slots of each sequence's last position, block tables over a
+    shuffled pool with spare noise blocks, caches, rotary tables and norm weights."""
+    from engine.layers.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(seed)
+    num_seqs = len(lens) + padding
+    blocks = [math.ceil(n / page) for n in lens]
+    num_blocks = sum(blocks) + 3
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(num_seqs, max(blocks) + 1, dtype=torch.int32)  # padding rows: block 0, as the graphs
+    tables[: len(lens)] = -1
+    used = 0
+    for b, n in enumerate(blocks):
+        tables[b, :n] = perm[used:used + n].to(torch.int32)
+        used += n
+    seqlens = torch.tensor(lens + [1] * padding, dtype=torch.int32)
+    positions = (seqlens - 1).to(torch.int64)
+    slots = torch.tensor([int(tables[b, (n - 1) // page]) * page + (n - 1) % page for b, n in enumerate(lens)]
+                         + [-1] * padding, dtype=torch.int64)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = (torch.randn(num_seqs, width + 8, generator=gen) * 2).to(dtype)[:, :width]
+    caches = [torch.randn(num_blocks, page, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2)]
+    rotary = RotaryEmbedding(head_dim, max(lens) + 1, 1e6, {"rope_type": "default"})
+    weights = [(torch.rand(head_dim, generator=gen) + 0.5).to(dtype) for _ in range(2)] if has_norm else [None, None]
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return (to(qkv), to(positions), to(slots), to(seqlens), to(tables), [to(c) for c in caches],
+            to(rotary.cos), to(rotary.sin), [to(w) for w in weights])
+
+
+def check_fused_decode(cases, device: str, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """{check: (error or count, all written)} for each case: the output against the unfused kernels
+    (relative error, and the share of elements that differ at all), the caches (the new V copied exactly,
+    K as qkv_prep writes it, nothing else touched), the output against the fp32 reference, the counters
+    left zero, and a second launch giving the same output (so the counters were reset)."""
+    from engine.kernels import paged_decode, qkv_prep
+    from engine.kernels.fused_decode import fused_decode
+    from engine.kernels.paged_decode import decode_order
+
+    results = {}
+    for seed, (name, heads, kv_heads, head_dim, page, lens, has_norm, splits, ordered, padding) in enumerate(cases):
+        qkv, positions, slots, seqlens, tables, caches, cos, sin, (qw, kw) = _problem(
+            heads, kv_heads, head_dim, page, lens, has_norm, padding, dtype, device, seed)
+        max_len = max(lens)
+        order = decode_order(seqlens) if ordered else None
+        scale = head_dim ** -0.5
+
+        unfused = [c.clone() for c in caches]
+        q = qkv_prep(qkv, positions, cos, sin, qw, kw, 1e-6, unfused[0], unfused[1], slots, heads, kv_heads, head_dim)
+        expected = paged_decode(q, unfused[0], unfused[1], seqlens, tables, max_len, scale, num_splits=splits,
+                                order=order)
+
+        fused = [c.clone() for c in caches]
+        counters = torch.zeros(len(seqlens) * kv_heads + 5, dtype=torch.int32, device=device)
+        out = fused_decode(qkv, positions, cos, sin, qw, kw, 1e-6, fused[0], fused[1], slots, seqlens, tables,
+                           max_len, scale, heads, kv_heads, counters, order=order, num_splits=splits)
+        again = fused_decode(qkv, positions, cos, sin, qw, kw, 1e-6, fused[0], fused[1], slots, seqlens, tables,
+                             max_len, scale, heads, kv_heads, counters, order=order, num_splits=splits)
+        real = len(lens)
+        finite = bool(torch.isfinite(out).all().item())  # padding rows too
+        results[f"{name}_out"] = (relative_error(out[:real], expected[:real]), finite)
+        results[f"{name}_out_exact_share"] = (float((out[:real] != expected[:real]).float().mean().item()), finite)
+        results[f"{name}_rerun_identical"] = (float((again != out).sum().item()), True)
+        results[f"{name}_store_v"] = (float((fused[1] != unfused[1]).sum().item()), True)
+        results[f"{name}_k_cache_exact_share"] = (float((fused[0] != unfused[0]).float().mean().item()), True)
+        written = torch.zeros(fused[0].shape[0] * page, dtype=torch.bool, device=device)
+        written[slots[slots >= 0]] = True
+        untouched = (fused[0].view(-1, kv_heads * head_dim)[~written] != caches[0].view(-1, kv_heads * head_dim)[~written])
+        results[f"{name}_store_untouched"] = (float(untouched.sum().item()), True)
+        results[f"{name}_store_counters_zero"] = (float((counters != 0).sum().item()), True)
+        case = PagedCase(q=q[:real], k_cache=fused[0], v_cache=fused[1],
+                         cu_seqlens_q=torch.arange(real + 1, dtype=torch.int32, device=device),
+                         seqlens_k=seqlens[:real], block_tables=tables[:real], max_seqlen_q=1,
+                         max_seqlen_k=max_len, scale=scale)
+        results[f"{name}_reference"] = (relative_error(out[:real], reference_attention(case)), finite)
+    return results
+
+
+def _main() -> None:
+    import json
+
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    torch.set_num_threads(1)
+    print(json.dumps(check_fused_decode(CPU_CASES, "cpu")))
+
+
+if __name__ == "__main__":
+    _main()
