@@ -1,6 +1,15 @@
-"""CUDA graphs for decode steps: one graph per padded batch size, replayed over static buffers."""
+"""CUDA graphs for decode steps: one graph per padded batch size, replayed over static buffers.
+
+A step's inputs (token ids, positions, cache slots, lengths, block tables, which rows take the previous
+step's tokens, the sampling seed) reach the device in one copy from a pinned host buffer. On one GPU
+the graph also does what used to be launched one kernel at a time around it: the rows whose token the
+previous step sampled take it from the device, and after the layers it runs the LM head and samples
+(greedy or Gumbel-max, engine/kernels/sampling.py). So a decode step is one copy in, one replay and one
+copy of the tokens out. Under tensor parallelism the graphs hold the layers only, as before.
+"""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
@@ -8,41 +17,107 @@ from engine.attention import AttentionMetadata
 GRAPH_SIZES = [1, 2, 4, 8] + list(range(16, 1025, 16))
 
 
+class StepBuffer:
+    """Named arrays in one device buffer, filled by one copy a step from a pinned host buffer. The host
+    buffers are a ring, and each waits for its last copy before it is written again, so the host never
+    overwrites what a queued copy has still to read."""
+
+    RING = 4
+
+    def __init__(self, fields: list[tuple[str, torch.dtype, int]], device: torch.device):
+        self.offsets: dict[str, int] = {}
+        size = 0
+        for name, dtype, count in fields:
+            self.offsets[name] = size
+            size += -(-count * dtype.itemsize // 16) * 16  # every array 16-byte aligned
+        self.device_bytes = torch.zeros(size, dtype=torch.uint8, device=device)
+        self.arrays = {name: self._slice(self.device_bytes, name, dtype, count) for name, dtype, count in fields}
+        self.host_bytes = [torch.zeros(size, dtype=torch.uint8).pin_memory() for _ in range(self.RING)]
+        self.host_arrays = [{name: self._slice(h, name, dtype, count).numpy() for name, dtype, count in fields}
+                            for h in self.host_bytes]
+        self.copied = [None] * self.RING
+        self.slot = 0
+
+    def _slice(self, buffer: torch.Tensor, name: str, dtype: torch.dtype, count: int) -> torch.Tensor:
+        start = self.offsets[name]
+        return buffer[start: start + count * dtype.itemsize].view(dtype)
+
+    def host(self) -> dict[str, np.ndarray]:
+        """The arrays of the next host buffer, free to write."""
+        if self.copied[self.slot] is not None:
+            self.copied[self.slot].synchronize()
+        return self.host_arrays[self.slot]
+
+    def upload(self, num_bytes: int) -> None:
+        """Queue the copy of the first num_bytes of the host buffer just written."""
+        self.device_bytes[:num_bytes].copy_(self.host_bytes[self.slot][:num_bytes], non_blocking=True)
+        event = self.copied[self.slot] or torch.cuda.Event()
+        event.record()
+        self.copied[self.slot] = event
+        self.slot = (self.slot + 1) % self.RING
+
+
 class DecodeGraphs:
     def __init__(self, runner):
         cfg = runner.config
         self.runner = runner
         self.sizes = [s for s in GRAPH_SIZES if s < cfg.max_num_seqs] + [cfg.max_num_seqs]
-        self.max_bs = self.sizes[-1]
+        self.max_bs = max_bs = self.sizes[-1]
         self.max_blocks = cfg.max_blocks_per_seq
         dev = runner.device
-        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((self.max_bs,), -1, dtype=torch.int64, device=dev)
-        self.seqlens_k = torch.ones(self.max_bs, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros(self.max_bs, self.max_blocks, dtype=torch.int32, device=dev)
-        self.cu_seqlens_q = torch.arange(self.max_bs + 1, dtype=torch.int32, device=dev)
+        i64, i32 = torch.int64, torch.int32
+        # block tables last: a step copies only the rows it has
+        self.buffer = StepBuffer([("input_ids", i64, max_bs), ("positions", i64, max_bs),
+                                  ("slot_mapping", i64, max_bs), ("pending_src", i64, max_bs), ("seed", i64, 1),
+                                  ("seqlens_k", i32, max_bs), ("block_tables", i32, max_bs * self.max_blocks)], dev)
+        a = self.buffer.arrays
+        self.input_ids, self.positions, self.slot_mapping = a["input_ids"], a["positions"], a["slot_mapping"]
+        self.pending_src, self.seed, self.seqlens_k = a["pending_src"], a["seed"], a["seqlens_k"]
+        self.block_tables = a["block_tables"].view(max_bs, self.max_blocks)
+        self.slot_mapping.fill_(-1)
+        self.seqlens_k.fill_(1)
+        self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=i32, device=dev)
+        # sampling in the graph: one rank only (under TP the ranks share the sampling through collectives)
+        self.samples = runner.tp.size == 1 and _sampling_kernels() is not None
+        self.tokens = torch.zeros(max_bs, dtype=i64, device=dev)              # the sampled ids
+        self.temperatures = torch.zeros(max_bs, dtype=torch.float32, device=dev)  # 0: greedy
+        self._temperatures_of = None  # the tensor self.temperatures holds a copy of
+        self._tokens_sampled = None   # the view of self.tokens the last sampling replay returned
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.logits: dict[int, torch.Tensor] = {}
         self._capture_all(cfg.max_model_len)
 
     def _meta(self, bs: int, max_seqlen_k: int) -> AttentionMetadata:
         return AttentionMetadata(self.slot_mapping[:bs], self.cu_seqlens_q[: bs + 1], self.seqlens_k[:bs],
                                  self.block_tables[:bs], 1, max_seqlen_k, True)
 
+    def _step(self, bs: int) -> torch.Tensor:
+        """What a replay of size bs runs; returns the hidden states."""
+        model = self.runner.model
+        input_ids = self.input_ids[:bs]
+        if self.samples:  # rows still waiting for the previous step's token take it from the device
+            src = self.pending_src[:bs]
+            input_ids = torch.where(src >= 0, self.tokens.index_select(0, src.clamp(min=0)), input_ids)
+        hidden = model(input_ids, self.positions[:bs])
+        if self.samples:
+            self.logits[bs] = logits = model.compute_logits(hidden)
+            _sampling_kernels().gumbel_argmax(logits, self.temperatures[:bs], self.seed, out=self.tokens[:bs])
+        return hidden
+
     @torch.inference_mode()
     def _capture_all(self, max_model_len: int) -> None:
-        model, ctx = self.runner.model, self.runner.ctx
+        ctx = self.runner.ctx
         pool = None
         for bs in reversed(self.sizes):  # largest first, so smaller graphs fit in its memory pool
             ctx.meta = self._meta(bs, max_model_len)
-            model(self.input_ids[:bs], self.positions[:bs])  # warm-up: compile kernels outside capture
+            self._step(bs)  # warm-up: compile kernels outside capture
             # fresh metadata: what the backend derived during the warm-up (a decode order) must be
             # derived again inside the capture, from the buffers each replay refills
             ctx.meta = self._meta(bs, max_model_len)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                self.outputs[bs] = model(self.input_ids[:bs], self.positions[:bs])
+                self.outputs[bs] = self._step(bs)
             pool = pool or graph.pool()
             self.graphs[bs] = graph
             torch.cuda.synchronize()
@@ -51,19 +126,68 @@ class DecodeGraphs:
     def fits(self, inputs) -> bool:
         return len(inputs.input_ids) <= self.max_bs and inputs.block_tables.shape[1] <= self.max_blocks
 
-    def replay(self, inputs, input_ids: torch.Tensor, to_device) -> torch.Tensor:
-        """Run the graph of the smallest captured size >= the batch; input_ids already on the device."""
+    def _size(self, num_seqs: int) -> int:
+        return next(s for s in self.sizes if s >= num_seqs)
+
+    def _upload(self, inputs, bs: int, seed: int, pending: bool) -> None:
+        """The step's inputs into the next host buffer, rows past the batch as padding (write nothing,
+        read one valid slot), then one copy to the device."""
         n = len(inputs.input_ids)
-        bs = next(s for s in self.sizes if s >= n)
+        a = self.buffer.host()
+        a["input_ids"][:n] = inputs.input_ids.numpy()
+        a["positions"][:n] = inputs.positions.numpy()
+        a["slot_mapping"][:n] = inputs.slot_mapping.numpy()
+        a["seqlens_k"][:n] = inputs.seqlens_k.numpy()
+        a["input_ids"][n:bs] = a["positions"][n:bs] = 0
+        a["slot_mapping"][n:bs] = -1
+        a["seqlens_k"][n:bs] = 1
+        a["pending_src"][:bs] = -1
+        if pending and inputs.pending_rows is not None:
+            a["pending_src"][inputs.pending_rows.numpy()] = inputs.pending_src.numpy()
+        a["seed"][0] = seed
         width = inputs.block_tables.shape[1]
+        tables = a["block_tables"].reshape(self.max_bs, self.max_blocks)
+        tables[:n, :width] = inputs.block_tables.numpy()
+        # padding rows keep the rows of an earlier step, or the zeros they started with: valid blocks
+        self.buffer.upload(self.buffer.offsets["block_tables"] + n * self.max_blocks * 4)
+
+    def replay(self, inputs, input_ids: torch.Tensor) -> torch.Tensor:
+        """Hidden states of the batch (the smallest captured size >= it); input_ids already on the
+        device, pending tokens filled in."""
+        n = len(inputs.input_ids)
+        bs = self._size(n)
+        self._upload(inputs, bs, seed=0, pending=False)
         self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(to_device(inputs.positions))
-        self.slot_mapping[:n].copy_(to_device(inputs.slot_mapping))
-        self.seqlens_k[:n].copy_(to_device(inputs.seqlens_k))
-        self.block_tables[:n, :width].copy_(to_device(inputs.block_tables))
-        if bs > n:  # padding rows: write nothing, read one valid slot
-            self.slot_mapping[n:bs] = -1
-            self.seqlens_k[n:bs] = 1
-            self.block_tables[n:bs] = 0
+        self._tokens_sampled = None  # the graph samples over self.tokens all the same
         self.graphs[bs].replay()
         return self.outputs[bs][:n]
+
+    def replay_sampled(self, inputs, temperatures: torch.Tensor | None, seed: int,
+                       previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step with sampling: (token ids [n], logits [n, vocab]), both views of the graph's
+        buffers, valid until the next replay. temperatures: [n] on the device (0: greedy), or None for
+        greedy rows whose tokens the caller does not use (it samples from the logits itself).
+        previous: the previous step's sampled ids, which pending rows index."""
+        n = len(inputs.input_ids)
+        bs = self._size(n)
+        if previous is not self._tokens_sampled and previous.numel():
+            self.tokens[: previous.numel()].copy_(previous)
+        if temperatures is not self._temperatures_of:
+            if temperatures is None:
+                self.temperatures.zero_()
+            else:
+                self.temperatures[:n].copy_(temperatures)
+                self.temperatures[n:].zero_()
+            self._temperatures_of = temperatures
+        self._upload(inputs, bs, seed, pending=True)
+        self.graphs[bs].replay()
+        self._tokens_sampled = self.tokens[:n]
+        return self._tokens_sampled, self.logits[bs][:n]
+
+
+def _sampling_kernels():
+    try:
+        from engine.kernels import sampling
+    except ImportError:
+        return None
+    return sampling

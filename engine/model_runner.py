@@ -220,7 +220,7 @@ class ModelRunner:
         if inputs.pending_rows is not None:  # tokens the previous launch sampled on the device
             input_ids[to(inputs.pending_rows)] = self._pending_tokens(to(inputs.pending_src))
         if self.graphs is not None and inputs.is_decode and self.graphs.fits(inputs):
-            return self.graphs.replay(inputs, input_ids, to)
+            return self.graphs.replay(inputs, input_ids)
         self.ctx.meta = AttentionMetadata(
             slot_mapping=to(inputs.slot_mapping), cu_seqlens_q=to(inputs.cu_seqlens_q),
             seqlens_k=to(inputs.seqlens_k), block_tables=to(inputs.block_tables),
@@ -258,6 +258,9 @@ class ModelRunner:
                plan: StepSampling | None = None) -> "SampledTokens":
         """Queue forward and sampling on the device; the returned handle waits for the tokens.
         plan: under tensor parallelism, the step's sampling_plan, as the other ranks were sent it."""
+        graphs = self.graphs
+        if st is not None and graphs is not None and graphs.samples and inputs.is_decode and graphs.fits(inputs):
+            return self._launch_sampling_graph(inputs, st, num_logprobs)
         hidden = self.forward(inputs)
         if st is None:
             return SampledTokens([])
@@ -265,6 +268,18 @@ class ModelRunner:
             self.last_sampled = token_ids = self.sample_shards(hidden, inputs, plan, st.temperatures)
             return SampledTokens([token_ids])
         return self.sample_async(self.compute_logits(hidden, inputs), st, num_logprobs)
+
+    def _launch_sampling_graph(self, inputs: StepInputs, st: SamplingTensors, num_logprobs: int) -> "SampledTokens":
+        """A decode step as one graph replay with the LM head and the sampling captured in it. Steps the
+        graph's sampler cannot take (logprobs, top-k/p, min-p, seeded requests) sample from its logits."""
+        in_graph = num_logprobs < 0 and samples_by_argmax(st)
+        seed = draw_seed(self.seed_generator) if in_graph and not st.all_greedy else 0  # as sample() draws
+        tokens, logits = self.graphs.replay_sampled(inputs, st.temperatures if in_graph else None, seed,
+                                                    self.last_sampled)
+        if not in_graph:
+            return self.sample_async(logits, st, num_logprobs)
+        self.last_sampled = tokens
+        return SampledTokens([tokens])
 
     def sampling_plan(self, st: SamplingTensors | None, num_logprobs: int) -> StepSampling | None:
         """Rank 0: how every rank takes part in this step's sampling (None: nothing is sampled). Sharded

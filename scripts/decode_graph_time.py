@@ -45,6 +45,8 @@ def main() -> None:
                      use_tqdm=False)  # the graph of this size now holds this batch's last step
         size = next(s for s in runner.graphs.sizes if s >= batch)
         graph, hidden = runner.graphs.graphs[size], runner.graphs.outputs[size][:batch]
+        if runner.graphs.samples:
+            print(f"batch {batch}: the graph holds the LM head and the sampler (timed again below)", flush=True)
         vocab = runner.model.lm_head.vocab_size
         st = SamplingTensors(temperatures=torch.full((batch,), args.temperature, device="cuda"),
                              top_ks=torch.full((batch,), vocab, device="cuda"),

@@ -126,3 +126,29 @@ def test_programmatic_dependent_launch_keeps_every_token(gpu_checkpoint, monkeyp
         del llm
         gc.collect()
     assert tokens["1"] == tokens["0"]
+
+
+def test_decode_graphs_that_sample_give_the_tokens_of_eager_steps(gpu_checkpoint, free_gpu):
+    """On one GPU the decode graphs hold the LM head and the sampler, take the previous step's tokens from
+    the device and read the seed from their input buffer. Batches of captured sizes (1 and 4 rows, so
+    eager steps multiply matrices of the same shapes) give the tokens of enforce_eager, for Gumbel-max
+    sampling (in the graph), greedy (in the graph), and top-p with logprobs (sampled from the graph's
+    logits), one after the other on each engine."""
+    prompts = _prompts(n=4, seed=9)
+    runs = [(prompts[:1], SamplingParams(temperature=0.8, max_tokens=MAX_NEW)),
+            (prompts, SamplingParams(temperature=0.8, max_tokens=MAX_NEW)),
+            (prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW)),
+            (prompts, SamplingParams(temperature=1.0, top_p=0.9, logprobs=2, max_tokens=MAX_NEW))]
+    results = {}
+    for eager in (True, False):
+        llm = LLM(str(gpu_checkpoint), device="cuda", dtype="bfloat16", max_model_len=1024, max_num_seqs=4,
+                  enforce_eager=eager)
+        assert (llm.runner.graphs is None) == eager
+        if not eager:
+            assert llm.runner.graphs.samples
+        results[eager] = [[(o.token_ids, [round(lp["logprob"], 3) for lp in o.logprobs or []])
+                           for o in llm.generate(p, sp, use_tqdm=False)] for p, sp in runs]
+        del llm
+        gc.collect()
+    assert results[False] == results[True]
+    assert len({tuple(t) for t, _ in results[False][1]}) > 1, "four prompts sampled four times alike"
