@@ -1,9 +1,12 @@
 """GPU time of one decode step at a small batch, without the host: the captured decode graph replayed
 back to back, the LM head and the sampler timed with CUDA events. Host jitter moves the batch-1 bench
-by +-10% between runs; this does not see it.
+by +-10% between runs; this does not see it. On one GPU the graph holds the LM head and the sampler
+too (engine/cuda_graphs.py), so its time is the whole step's and the two separate timings repeat them.
 
     PYTHONPATH=. python3 scripts/decode_graph_time.py [--batches 1,8] [--context 768] [--replays 200]
-Prints one JSON line: {batch: {"graph_ms", "lm_head_ms", "sample_ms"}} (medians of 5 rounds).
+        [--gemv-slice N] [--gemv-min-programs N] [--gemv-eight-warps-above N]
+Prints one JSON line: {batch: {"graph_ms", "lm_head_ms", "sample_ms"}} (medians of 5 rounds). The
+--gemv options set engine/kernels/gemv.py's slice sizing before the graphs are captured (a sweep).
 """
 from __future__ import annotations
 
@@ -32,7 +35,15 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--context", type=int, default=768, help="prompt length before the timed steps")
     parser.add_argument("--replays", type=int, default=200)
+    parser.add_argument("--gemv-slice", type=int, default=None, help="engine.kernels.gemv.MAX_SLICE to try")
+    parser.add_argument("--gemv-min-programs", type=int, default=None, help="gemv.MIN_PROGRAMS to try")
+    parser.add_argument("--gemv-eight-warps-above", type=int, default=None, help="gemv.EIGHT_WARPS_ABOVE to try")
     args = parser.parse_args()
+    from engine.kernels import gemv
+    for name in ("slice", "min_programs", "eight_warps_above"):  # before the graphs capture the launches
+        value = getattr(args, f"gemv_{name}")
+        if value is not None:
+            setattr(gemv, "MAX_SLICE" if name == "slice" else name.upper(), value)
     from engine.layers.sampler import SamplingTensors, sample
     from engine.sampling_params import SamplingParams
 
@@ -62,7 +73,10 @@ def main() -> None:
         results[batch] = {k: round(statistics.median(v), 4) for k, v in rounds.items()}
         print(f"batch {batch}: decode graph {results[batch]['graph_ms']:.4f} ms, LM head "
               f"{results[batch]['lm_head_ms']:.4f} ms, sampling {results[batch]['sample_ms']:.4f} ms", flush=True)
-    print(json.dumps({"gpu": bench.gpu_name(), "commit": bench.git_commit(), "model": args.model, "steps": results}))
+    gemv_settings = {"slice": gemv.MAX_SLICE, "min_programs": gemv.MIN_PROGRAMS,
+                     "eight_warps_above": gemv.EIGHT_WARPS_ABOVE}
+    print(json.dumps({"gpu": bench.gpu_name(), "commit": bench.git_commit(), "model": args.model, "gemv": gemv_settings,
+                      "steps": results}))
     llm.shutdown()
 
 

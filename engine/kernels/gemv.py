@@ -24,6 +24,7 @@ from engine.kernels.qkv_prep import _round
 
 MAX_SLICE = 16384      # weight elements a program holds in registers
 MIN_PROGRAMS = 128     # narrow the slices until N gives about this many programs
+EIGHT_WARPS_ABOVE = 8192  # slices of more elements than this take 8 warps, others 4
 # x rows up to which the layers take this kernel (REDLINE_GEMV_MAX_ROWS). Each row is a pass over the
 # slice on CUDA cores: on the H100 a 0.6B decode step is 36% faster than with cuBLAS at 1 row, 14% at 2,
 # 5% slower at 4 and 2.3x slower at 16 (docs/kernels-notes.md), so 2.
@@ -121,7 +122,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             res_to.stride(0), eps,
             BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % block_n == 0, EVEN_K=K == block_k,
             HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None, HAS_RESIDUAL=residual is not None,
-            num_warps=8 if block_n * block_k > 8192 else 4, **pdl_options(x))
+            num_warps=8 if block_n * block_k > EIGHT_WARPS_ABOVE else 4, **pdl_options(x))
     return out if res_out is None else (out, res_out)
 
 
