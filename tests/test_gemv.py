@@ -127,14 +127,21 @@ def test_gemv_is_never_taken_for_cpu_tensors():
     assert not gemv_module.takes(x, w)
 
 
-def test_bad_gemv_rows_setting_is_a_clear_error(monkeypatch):
-    monkeypatch.setenv("REDLINE_GEMV_MAX_ROWS", "many")
+@pytest.mark.parametrize("value", ["many", "33"])
+def test_bad_gemv_rows_setting_is_a_clear_error(monkeypatch, value):
+    monkeypatch.setenv("REDLINE_GEMV_MAX_ROWS", value)
     gemv_module.max_rows.cache_clear()
     try:
-        with pytest.raises(ValueError, match="REDLINE_GEMV_MAX_ROWS must be a non-negative integer, got 'many'"):
+        with pytest.raises(ValueError, match=f"REDLINE_GEMV_MAX_ROWS must be an integer from 0 to 32, got '{value}'"):
             gemv_module.max_rows()
     finally:
         gemv_module.max_rows.cache_clear()
+
+
+def test_gemv_refuses_more_rows_than_it_unrolls():
+    x, w = torch.zeros(33, 16, dtype=torch.bfloat16), torch.zeros(8, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="gemv takes at most 32 rows of x, got 33; use F.linear"):
+        gemv_module.gemv(x, w)
 
 
 def test_bad_pdl_setting_is_a_clear_error(monkeypatch):

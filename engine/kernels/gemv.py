@@ -29,6 +29,7 @@ EIGHT_WARPS_ABOVE = 8192  # slices of more elements than this take 8 warps, othe
 # slice on CUDA cores: on the H100 a 0.6B decode step is 36% faster than with cuBLAS at 1 row, 14% at 2,
 # 5% slower at 4 and 2.3x slower at 16 (docs/kernels-notes.md), so 2.
 DEFAULT_MAX_ROWS = 2
+ROW_LIMIT = 32  # the row loop is unrolled: one compiled variant per row count, so few rows only
 
 
 @triton.jit
@@ -36,7 +37,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
                  res_ptr, norm_w_ptr, res_out_ptr, stride_rm, stride_rom, eps,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                 PDL: tl.constexpr):
+                 ROWS: tl.constexpr, PDL: tl.constexpr):
     launch_dependents(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -56,7 +57,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
     wait_for_previous(PDL)  # x is written by an earlier kernel; the weights never are
     w = w.to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    for m in range(M):
+    for m in tl.static_range(ROWS):  # unrolled, so every row's loads issue before the first row's sums
         x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         if GATED:  # x row is [gate | up]: silu(gate) * up, rounded as the SiLU·mul kernel rounds
             up = tl.load(x_ptr + m * stride_xm + K + offs_k, mask=k_mask, other=0.0).to(tl.float32)
@@ -105,6 +106,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if bias is not None and (bias.shape != (N,) or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous [{N}] vector, got {tuple(bias.shape)}")
     M = x.shape[0]
+    if M > ROW_LIMIT:
+        raise ValueError(f"gemv takes at most {ROW_LIMIT} rows of x, got {M}; use F.linear for more")
     residual, norm_weight, eps = norm if norm is not None else (None, None, 0.0)
     if norm_weight is not None and (norm_weight.shape != (K,) or not norm_weight.is_contiguous()):
         raise ValueError(f"the norm weight must be a contiguous [{K}] vector, got {tuple(norm_weight.shape)}")
@@ -122,7 +125,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             res_to.stride(0), eps,
             BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % block_n == 0, EVEN_K=K == block_k,
             HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None, HAS_RESIDUAL=residual is not None,
-            num_warps=8 if block_n * block_k > EIGHT_WARPS_ABOVE else 4, **pdl_options(x))
+            ROWS=M, num_warps=8 if block_n * block_k > EIGHT_WARPS_ABOVE else 4, **pdl_options(x))
     return out if res_out is None else (out, res_out)
 
 
@@ -130,8 +133,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 def max_rows() -> int:
     """REDLINE_GEMV_MAX_ROWS: rows up to which the layers use gemv (0: never)."""
     value = os.environ.get("REDLINE_GEMV_MAX_ROWS", str(DEFAULT_MAX_ROWS))
-    if not value.isdigit():
-        raise ValueError(f"REDLINE_GEMV_MAX_ROWS must be a non-negative integer, got {value!r}")
+    if not value.isdigit() or int(value) > ROW_LIMIT:
+        raise ValueError(f"REDLINE_GEMV_MAX_ROWS must be an integer from 0 to {ROW_LIMIT}, got {value!r}")
     return int(value)
 
 
