@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.layers.sampler import _gumbel_kernels
 
 GRAPH_SIZES = [1, 2, 4, 8] + list(range(16, 1025, 16))
 
@@ -78,7 +79,7 @@ class DecodeGraphs:
         self.seqlens_k.fill_(1)
         self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=i32, device=dev)
         # sampling in the graph: one rank only (under TP the ranks share the sampling through collectives)
-        self.samples = runner.tp.size == 1 and _sampling_kernels() is not None
+        self.samples = runner.tp.size == 1 and _gumbel_kernels() is not None
         self.tokens = torch.zeros(max_bs, dtype=i64, device=dev)              # the sampled ids
         self.temperatures = torch.zeros(max_bs, dtype=torch.float32, device=dev)  # 0: greedy
         self._temperatures_of = None  # the tensor self.temperatures holds a copy of
@@ -102,7 +103,7 @@ class DecodeGraphs:
         hidden = model(input_ids, self.positions[:bs])
         if self.samples:
             self.logits[bs] = logits = model.compute_logits(hidden)
-            _sampling_kernels().gumbel_argmax(logits, self.temperatures[:bs], self.seed, out=self.tokens[:bs])
+            _gumbel_kernels().gumbel_argmax(logits, self.temperatures[:bs], self.seed, out=self.tokens[:bs])
         return hidden
 
     @torch.inference_mode()
@@ -183,11 +184,3 @@ class DecodeGraphs:
         self.graphs[bs].replay()
         self._tokens_sampled = self.tokens[:n]
         return self._tokens_sampled, self.logits[bs][:n]
-
-
-def _sampling_kernels():
-    try:
-        from engine.kernels import sampling
-    except ImportError:
-        return None
-    return sampling

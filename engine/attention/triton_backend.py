@@ -47,12 +47,8 @@ class TritonBackend:
                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                  num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
         """Queries [T, H, D] ready for attention; K/V stored. One kernel (engine/kernels/qkv_prep.py)."""
-        if q_norm is not None and q_norm.eps != k_norm.eps:
-            raise ValueError("the fused q/k norm needs one eps for both")
-        return qkv_prep(qkv, positions, rotary.cos, rotary.sin,
-                        None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
-                        0.0 if q_norm is None else q_norm.eps, k_cache, v_cache, slot_mapping,
-                        num_heads, num_kv_heads, head_dim)
+        return qkv_prep(qkv, positions, rotary.cos, rotary.sin, *_qk_norm_args(q_norm, k_norm), k_cache, v_cache,
+                        slot_mapping, num_heads, num_kv_heads, head_dim)
 
     def decode_from_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, meta: "AttentionMetadata",
@@ -61,14 +57,10 @@ class TritonBackend:
         (engine/kernels/fused_decode.py); None where it does not apply (then qkv_prep and forward)."""
         if not (self.fuses_decode and meta.is_decode and fused_decode.fits(head_dim)):
             return None
-        if q_norm is not None and q_norm.eps != k_norm.eps:
-            raise ValueError("the fused q/k norm needs one eps for both")
-        num_seqs = qkv.shape[0]
         return fused_decode.fused_decode(
-            qkv, positions, rotary.cos, rotary.sin, None if q_norm is None else q_norm.weight,
-            None if k_norm is None else k_norm.weight, 0.0 if q_norm is None else q_norm.eps, k_cache, v_cache,
+            qkv, positions, rotary.cos, rotary.sin, *_qk_norm_args(q_norm, k_norm), k_cache, v_cache,
             meta.slot_mapping, meta.seqlens_k, meta.block_tables, meta.max_seqlen_k, scale, num_heads,
-            num_kv_heads, self._split_counters(num_seqs * num_kv_heads, qkv.device),
+            num_kv_heads, self._split_counters(qkv.shape[0] * num_kv_heads, qkv.device),
             order=self._decode_order(meta))
 
     def _split_counters(self, count: int, device: torch.device) -> torch.Tensor:
@@ -108,3 +100,12 @@ class TritonBackend:
         return paged_decode(q, k_cache, v_cache, meta.seqlens_k, meta.block_tables, meta.max_seqlen_k,
                             scale, out=out, cu_seqlens_q=meta.cu_seqlens_q, schedule=self.decode_schedule,
                             order=order, plan=plan)
+
+
+def _qk_norm_args(q_norm, k_norm) -> tuple:
+    """(q norm weight, k norm weight, eps) for the fused kernels: (None, None, 0.0) without q/k norm."""
+    if q_norm is None:
+        return None, None, 0.0
+    if q_norm.eps != k_norm.eps:
+        raise ValueError("the fused q/k norm needs one eps for both")
+    return q_norm.weight, k_norm.weight, q_norm.eps

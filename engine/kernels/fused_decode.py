@@ -22,7 +22,7 @@ import triton.language as tl
 
 from engine.kernels.launch import launch_dependents, pdl_options, wait_for_previous
 from engine.kernels.paged_decode import (MAX_GRID_SEQS, DecodeConfig, _attend_range, _num_sms,
-                                         choose_num_splits, default_decode_config)
+                                         choose_num_splits, default_decode_config, split_range)
 from engine.kernels.paged_tiles import LOG2E, check_paged_inputs, group_pad, upcast_dot
 from engine.kernels.qkv_prep import _norm_rope, _round
 
@@ -46,9 +46,7 @@ def _fused_decode_kernel(
     if ORDERED:
         seq = tl.load(order_ptr + seq).to(tl.int32)
     seqlen = tl.load(seqlens_k_ptr + seq)
-    per_split = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, seqlen)
+    per_split, start, end = split_range(seqlen, split, num_splits, BLOCK_N)
     dtype = out_ptr.dtype.element_ty
 
     # the queries of this KV head, normed and rotated as qkv_prep does, halves joined into [GROUP_PAD, D]

@@ -76,6 +76,14 @@ def _attend_range(q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset, off
 
 
 @triton.jit
+def split_range(seqlen, split, num_splits, BLOCK_N: tl.constexpr):
+    """Grid schedule: (positions per split, whole KV tiles; start, end) of one split of a sequence."""
+    per_split = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    return per_split, start, tl.minimum(start + per_split, seqlen)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seqlens_k_ptr, block_tables_ptr, cu_seqlens_q_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_page, stride_slot, stride_khead, stride_bt,
@@ -99,9 +107,7 @@ def _decode_split_kernel(
         if tl.load(cu_seqlens_q_ptr + seq + 1) - token != 1:
             return
     seqlen = tl.load(seqlens_k_ptr + seq)
-    per_split = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, seqlen)
+    per_split, start, end = split_range(seqlen, split, num_splits, BLOCK_N)
 
     offs_g = tl.arange(0, GROUP_PAD)
     head = kv_head * GROUP + offs_g
