@@ -24,7 +24,7 @@ from pathlib import Path
 
 REL_TOL = 1e-2
 M_VALUES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-TOTAL_MAX_M = 16
+TOTAL_MAX_M = 256
 NUM_LAYERS_06B = 28
 L2_FLUSH_BYTES = 200 << 20   # graph calls cycle through this many bytes of weight copies (H100 L2: 50 MiB)
 MIN_GRAPH_CALLS = 20
@@ -89,6 +89,13 @@ DOT_SWEEP = [
     SkinnyConfig(block_n=128, block_k=128, num_warps=8, num_stages=3, use_dot=True, swap_ab=False),
     SkinnyConfig(block_n=64, block_k=64, num_warps=4, num_stages=6, use_dot=True, swap_ab=True),
 ]
+# past 64 rows: ordinary tiles (x on the MMA's M side), 64 or 128 rows a program
+LARGE_M_SWEEP = [
+    SkinnyConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st, use_dot=True, swap_ab=False)
+    for bm, bn, bk, w, st in [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 4, 3), (64, 128, 128, 8, 3),
+                              (128, 64, 64, 4, 4), (128, 64, 128, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 3),
+                              (64, 256, 64, 8, 3), (128, 256, 64, 8, 3), (64, 64, 256, 4, 3), (32, 128, 128, 4, 4)]
+]
 REDUCE_SWEEP_MAX_M = 8
 REDUCE_MAX_TILE = 16384  # block_m * block_n * block_k of the reduce path's broadcast product
 
@@ -97,7 +104,7 @@ def sweep_configs(M: int, N: int, K: int, num_sms: int, heuristic: SkinnyConfig)
     """The heuristic with split 1 and with doubled split, then every candidate that fits M with its
     split from choose_split_k."""
     candidates = [replace(heuristic, split_k=1), replace(heuristic, split_k=2 * heuristic.split_k)]
-    tried = list(DOT_SWEEP)
+    tried = list(DOT_SWEEP) if M <= 64 else list(LARGE_M_SWEEP)
     if M <= REDUCE_SWEEP_MAX_M:
         m_pad = triton.next_power_of_2(M)
         tried = [c for c in REDUCE_SWEEP if m_pad * c.block_n * c.block_k <= REDUCE_MAX_TILE] + tried

@@ -37,17 +37,19 @@ class SkinnyConfig:
     num_stages: int = 3
     use_dot: bool = False
     swap_ab: bool = True  # dot path: weight tile on the MMA's M side, x on its N side
+    block_m: int = 0      # dot path: rows of x a program takes; 0 picks from M (16..64)
 
     @property
     def name(self) -> str:
         kind = ("dotT" if self.swap_ab else "dot") if self.use_dot else "red"
-        return (f"{kind}_n{self.block_n}_k{self.block_k}_s{self.split_k}"
+        rows = f"_m{self.block_m}" if self.block_m else ""
+        return (f"{kind}{rows}_n{self.block_n}_k{self.block_k}_s{self.split_k}"
                 f"_w{self.num_warps}_st{self.num_stages}")
 
 
 def block_m_for(M: int, config: SkinnyConfig) -> int:
     if config.use_dot:
-        return min(max(16, triton.next_power_of_2(M)), DOT_MAX_BLOCK_M)
+        return config.block_m or min(max(16, triton.next_power_of_2(M)), DOT_MAX_BLOCK_M)
     return min(triton.next_power_of_2(M), REDUCE_MAX_M)
 
 
