@@ -1,0 +1,208 @@
+"""Would two half batches on two streams hide a decode step's GEMMs under its attention? (GPU only)
+
+    PYTHONPATH=. python3 scripts/overlap_check.py [--batches 256,128] [--layers 28] [--min-context 500]
+        [--max-context 1500]
+
+Builds the Qwen3-0.6B decode layer from the engine's kernels (RMSNorm, cuBLAS projections, fused decode
+attention, SiLU·mul) over a paged KV cache of random sequences, and times CUDA graphs of one step:
+  whole      the batch through every layer, one stream (what the engine runs);
+  halves     two half batches one after the other in each layer, one stream (the cost of splitting);
+  pingpong   each half on its own stream; the halves' attention kernels take turns (B's attention of a
+             layer waits for A's, A's next waits for B's), so one half's projections run beside the
+             other half's attention;
+  priority   pingpong with each half's attention on a low-priority stream of its own.
+Prints a table and one JSON line of ms per step (median of 5 rounds of 20 replays).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.fused_decode import fused_decode
+from engine.kernels.norm_act import rms_norm, silu_and_mul
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 1024, 16, 8, 128, 3072
+PAGE = 256
+EPS = 1e-6
+
+
+class Layer:
+    def __init__(self, gen: torch.Generator):
+        def w(*shape):
+            return (torch.randn(*shape, generator=gen, device="cuda") * shape[-1] ** -0.5).to(torch.bfloat16)
+        self.norm1 = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
+        self.norm2 = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
+        self.qk_norm = torch.ones(HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        self.qkv = w((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN)
+        self.o = w(HIDDEN, HEADS * HEAD_DIM)
+        self.gate_up = w(2 * INTER, HIDDEN)
+        self.down = w(HIDDEN, INTER)
+
+
+class Batch:
+    """One decode batch: contexts, block tables, slots, its own split counters."""
+
+    def __init__(self, lengths: list[int], first_block: int, device="cuda"):
+        self.n = len(lengths)
+        blocks = [-(-n // PAGE) for n in lengths]
+        width = max(blocks)
+        table = torch.zeros(self.n, width, dtype=torch.int32)
+        nxt = first_block
+        for i, b in enumerate(blocks):
+            table[i, :b] = torch.arange(nxt, nxt + b)
+            nxt += b
+        self.blocks_used = nxt - first_block
+        self.block_tables = table.to(device)
+        self.seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+        pos = torch.tensor(lengths, dtype=torch.int64) - 1
+        slots = table[torch.arange(self.n), pos // PAGE].long() * PAGE + pos % PAGE
+        self.positions = pos.to(device)
+        self.slots = slots.to(device)
+        self.max_len = max(lengths)
+        self.counters = torch.zeros(self.n * KV_HEADS + 1024, dtype=torch.int32, device=device)
+        self.order = torch.argsort(self.seqlens, descending=True, stable=True).to(torch.int32)
+
+
+def pre(layer, x, res):
+    h, res = rms_norm(x, layer.norm1, EPS, residual=res)
+    return F.linear(h, layer.qkv), res
+
+
+def attend(layer, qkv, b: Batch, caches, cos, sin):
+    k_cache, v_cache = caches
+    return fused_decode(qkv, b.positions, cos, sin, layer.qk_norm, layer.qk_norm, EPS, k_cache, v_cache, b.slots,
+                        b.seqlens, b.block_tables, b.max_len, HEAD_DIM ** -0.5, HEADS, KV_HEADS, b.counters,
+                        order=b.order)
+
+
+def post(layer, att, res):
+    o = F.linear(att.view(att.shape[0], -1), layer.o)
+    h, res = rms_norm(o, layer.norm2, EPS, residual=res)
+    return F.linear(silu_and_mul(F.linear(h, layer.gate_up)), layer.down), res
+
+
+def step_whole(layers, kv, x, res, b, cos, sin):
+    for layer, caches in zip(layers, kv):
+        qkv, res = pre(layer, x, res)
+        x, res = post(layer, attend(layer, qkv, b, caches, cos, sin), res)
+    return x, res
+
+
+def step_halves(layers, kv, xs, ress, bs, cos, sin):
+    xs, ress = list(xs), list(ress)
+    for layer, caches in zip(layers, kv):
+        for i in range(2):
+            qkv, ress[i] = pre(layer, xs[i], ress[i])
+            xs[i], ress[i] = post(layer, attend(layer, qkv, bs[i], caches, cos, sin), ress[i])
+    return xs, ress
+
+
+def step_pingpong(layers, kv, xs, ress, bs, cos, sin, streams, attn_streams):
+    """streams[i]: half i's projections; attn_streams[i]: its attention (may be streams[i])."""
+    main = torch.cuda.current_stream()
+    for s in set(streams) | set(attn_streams):
+        s.wait_stream(main)
+    xs, ress = list(xs), list(ress)
+    last_attn_done = None
+    for layer, caches in zip(layers, kv):
+        for i in range(2):
+            with torch.cuda.stream(streams[i]):
+                qkv, ress[i] = pre(layer, xs[i], ress[i])
+            ready = torch.cuda.Event()
+            ready.record(streams[i])
+            a = attn_streams[i]
+            a.wait_event(ready)
+            if last_attn_done is not None:
+                a.wait_event(last_attn_done)  # the halves' attention kernels take turns
+            with torch.cuda.stream(a):
+                att = attend(layer, qkv, bs[i], caches, cos, sin)
+            last_attn_done = torch.cuda.Event()
+            last_attn_done.record(a)
+            streams[i].wait_event(last_attn_done)
+            with torch.cuda.stream(streams[i]):
+                xs[i], ress[i] = post(layer, att, ress[i])
+    for s in set(streams) | set(attn_streams):
+        main.wait_stream(s)
+    return xs, ress
+
+
+def graph_ms(fn) -> float:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    rounds = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        rounds.append(start.elapsed_time(end) / 20)
+    del graph
+    return statistics.median(rounds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batches", default="256,128")
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--min-context", type=int, default=500)
+    parser.add_argument("--max-context", type=int, default=1500)
+    args = parser.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    cpu_gen = torch.Generator().manual_seed(0)
+    layers = [Layer(gen) for _ in range(args.layers)]
+    inv = 1.0 / (1e6 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
+    freqs = torch.arange(4096, dtype=torch.float32)[:, None] * inv[None, :]
+    cos, sin = freqs.cos().cuda(), freqs.sin().cuda()
+    results = {}
+    for batch in (int(v) for v in args.batches.split(",")):
+        lengths = torch.randint(args.min_context, args.max_context + 1, (batch,), generator=cpu_gen).tolist()
+        whole = Batch(lengths, 0)
+        half = batch // 2
+        bs = [Batch(lengths[:half], 0), None]
+        bs[1] = Batch(lengths[half:], bs[0].blocks_used)
+        num_blocks = whole.blocks_used
+        kv = [(torch.randn(num_blocks, PAGE, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen),
+               torch.randn(num_blocks, PAGE, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen))
+              for _ in layers]
+        x = torch.randn(batch, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
+        res = torch.randn(batch, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
+        xs, ress = [x[:half], x[half:]], [res[:half], res[half:]]
+        kv_bytes = sum(lengths) * 2 * KV_HEADS * HEAD_DIM * 2 * len(layers)
+        row = {"kv_floor_ms": kv_bytes / 3.0e12 * 1e3}
+        row["whole"] = graph_ms(lambda: step_whole(layers, kv, x, res, whole, cos, sin))
+        row["halves"] = graph_ms(lambda: step_halves(layers, kv, xs, ress, bs, cos, sin))
+        s = [torch.cuda.Stream(), torch.cuda.Stream()]
+        row["pingpong"] = graph_ms(lambda: step_pingpong(layers, kv, xs, ress, bs, cos, sin, s, s))
+        low, high = torch.cuda.Stream.priority_range()
+        hi = [torch.cuda.Stream(priority=high), torch.cuda.Stream(priority=high)]
+        lo = [torch.cuda.Stream(priority=low), torch.cuda.Stream(priority=low)]
+        row["priority"] = graph_ms(lambda: step_pingpong(layers, kv, xs, ress, bs, cos, sin, hi, lo))
+        # the attention alone and the rest alone, for the sum
+        qkv = torch.randn(batch, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+        row["attention_only"] = graph_ms(lambda: [attend(l, qkv, whole, c, cos, sin) for l, c in zip(layers, kv)])
+        att = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+        row["rest_only"] = graph_ms(lambda: [(pre(l, x, res), post(l, att, res)) for l in layers])
+        results[batch] = {k: round(v, 3) for k, v in row.items()}
+        print(batch, results[batch], flush=True)
+        del kv
+        torch.cuda.empty_cache()
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
