@@ -4,9 +4,10 @@ by +-10% between runs; this does not see it. On one GPU the graph holds the LM h
 too (engine/cuda_graphs.py), so its time is the whole step's and the two separate timings repeat them.
 
     PYTHONPATH=. python3 scripts/decode_graph_time.py [--batches 1,8] [--context 768] [--replays 200]
-        [--gemv-slice N] [--gemv-min-programs N] [--gemv-eight-warps-above N]
+        [--gemv-slice N] [--gemv-min-programs N] [--gemv-eight-warps-above N] [--fused-warps N]
 Prints one JSON line: {batch: {"graph_ms", "lm_head_ms", "sample_ms"}} (medians of 5 rounds). The
---gemv options set engine/kernels/gemv.py's slice sizing before the graphs are captured (a sweep).
+--gemv options set engine/kernels/gemv.py's slice sizing before the graphs are captured (a sweep), and
+--fused-warps the fused decode kernel's warps; the registers and spills of the compiled variants follow.
 """
 from __future__ import annotations
 
@@ -29,6 +30,21 @@ def events_ms(fn, repeats: int) -> float:
     return start.elapsed_time(end) / repeats
 
 
+def compiled_kernels(module: str, name: str) -> list[dict]:
+    """Registers, spills and warps of each compiled variant of a Triton kernel (empty where this Triton
+    keeps its cache elsewhere)."""
+    import importlib
+
+    kernel = getattr(importlib.import_module(module), name)
+    found = []
+    for cache in getattr(kernel, "device_caches", {}).values():
+        variants = cache[0] if isinstance(cache, tuple) else cache
+        for compiled in getattr(variants, "values", lambda: [])():
+            found.append({"regs": getattr(compiled, "n_regs", None), "spills": getattr(compiled, "n_spills", None),
+                          "warps": getattr(getattr(compiled, "metadata", None), "num_warps", None)})
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
@@ -38,7 +54,14 @@ def main() -> None:
     parser.add_argument("--gemv-slice", type=int, default=None, help="engine.kernels.gemv.MAX_SLICE to try")
     parser.add_argument("--gemv-min-programs", type=int, default=None, help="gemv.MIN_PROGRAMS to try")
     parser.add_argument("--gemv-eight-warps-above", type=int, default=None, help="gemv.EIGHT_WARPS_ABOVE to try")
+    parser.add_argument("--fused-warps", type=int, default=None, help="warps of the fused decode kernel to try")
     args = parser.parse_args()
+    if args.fused_warps is not None:  # the fused decode kernel's config, before the graphs capture its launches
+        from dataclasses import replace
+
+        from engine.kernels import fused_decode
+        default_config = fused_decode.default_decode_config
+        fused_decode.default_decode_config = lambda t: replace(default_config(t), num_warps=args.fused_warps)
     from engine.kernels import gemv
     for name in ("slice", "min_programs", "eight_warps_above"):  # before the graphs capture the launches
         value = getattr(args, f"gemv_{name}")
@@ -73,6 +96,8 @@ def main() -> None:
         results[batch] = {k: round(statistics.median(v), 4) for k, v in rounds.items()}
         print(f"batch {batch}: decode graph {results[batch]['graph_ms']:.4f} ms, LM head "
               f"{results[batch]['lm_head_ms']:.4f} ms, sampling {results[batch]['sample_ms']:.4f} ms", flush=True)
+    print(json.dumps({"fused_decode_kernels": compiled_kernels("engine.kernels.fused_decode", "_fused_decode_kernel"),
+                      "gemv_kernels": compiled_kernels("engine.kernels.gemv", "_gemv_kernel")}))
     gemv_settings = {"slice": gemv.MAX_SLICE, "min_programs": gemv.MIN_PROGRAMS,
                      "eight_warps_above": gemv.EIGHT_WARPS_ABOVE}
     print(json.dumps({"gpu": bench.gpu_name(), "commit": bench.git_commit(), "model": args.model, "gemv": gemv_settings,
