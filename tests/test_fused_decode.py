@@ -21,7 +21,7 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 @needs_triton
 def test_fused_decode_equals_qkv_prep_then_decode_under_interpreter():
     results = run_under_interpreter(Path(__file__).parent / "fused_decode_cases.py")
-    assert len(results) == 5 * 9, sorted(results)
+    assert len(results) == 5 * 8, sorted(results)
     assert_results(results)
 
 
@@ -29,16 +29,3 @@ def test_fused_decode_equals_qkv_prep_then_decode_under_interpreter():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_decode_equals_qkv_prep_then_decode_on_gpu():
     assert_results(check_fused_decode(GPU_CASES, "cuda"))
-
-
-@needs_triton
-def test_prefetch_setting_rejects_other_values(monkeypatch):
-    from engine.kernels.fused_decode import prefetch_setting
-
-    monkeypatch.setenv("REDLINE_DECODE_PREFETCH", "0")
-    assert prefetch_setting() is False
-    monkeypatch.delenv("REDLINE_DECODE_PREFETCH")
-    assert prefetch_setting() is True
-    monkeypatch.setenv("REDLINE_DECODE_PREFETCH", "yes")
-    with pytest.raises(ValueError, match="REDLINE_DECODE_PREFETCH"):
-        prefetch_setting()

@@ -41,8 +41,7 @@ class TritonBackend:
         # fused decode's split counters, zero between launches; earlier, smaller sets stay alive for the
         # CUDA graphs that captured them
         self._counters: list[torch.Tensor] = []
-        # REDLINE_PDL, REDLINE_GEMV_MAX_ROWS and REDLINE_DECODE_PREFETCH: bad values fail here, not mid-step
-        pdl_setting(), gemv.max_rows(), fused_decode.prefetch_setting()
+        pdl_setting(), gemv.max_rows()  # REDLINE_PDL and REDLINE_GEMV_MAX_ROWS: bad values fail here, not mid-step
 
     def qkv_prep(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,

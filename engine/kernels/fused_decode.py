@@ -16,17 +16,14 @@ instead of three. Prefill, mixed batches and the balanced schedule keep the sepa
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from engine.kernels.launch import launch_dependents, pdl_options, wait_for_previous
-from engine.kernels.paged_decode import (MAX_GRID_SEQS, DecodeConfig, _attend_range, _num_sms, _softmax_result,
-                                         _softmax_step, _softmax_tiles, choose_num_splits, default_decode_config,
-                                         split_range)
-from engine.kernels.paged_tiles import LOG2E, check_paged_inputs, group_pad, kv_tile_offsets, upcast_dot
+from engine.kernels.paged_decode import (MAX_GRID_SEQS, DecodeConfig, _attend_range, _num_sms,
+                                         choose_num_splits, default_decode_config, split_range)
+from engine.kernels.paged_tiles import LOG2E, check_paged_inputs, group_pad, upcast_dot
 from engine.kernels.qkv_prep import _norm_rope, _round
 
 
@@ -39,12 +36,10 @@ def _fused_decode_kernel(
     qk_scale, eps, num_heads, num_kv_heads, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    UPCAST: tl.constexpr, HAS_NORM: tl.constexpr, ORDERED: tl.constexpr, PREFETCH: tl.constexpr,
-    PDL: tl.constexpr,
+    UPCAST: tl.constexpr, HAS_NORM: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr,
 ):
     launch_dependents(PDL)
-    # Before the wait: only what no kernel of this step's chain writes (the step's inputs, copied before
-    # the chain starts, and the cache's earlier positions), including the range's first KV tile
+    wait_for_previous(PDL)
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     split = tl.program_id(2)
@@ -53,26 +48,14 @@ def _fused_decode_kernel(
     seqlen = tl.load(seqlens_k_ptr + seq)
     per_split, start, end = split_range(seqlen, split, num_splits, BLOCK_N)
     dtype = out_ptr.dtype.element_ty
+
+    # the queries of this KV head, normed and rotated as qkv_prep does, halves joined into [GROUP_PAD, D]
+    row = qkv_ptr + seq.to(tl.int64) * stride_t
     pos = tl.load(positions_ptr + seq)
-    slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
     offs_half = tl.arange(0, HALF)
     all_half = offs_half < HALF
     cos = _round(tl.load(cos_ptr + pos * stride_cos + offs_half), dtype)
     sin = _round(tl.load(sin_ptr + pos * stride_cos + offs_half), dtype)
-    offs_d = tl.arange(0, HEAD_DIM)
-    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    if PREFETCH:
-        has_range = start < end
-        n0 = tl.where(has_range, start, 0)
-        end0 = tl.where(has_range, end, 0)  # an empty range: a masked tile at position 0
-        offs0, mask0, valid0 = kv_tile_offsets(block_table_row, n0, end0, kv_head * stride_khead, offs_d,
-                                               stride_page, stride_slot, PAGE_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM, True)
-        k0 = tl.load(k_cache_ptr + offs0, mask=mask0, other=0.0)
-        v0 = tl.load(v_cache_ptr + offs0, mask=mask0, other=0.0)
-    wait_for_previous(PDL)
-
-    # the queries of this KV head, normed and rotated as qkv_prep does, halves joined into [GROUP_PAD, D]
-    row = qkv_ptr + seq.to(tl.int64) * stride_t
     offs_g = tl.arange(0, GROUP_PAD)
     g_mask = offs_g < GROUP
     head = kv_head * GROUP + offs_g
@@ -82,44 +65,26 @@ def _fused_decode_kernel(
     q1, q2 = _norm_rope(q1, q2, q_weight_ptr, cos, sin, offs_half, all_half, eps, HEAD_DIM, HAS_NORM, HALF, dtype)
     q = tl.reshape(tl.permute(tl.join(q1.to(dtype), q2.to(dtype)), (0, 2, 1)), (GROUP_PAD, HEAD_DIM))
 
-    # the new token's K and V (every program computes them; the one whose range holds the sequence's
-    # last position stores them)
-    holds_new = (split == (seqlen - 1) // tl.maximum(per_split, 1)) & (slot >= 0)  # slot -1: a graph's padding row
-    k_lo = row + (num_heads + kv_head) * HEAD_DIM + offs_half[None, :]
-    v_lo = k_lo + num_kv_heads * HEAD_DIM
-    k1 = tl.load(k_lo).to(tl.float32)
-    k2 = tl.load(k_lo + HALF).to(tl.float32)
-    k1, k2 = _norm_rope(k1, k2, k_weight_ptr, cos, sin, offs_half, all_half, eps, HEAD_DIM, HAS_NORM, HALF, dtype)
-    v1 = tl.load(v_lo)
-    v2 = tl.load(v_lo + HALF)
-    if holds_new:
+    # the new token's K and V, by the program whose range holds the sequence's last position
+    slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
+    if (split == (seqlen - 1) // tl.maximum(per_split, 1)) & (slot >= 0):  # slot -1: a CUDA graph's padding row
+        k_lo = row + (num_heads + kv_head) * HEAD_DIM + offs_half[None, :]
+        v_lo = k_lo + num_kv_heads * HEAD_DIM
+        k1 = tl.load(k_lo).to(tl.float32)
+        k2 = tl.load(k_lo + HALF).to(tl.float32)
+        k1, k2 = _norm_rope(k1, k2, k_weight_ptr, cos, sin, offs_half, all_half, eps, HEAD_DIM, HAS_NORM, HALF, dtype)
         dst = (slot // PAGE_SIZE) * stride_page + (slot % PAGE_SIZE) * stride_slot + kv_head * stride_khead \
             + offs_half[None, :]
         tl.store(k_cache_ptr + dst, k1.to(dtype))
         tl.store(k_cache_ptr + dst + HALF, k2.to(dtype))
-        tl.store(v_cache_ptr + dst, v1)
-        tl.store(v_cache_ptr + dst + HALF, v2)
+        tl.store(v_cache_ptr + dst, tl.load(v_lo))
+        tl.store(v_cache_ptr + dst + HALF, tl.load(v_lo + HALF))
     tl.debug_barrier()  # the program's own stores are visible to all its threads' cache reads below
 
-    if PREFETCH:
-        # the prefetched tile holds what the cache had at the new token's position before the store
-        is_new = holds_new & (n0 + tl.arange(0, BLOCK_N) == seqlen - 1)
-        k_new = tl.reshape(tl.permute(tl.join(k1.to(dtype), k2.to(dtype)), (0, 2, 1)), (1, HEAD_DIM))
-        v_new = tl.reshape(tl.permute(tl.join(v1, v2), (0, 2, 1)), (1, HEAD_DIM))
-        k0 = tl.where(is_new[:, None], k_new, k0)
-        v0 = tl.where(is_new[:, None], v_new, v0)
-        m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-        m_i, l_i, acc = _softmax_step(q, k0, v0, valid0, m_i, l_i, acc, qk_scale, UPCAST)
-        m_i, l_i, acc = _softmax_tiles(q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head * stride_khead, offs_d,
-                                       start + BLOCK_N, end, qk_scale, stride_page, stride_slot, m_i, l_i, acc,
-                                       PAGE_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM, UPCAST)
-        out, lse = _softmax_result(m_i, l_i, acc)
-    else:
-        out, lse = _attend_range(q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head * stride_khead, offs_d,
-                                 start, end, qk_scale, stride_page, stride_slot, GROUP_PAD, HEAD_DIM, HEAD_DIM,
-                                 PAGE_SIZE, BLOCK_N, UPCAST)
+    offs_d = tl.arange(0, HEAD_DIM)
+    out, lse = _attend_range(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
+                             kv_head * stride_khead, offs_d, start, end, qk_scale, stride_page, stride_slot,
+                             GROUP_PAD, HEAD_DIM, HEAD_DIM, PAGE_SIZE, BLOCK_N, UPCAST)
     if SPLITS_PAD == 1:
         o_ptrs = out_ptr + seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(dtype), mask=g_mask[:, None])
@@ -156,15 +121,6 @@ def _merge_group(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_heads, n
         acc = tl.sum(parts * weight[:, None], 0)
         out = acc / tl.where(total > 0.0, total, 1.0)
         tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
-
-
-def prefetch_setting() -> bool:
-    """REDLINE_DECODE_PREFETCH: 1 (default) reads each range's first KV tile before waiting for the
-    kernel that writes qkv; 0 reads it after."""
-    value = os.environ.get("REDLINE_DECODE_PREFETCH", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"REDLINE_DECODE_PREFETCH={value!r}; use 1 (first KV tile before the wait) or 0")
-    return value == "1"
 
 
 def fits(head_dim: int) -> bool:
@@ -221,6 +177,6 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
         scale * LOG2E, eps, num_heads, num_kv_heads, num_splits,
         GROUP=group, GROUP_PAD=max(16, group_pad(group)), HEAD_DIM=head_dim, HALF=head_dim // 2,
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=config.block_n, SPLITS_PAD=triton.next_power_of_2(num_splits),
-        UPCAST=upcast_dot(qkv), HAS_NORM=has_norm, ORDERED=order is not None, PREFETCH=prefetch_setting(),
+        UPCAST=upcast_dot(qkv), HAS_NORM=has_norm, ORDERED=order is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(qkv))
     return out

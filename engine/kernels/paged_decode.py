@@ -47,44 +47,6 @@ class DecodeConfig:
 
 
 @triton.jit
-def _softmax_step(q, k, v, valid_n, m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr):
-    """One KV tile [BLOCK_N, BLOCK_D] of the online softmax: the new (running max, sum, accumulator)."""
-    s = mma(q, tl.trans(k), UPCAST) * qk_scale
-    s = tl.where(valid_n[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _softmax_tiles(q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset, offs_d, start, end, qk_scale,
-                   stride_page, stride_slot, m_i, l_i, acc, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
-    """_softmax_step over the KV tiles of positions start..end-1 (start a multiple of BLOCK_N), read from
-    the cache."""
-    for n0 in range(start, end, BLOCK_N):
-        offs, mask, valid_n = kv_tile_offsets(block_table_row, n0, end, head_offset, offs_d,
-                                              stride_page, stride_slot, PAGE_SIZE, BLOCK_N,
-                                              HEAD_DIM, BLOCK_D, True)
-        k = tl.load(k_cache_ptr + offs, mask=mask, other=0.0)
-        v = tl.load(v_cache_ptr + offs, mask=mask, other=0.0)
-        m_i, l_i, acc = _softmax_step(q, k, v, valid_n, m_i, l_i, acc, qk_scale, UPCAST)
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _softmax_result(m_i, l_i, acc):
-    """The normalised output and its log2-domain log-sum-exp (-inf where there were no keys)."""
-    has_keys = l_i > 0.0  # false for an empty range or a zero-length padding sequence
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-    return out, lse
-
-
-@triton.jit
 def _attend_range(q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset, offs_d, start, end, qk_scale,
                   stride_page, stride_slot, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
@@ -93,10 +55,24 @@ def _attend_range(q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset, off
     m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
-    m_i, l_i, acc = _softmax_tiles(q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset, offs_d, start, end,
-                                   qk_scale, stride_page, stride_slot, m_i, l_i, acc, PAGE_SIZE, BLOCK_N, HEAD_DIM,
-                                   BLOCK_D, UPCAST)
-    return _softmax_result(m_i, l_i, acc)
+    for n0 in range(start, end, BLOCK_N):
+        offs, mask, valid_n = kv_tile_offsets(block_table_row, n0, end, head_offset, offs_d,
+                                              stride_page, stride_slot, PAGE_SIZE, BLOCK_N,
+                                              HEAD_DIM, BLOCK_D, True)
+        k = tl.load(k_cache_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_cache_ptr + offs, mask=mask, other=0.0)  # issued with K, before the scores need it
+        s = mma(q, tl.trans(k), UPCAST) * qk_scale
+        s = tl.where(valid_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST)
+        m_i = m_new
+    has_keys = l_i > 0.0  # false for an empty range or a zero-length padding sequence
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    return out, lse
 
 
 @triton.jit
