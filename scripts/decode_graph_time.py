@@ -4,10 +4,10 @@ by +-10% between runs; this does not see it. On one GPU the graph holds the LM h
 too (engine/cuda_graphs.py), so its time is the whole step's and the two separate timings repeat them.
 
     PYTHONPATH=. python3 scripts/decode_graph_time.py [--batches 1,8] [--context 768] [--replays 200]
-        [--gemv-slice N] [--gemv-min-programs N] [--gemv-eight-warps-above N] [--fused-warps N]
+        [--gemv-slice N] [--gemv-min-programs N] [--gemv-eight-warps-above N] [--fused-config block_n=32,num_warps=2]
 Prints one JSON line: {batch: {"graph_ms", "lm_head_ms", "sample_ms"}} (medians of 5 rounds). The
 --gemv options set engine/kernels/gemv.py's slice sizing before the graphs are captured (a sweep), and
---fused-warps the fused decode kernel's warps; the registers and spills of the compiled variants follow.
+--fused-config the fused decode kernel's DecodeConfig fields; the registers and spills of the compiled variants follow.
 """
 from __future__ import annotations
 
@@ -54,14 +54,19 @@ def main() -> None:
     parser.add_argument("--gemv-slice", type=int, default=None, help="engine.kernels.gemv.MAX_SLICE to try")
     parser.add_argument("--gemv-min-programs", type=int, default=None, help="gemv.MIN_PROGRAMS to try")
     parser.add_argument("--gemv-eight-warps-above", type=int, default=None, help="gemv.EIGHT_WARPS_ABOVE to try")
-    parser.add_argument("--fused-warps", type=int, default=None, help="warps of the fused decode kernel to try")
+    parser.add_argument("--fused-config", default="", metavar="FIELD=N,...",
+                        help="DecodeConfig fields for the fused decode kernel to try, e.g. block_n=32,num_warps=2")
     args = parser.parse_args()
-    if args.fused_warps is not None:  # the fused decode kernel's config, before the graphs capture its launches
-        from dataclasses import replace
+    if args.fused_config:  # the fused decode kernel's config, before the graphs capture its launches
+        from dataclasses import fields, replace
 
         from engine.kernels import fused_decode
+        names = {f.name for f in fields(fused_decode.DecodeConfig)}
+        changes = dict(item.split("=") for item in args.fused_config.split(","))
+        if not set(changes) <= names:
+            parser.error(f"--fused-config: fields are {sorted(names)}")
         default_config = fused_decode.default_decode_config
-        fused_decode.default_decode_config = lambda t: replace(default_config(t), num_warps=args.fused_warps)
+        fused_decode.default_decode_config = lambda t: replace(default_config(t), **{k: int(v) for k, v in changes.items()})
     from engine.kernels import gemv
     for name in ("slice", "min_programs", "eight_warps_above"):  # before the graphs capture the launches
         value = getattr(args, f"gemv_{name}")
