@@ -66,7 +66,8 @@ def main() -> None:
         if not set(changes) <= names:
             parser.error(f"--fused-config: fields are {sorted(names)}")
         default_config = fused_decode.default_decode_config
-        fused_decode.default_decode_config = lambda t: replace(default_config(t), **{k: int(v) for k, v in changes.items()})
+        changes = {k: int(v) for k, v in changes.items()}
+        fused_decode.default_decode_config = lambda t: replace(default_config(t), **changes)
     from engine.kernels import gemv
     for name in ("slice", "min_programs", "eight_warps_above"):  # before the graphs capture the launches
         value = getattr(args, f"gemv_{name}")
