@@ -10,7 +10,9 @@ attention, SiLU·mul) over a paged KV cache of random sequences, and times CUDA 
   pingpong   each half on its own stream; the halves' attention kernels take turns (B's attention of a
              layer waits for A's, A's next waits for B's), so one half's projections run beside the
              other half's attention;
-  priority   pingpong with each half's attention on a low-priority stream of its own.
+  priority   pingpong with each half's attention on a low-priority stream of its own;
+and pingpong and whole again with the attention's grid at 2 programs an SM (room for the projections'
+blocks) and with the projections through engine/kernels/skinny_gemm.py (less shared memory a block).
 Prints a table and one JSON line of ms per step (median of 5 rounds of 20 replays).
 """
 from __future__ import annotations
@@ -19,11 +21,17 @@ import argparse
 import json
 import statistics
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.fused_decode import fused_decode
+from engine.kernels.fused_decode import default_decode_config, fused_decode
 from engine.kernels.norm_act import rms_norm, silu_and_mul
+from engine.kernels.skinny_gemm import skinny_linear
+
+LINEAR = {"linear": F.linear}  # what the projections run: cuBLAS, or the skinny Triton GEMM
+ATTENTION = {"programs_per_sm": None}  # the fused decode's grid_programs_per_sm (None: its default)
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 1024, 16, 8, 128, 3072
 PAGE = 256
@@ -69,20 +77,24 @@ class Batch:
 
 def pre(layer, x, res):
     h, res = rms_norm(x, layer.norm1, EPS, residual=res)
-    return F.linear(h, layer.qkv), res
+    return LINEAR["linear"](h, layer.qkv), res
 
 
 def attend(layer, qkv, b: Batch, caches, cos, sin):
     k_cache, v_cache = caches
+    config = default_decode_config(qkv)
+    if ATTENTION["programs_per_sm"]:
+        config = replace(config, grid_programs_per_sm=ATTENTION["programs_per_sm"])
     return fused_decode(qkv, b.positions, cos, sin, layer.qk_norm, layer.qk_norm, EPS, k_cache, v_cache, b.slots,
                         b.seqlens, b.block_tables, b.max_len, HEAD_DIM ** -0.5, HEADS, KV_HEADS, b.counters,
-                        order=b.order)
+                        order=b.order, config=config)
 
 
 def post(layer, att, res):
-    o = F.linear(att.view(att.shape[0], -1), layer.o)
+    linear = LINEAR["linear"]
+    o = linear(att.view(att.shape[0], -1), layer.o)
     h, res = rms_norm(o, layer.norm2, EPS, residual=res)
-    return F.linear(silu_and_mul(F.linear(h, layer.gate_up)), layer.down), res
+    return linear(silu_and_mul(linear(h, layer.gate_up)), layer.down), res
 
 
 def step_whole(layers, kv, x, res, b, cos, sin):
@@ -192,6 +204,15 @@ def main() -> None:
         hi = [torch.cuda.Stream(priority=high), torch.cuda.Stream(priority=high)]
         lo = [torch.cuda.Stream(priority=low), torch.cuda.Stream(priority=low)]
         row["priority"] = graph_ms(lambda: step_pingpong(layers, kv, xs, ress, bs, cos, sin, hi, lo))
+        # attention leaving room on the SMs (fewer programs), and projections with a smaller footprint
+        ATTENTION["programs_per_sm"] = 2
+        row["pingpong_attention_2_per_sm"] = graph_ms(lambda: step_pingpong(layers, kv, xs, ress, bs, cos, sin, s, s))
+        row["whole_attention_2_per_sm"] = graph_ms(lambda: step_whole(layers, kv, x, res, whole, cos, sin))
+        ATTENTION["programs_per_sm"] = None
+        LINEAR["linear"] = skinny_linear
+        row["pingpong_triton_gemm"] = graph_ms(lambda: step_pingpong(layers, kv, xs, ress, bs, cos, sin, s, s))
+        row["whole_triton_gemm"] = graph_ms(lambda: step_whole(layers, kv, x, res, whole, cos, sin))
+        LINEAR["linear"] = F.linear
         # the attention alone and the rest alone, for the sum
         qkv = torch.randn(batch, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
         row["attention_only"] = graph_ms(lambda: [attend(l, qkv, whole, c, cos, sin) for l, c in zip(layers, kv)])
