@@ -98,8 +98,7 @@ class DecodeGraphs:
         model = self.runner.model
         input_ids = self.input_ids[:bs]
         if self.samples:  # rows still waiting for the previous step's token take it from the device
-            src = self.pending_src[:bs]
-            input_ids = torch.where(src >= 0, self.tokens.index_select(0, src.clamp(min=0)), input_ids)
+            input_ids = _gumbel_kernels().take_pending(input_ids, self.pending_src[:bs], self.tokens)
         hidden = model(input_ids, self.positions[:bs])
         if self.samples:
             self.logits[bs] = logits = model.compute_logits(hidden)

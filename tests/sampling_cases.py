@@ -95,6 +95,22 @@ def seed_in_memory(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, 
     return out.tolist()
 
 
+def take_pending_case(device: str) -> dict:
+    """take_pending against torch.where over rows with and without a pending token, odd sizes included."""
+    from engine.kernels.sampling import take_pending
+
+    gen = torch.Generator().manual_seed(5)
+    mismatches, sizes = 0, [1, 7, 300, 1500]
+    for n in sizes:
+        tokens = torch.randint(0, 50000, (n + 3,), generator=gen).to(device)
+        input_ids = torch.randint(0, 50000, (n,), generator=gen).to(device)
+        src = torch.where(torch.rand(n, generator=gen) < 0.5, torch.randint(0, n + 3, (n,), generator=gen),
+                          torch.full((n,), -1)).to(device)
+        expected = torch.where(src >= 0, tokens.index_select(0, src.clamp(min=0)), input_ids)
+        mismatches += int((take_pending(input_ids, src, tokens) != expected).sum().item())
+    return {"sizes": sizes, "mismatches": mismatches}
+
+
 def _main() -> None:
     """Every CPU case under the Triton interpreter; prints one JSON object."""
     import json
@@ -110,6 +126,7 @@ def _main() -> None:
         "distribution": distribution_case("cpu", seeds=[0, 1, 2, 3], rows_per_temperature=150),
         "layouts": layout_case("cpu", 37, CPU_LAYOUTS),
         "seeds": seed_case("cpu"),
+        "take_pending": take_pending_case("cpu"),
     }
     print(json.dumps(results))
 

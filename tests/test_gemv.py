@@ -127,6 +127,24 @@ def test_gemv_is_never_taken_for_cpu_tensors():
     assert not gemv_module.takes(x, w)
 
 
+def test_first_layer_norm_before_its_projection_takes_no_residual():
+    """RMSNorm.linear without a residual (the first decoder layer, where the GEMV fuses the norm alone):
+    the projection of the norm of x, and x itself as the residual the layer carries on."""
+    from engine.layers.linear import ReplicatedLinear
+    from engine.layers.norm import RMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    norm, proj = RMSNorm(16), ReplicatedLinear(16, 8)
+    norm.weight.data = torch.rand(16, generator=gen) + 0.5
+    proj.weight.data = torch.randn(8, 16, generator=gen)
+    x = torch.randn(3, 16, generator=gen)
+    out, residual = norm.linear(x, None, proj)
+    assert residual is x
+    torch.testing.assert_close(out, proj(norm(x)))
+    with_zero, _ = norm.linear(x, torch.zeros_like(x), proj)
+    torch.testing.assert_close(with_zero, out)
+
+
 @pytest.mark.parametrize("value", ["many", "33"])
 def test_bad_gemv_rows_setting_is_a_clear_error(monkeypatch, value):
     monkeypatch.setenv("REDLINE_GEMV_MAX_ROWS", value)

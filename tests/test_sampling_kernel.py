@@ -55,6 +55,12 @@ def test_greedy_rows_equal_torch_argmax_among_sampled_rows_under_interpreter(int
 
 
 @needs_triton
+def test_pending_rows_take_the_device_token_under_interpreter(interpreted):
+    case = interpreted["take_pending"]
+    assert case["sizes"] == [1, 7, 300, 1500] and case["mismatches"] == 0, case
+
+
+@needs_triton
 def test_tokens_follow_softmax_of_logits_over_temperature_under_interpreter(interpreted):
     case = interpreted["distribution"]
     assert_distribution_matches_softmax(case, MAX_TV)

@@ -129,6 +129,33 @@ def _gumbel_merge_kernel(part_ptr, out_ptr, score_ptr, num_splits, SPLITS_PAD: t
         tl.store(score_ptr + row, top)
 
 
+@triton.jit
+def _take_pending_kernel(ids_ptr, src_ptr, tokens_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n
+    src = tl.load(src_ptr + offs, mask=inside, other=-1)
+    pending = src >= 0
+    token = tl.load(tokens_ptr + tl.where(pending, src, 0), mask=inside & pending, other=0)
+    ids = tl.load(ids_ptr + offs, mask=inside & ~pending, other=0)
+    tl.store(out_ptr + offs, tl.where(pending, token, ids), mask=inside)
+
+
+def take_pending(input_ids: torch.Tensor, pending_src: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The step's token ids [S]: input_ids, except that a row whose pending_src is an index (>= 0) takes
+    tokens[pending_src], the token sampled for it by the step before, still on the device. One kernel for
+    torch.where(pending_src >= 0, tokens[pending_src.clamp(min=0)], input_ids) (four)."""
+    assert input_ids.shape == pending_src.shape and input_ids.dim() == 1, "input_ids and pending_src: [S] each"
+    assert input_ids.dtype == tokens.dtype == torch.int64 and pending_src.dtype == torch.int64
+    assert input_ids.is_contiguous() and pending_src.is_contiguous() and tokens.is_contiguous()
+    out = torch.empty_like(input_ids)
+    n = input_ids.shape[0]
+    if n:
+        block = min(1024, triton.next_power_of_2(n))
+        _take_pending_kernel[(triton.cdiv(n, block),)](input_ids, pending_src, tokens, out, n, BLOCK=block,
+                                                       num_warps=4)
+    return out
+
+
 def choose_num_splits(num_rows: int, num_tiles: int, num_sms: int) -> int:
     """About four programs per SM (one program streams its range serially), each split at least a tile."""
     return max(1, min(triton.cdiv(4 * num_sms, num_rows), num_tiles))

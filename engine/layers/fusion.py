@@ -89,15 +89,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                         weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """(linear(rms_norm(x + residual) x norm_weight, weight, bias), x + residual); where the GEMV takes the
-    rows, the residual add and the norm run in its prologue instead of a kernel of their own."""
+    """(linear(rms_norm(x + residual) x norm_weight, weight, bias), x + residual); without a residual (the
+    first layer), the norm of x and x itself. Where the GEMV takes the rows, the residual add and the norm
+    run in its prologue instead of a kernel of their own."""
     kernels = _gemv_for(x, weight)
-    if (kernels is not None and norm_weight.dtype == x.dtype and residual.shape == x.shape
-            and residual.dtype == x.dtype and residual.stride(1) == 1 and norm_weight.is_contiguous()):
+    if (kernels is not None and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
+            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
+                                      and residual.stride(1) == 1))):
+        if residual is None:
+            return kernels.gemv(x, weight, bias, norm=(None, norm_weight, eps)), x
         return kernels.gemv(x, weight, bias, norm=(residual, norm_weight, eps))
-    normed, residual = add_rms_norm(x, residual, norm_weight, eps)
+    if residual is None:
+        normed, residual = rms_norm(x, norm_weight, eps), x
+    else:
+        normed, residual = add_rms_norm(x, residual, norm_weight, eps)
     return linear(normed, weight, bias), residual
 
 

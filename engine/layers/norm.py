@@ -23,10 +23,13 @@ class RMSNorm(nn.Module):
             return rms_norm(x, self.weight, self.eps)
         return self.tp.all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
 
-    def linear(self, x: torch.Tensor, residual: torch.Tensor, proj) -> tuple[torch.Tensor, torch.Tensor]:
-        """(proj(norm of x + residual), x + residual). On one rank, for the rows the GEMV takes (decode),
-        the add and the norm run in the projection's prologue: one kernel less."""
+    def linear(self, x: torch.Tensor, residual: torch.Tensor | None, proj) -> tuple[torch.Tensor, torch.Tensor]:
+        """(proj(norm of x + residual), x + residual), or without a residual (proj(norm of x), x). On one
+        rank, for the rows the GEMV takes (decode), the add and the norm run in the projection's prologue:
+        one kernel less."""
         if self.tp.size == 1 and proj.tp.size == 1:
             return add_rms_norm_linear(x, residual, self.weight, self.eps, proj.weight, proj.bias)
+        if residual is None:
+            return proj(self(x)), x
         x, residual = self(x, residual)
         return proj(x), residual

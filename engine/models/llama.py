@@ -67,12 +67,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp)
 
     def forward(self, positions, x, residual):
-        # each norm goes with the projection after it (fused into it where the GEMV runs: decode batches)
-        if residual is None:
-            residual = x
-            qkv = self.self_attn.qkv_proj(self.input_layernorm(x))
-        else:
-            qkv, residual = self.input_layernorm.linear(x, residual, self.self_attn.qkv_proj)
+        # each norm goes with the projection after it (fused into it where the GEMV runs: decode batches);
+        # the first layer has no residual yet: its norm is of x alone, and x becomes the residual
+        qkv, residual = self.input_layernorm.linear(x, residual, self.self_attn.qkv_proj)
         x = self.self_attn(positions, qkv)
         gate_up, residual = self.post_attention_layernorm.linear(x, residual, self.mlp.gate_up_proj)
         return self.mlp(gate_up), residual
