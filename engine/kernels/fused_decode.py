@@ -22,7 +22,7 @@ import triton.language as tl
 
 from engine.kernels.launch import launch_dependents, pdl_options, wait_for_previous
 from engine.kernels.paged_decode import (MAX_GRID_SEQS, DecodeConfig, _attend_range, _num_sms,
-                                         choose_num_splits, default_decode_config, split_range)
+                                         choose_num_splits, default_decode_config, grid_program, split_range)
 from engine.kernels.paged_tiles import LOG2E, check_paged_inputs, group_pad, upcast_dot
 from engine.kernels.qkv_prep import _norm_rope, _round
 
@@ -40,11 +40,7 @@ def _fused_decode_kernel(
 ):
     launch_dependents(PDL)
     wait_for_previous(PDL)
-    kv_head = tl.program_id(0)
-    seq = tl.program_id(1)
-    split = tl.program_id(2)
-    if ORDERED:
-        seq = tl.load(order_ptr + seq).to(tl.int32)
+    kv_head, seq, split = grid_program(order_ptr, ORDERED)
     seqlen = tl.load(seqlens_k_ptr + seq)
     per_split, start, end = split_range(seqlen, split, num_splits, BLOCK_N)
     dtype = out_ptr.dtype.element_ty

@@ -76,6 +76,17 @@ def _attend_range(q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset, off
 
 
 @triton.jit
+def grid_program(order_ptr, ORDERED: tl.constexpr):
+    """Grid schedule: (KV head, sequence, split) of this program. The KV head varies fastest, then the
+    sequence: programs start in that order, so with ORDERED (order_ptr: the sequences by decreasing
+    length) the longest ranges start first and the shortest fill the tail."""
+    seq = tl.program_id(1)
+    if ORDERED:
+        seq = tl.load(order_ptr + seq).to(tl.int32)
+    return tl.program_id(0), seq, tl.program_id(2)
+
+
+@triton.jit
 def split_range(seqlen, split, num_splits, BLOCK_N: tl.constexpr):
     """Grid schedule: (positions per split, whole KV tiles; start, end) of one split of a sequence."""
     per_split = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
@@ -94,13 +105,7 @@ def _decode_split_kernel(
 ):
     launch_dependents(PDL)
     wait_for_previous(PDL)
-    # the KV head varies fastest, then the sequence: programs start in that order, so with ORDERED (the
-    # sequences by decreasing length) the longest ranges start first and the shortest fill the tail
-    kv_head = tl.program_id(0)
-    seq = tl.program_id(1)
-    split = tl.program_id(2)
-    if ORDERED:
-        seq = tl.load(order_ptr + seq).to(tl.int32)
+    kv_head, seq, split = grid_program(order_ptr, ORDERED)
     token = seq
     if MIXED:  # a varlen batch: act only on its one-token sequences, the prefill kernel does the rest
         token = tl.load(cu_seqlens_q_ptr + seq)
