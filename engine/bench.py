@@ -51,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash"])
     e.add_argument("--tensor-parallel-size", type=int, default=1)
     e.add_argument("--dtype", default="auto")
+    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="auto: the model's dtype; fp8: a one-byte KV cache (lossy, opt-in)")
     e.add_argument("--device", default="auto")
 
 
@@ -79,16 +81,18 @@ def build_llm(args: argparse.Namespace):
                tensor_parallel_size=args.tensor_parallel_size, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                gpu_memory_utilization=args.gpu_memory_utilization, kvcache_block_size=args.kvcache_block_size,
-               enforce_eager=args.enforce_eager, attention_backend=args.attention_backend)
+               enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
+               kv_cache_dtype=args.kv_cache_dtype)
 
 
 def floor_seconds(hf_config, prompts: list[list[int]], params, bandwidth: float, dtype_bytes: int = 2,
-                  tensor_parallel_size: int = 1) -> float:
+                  tensor_parallel_size: int = 1, kv_dtype_bytes: int | None = None) -> float:
     """Bytes that must cross device memory (each generated token's context K/V once, the weights once per
-    decode step, all sequences decoding together) over the bandwidth."""
+    decode step, all sequences decoding together) over the bandwidth. kv_dtype_bytes: bytes of a cached
+    K/V element (default dtype_bytes; 1 for an fp8 cache)."""
     layers = hf_config.num_hidden_layers
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    kv_bytes_per_token = layers * 2 * hf_config.num_key_value_heads * head_dim * dtype_bytes
+    kv_bytes_per_token = layers * 2 * hf_config.num_key_value_heads * head_dim * (kv_dtype_bytes or dtype_bytes)
     context_tokens = 0
     for prompt, sp in zip(prompts, params):
         n = sp.max_tokens
@@ -214,18 +218,20 @@ def run(args: argparse.Namespace) -> dict:
     floor = None
     if bandwidth:
         floor = floor_seconds(config.hf_config, prompts, params, bandwidth,
-                              config.torch_dtype.itemsize, config.tensor_parallel_size)
+                              config.torch_dtype.itemsize, config.tensor_parallel_size, config.kv_torch_dtype.itemsize)
     record = {
         "gpu": gpu, "commit": git_commit(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "model": Path(resolve_model(args.model)).name, "backend": llm.runner.ctx.backend.name
         if hasattr(llm.runner, "ctx") else args.attention_backend,
-        "enforce_eager": args.enforce_eager, "num_seqs": args.num_seqs, "tokens": tokens,
+        "enforce_eager": args.enforce_eager, "kv_cache_dtype": config.kv_cache_dtype, "num_seqs": args.num_seqs,
+        "tokens": tokens,
         "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 1),
         "floor_seconds": round(floor, 3) if floor else None,
         "ratio_to_floor": round(seconds / floor, 2) if floor else None,
         "kernels_compiled_in_run": compiled,
     }
-    print(f"{record['model']} on {gpu} ({record['backend']} attention): {tokens} tokens in {seconds:.2f} s "
+    kv_note = "" if config.kv_cache_dtype == "auto" else f", {config.kv_cache_dtype} KV cache"
+    print(f"{record['model']} on {gpu} ({record['backend']} attention{kv_note}): {tokens} tokens in {seconds:.2f} s "
           f"= {tokens / seconds:,.0f} tok/s" + (f"; floor {floor:.2f} s, {seconds / floor:.1f}x the floor" if floor else ""))
     if tokens != expected:
         print(f"warning: generated {tokens} tokens, the workload asks for {expected}", file=sys.stderr)

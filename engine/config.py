@@ -11,6 +11,9 @@ import torch
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16}
+# "auto": the model's dtype; "fp8" (= "fp8_e4m3"): one byte an element, values cast with saturation and no
+# scale, as vLLM's kv_cache_dtype="fp8" without calibrated scales
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 @dataclass
@@ -29,12 +32,14 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"
     async_scheduling: bool | None = None  # default: on for GPUs (CPU work overlaps the GPU's)
     seed: int = 0
     # resolved in __post_init__
     model_dir: str = field(init=False)
     hf_config: object = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
+    kv_torch_dtype: torch.dtype = field(init=False)
     eos_token_id: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -47,6 +52,11 @@ class EngineConfig:
         self.hf_config = load_hf_config(self.model_dir)
         on_gpu = torch.device(self.device).type == "cuda"
         self.torch_dtype = DTYPES[self.dtype] or default_dtype(self.hf_config, on_gpu)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        self.kv_torch_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
+        if self.kv_torch_dtype != self.torch_dtype:
+            _check_fp8_kv(self.device, self.attention_backend)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         tp = self.tensor_parallel_size
         for name in ("num_attention_heads", "num_key_value_heads"):
@@ -85,6 +95,18 @@ class EngineConfig:
 def _positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_fp8_kv(device: str, attention_backend: str) -> None:
+    """An fp8 KV cache needs the torch or triton backend, and on CUDA a GPU that converts fp8 (sm_89+)."""
+    if attention_backend == "flash":
+        raise ValueError("kv_cache_dtype='fp8' is not supported by attention_backend='flash'; use 'triton' or 'auto'")
+    dev = torch.device(device)
+    if dev.type == "cuda" and attention_backend != "torch":
+        major, minor = torch.cuda.get_device_capability(dev)
+        if (major, minor) < (8, 9):
+            raise ValueError(f"kv_cache_dtype='fp8' needs compute capability 8.9 or later for the triton backend "
+                             f"(this GPU is {major}.{minor}); use kv_cache_dtype='auto' or attention_backend='torch'")
 
 
 def resolve_device(device: str) -> str:

@@ -65,8 +65,9 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         _choose_blas(self.device)
         self.dtype = config.torch_dtype
+        self.kv_dtype = config.kv_torch_dtype
         self.block_size = config.kvcache_block_size
-        self.ctx = ForwardContext(get_backend(config.attention_backend, self.device))
+        self.ctx = ForwardContext(get_backend(config.attention_backend, self.device, self.kv_dtype))
         self.graphs = None  # decode CUDA graphs, captured once the KV cache exists
         self.last_sampled = torch.empty(0, dtype=torch.int64, device=self.device)
         hf = config.hf_config
@@ -91,7 +92,7 @@ class ModelRunner:
 
     def _kv_bytes_per_block(self) -> int:
         a = self.attn_layers[0]
-        return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+        return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * self.kv_dtype.itemsize
 
     def _allocate_kv_cache(self) -> int:
         cfg = self.config
@@ -107,7 +108,7 @@ class ModelRunner:
                 f"raise num_kvcache_blocks / gpu_memory_utilization")
         a = self.attn_layers[0]
         self.kv_cache = torch.empty(2, len(self.attn_layers), num_blocks, self.block_size, a.num_kv_heads,
-                                    a.head_dim, dtype=self.dtype, device=self.device)
+                                    a.head_dim, dtype=self.kv_dtype, device=self.device)
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         return num_blocks
@@ -137,7 +138,7 @@ class ModelRunner:
         before = torch.cuda.memory_allocated(self.device)
         a = self.attn_layers[0]
         scratch = torch.empty(2, len(self.attn_layers), num_seqs * blocks_per_seq, self.block_size,
-                              a.num_kv_heads, a.head_dim, dtype=self.dtype, device=self.device)
+                              a.num_kv_heads, a.head_dim, dtype=self.kv_dtype, device=self.device)
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache = scratch[0, i], scratch[1, i]
         torch.cuda.reset_peak_memory_stats(self.device)

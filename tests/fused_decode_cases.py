@@ -22,6 +22,11 @@ CPU_CASES = [
     ("gqa7_d64_padded_split3", 14, 2, 64, 16, [45, 17], True, 3, True, 2),
     ("gqa4_d128_batch1_long", 8, 2, 128, 16, [300], True, None, False, 0),
 ]
+# with a one-byte KV cache (kv_cache_dtype="fp8"): stores round to fp8, the attention widens what it reads
+FP8_CPU_CASES = [
+    ("fp8_gqa2_d64_norm", 4, 2, 64, 16, [37, 5, 64, 1], True, None, True, 0),
+    ("fp8_gqa4_d128_padded_split3", 8, 2, 128, 16, [45, 17], True, 3, True, 2),
+]
 GPU_CASES = [
     ("qwen3_0.6b_batch1", 16, 8, 128, 256, [1024], True, None, False, 0),
     ("qwen3_0.6b_batch4_padded", 16, 8, 128, 256, [700, 1, 1500, 255], True, None, True, 4),
@@ -30,12 +35,17 @@ GPU_CASES = [
     ("gqa8_d64_page16_batch33", 8, 1, 64, 16, [(53 * i) % 900 + 1 for i in range(33)], False, None, True, 3),
     ("mha_d64_page32_split64", 8, 8, 64, 32, [4000, 17], True, 64, False, 0),
 ]
+FP8_GPU_CASES = [
+    ("fp8_qwen3_0.6b_batch1", 16, 8, 128, 256, [1024], True, None, False, 0),
+    ("fp8_qwen3_0.6b_batch256", 16, 8, 128, 256, [(37 * i) % 2000 + 1 for i in range(256)], True, None, True, 0),
+]
 
 
 def _problem(heads: int, kv_heads: int, head_dim: int, page: int, lens: list[int], has_norm: bool,
-             padding: int, dtype: torch.dtype, device: str, seed: int):
+             padding: int, dtype: torch.dtype, device: str, seed: int, cache_dtype: torch.dtype | None = None):
     """qkv rows (a strided view), positions, slots of each sequence's last position, block tables over a
-    shuffled pool with spare noise blocks, caches, rotary tables and norm weights."""
+    shuffled pool with spare noise blocks, caches (of cache_dtype, default dtype), rotary tables and norm
+    weights."""
     from engine.layers.rotary import RotaryEmbedding
 
     gen = torch.Generator().manual_seed(seed)
@@ -55,7 +65,8 @@ def _problem(heads: int, kv_heads: int, head_dim: int, page: int, lens: list[int
                          + [-1] * padding, dtype=torch.int64)
     width = (heads + 2 * kv_heads) * head_dim
     qkv = (torch.randn(num_seqs, width + 8, generator=gen) * 2).to(dtype)[:, :width]
-    caches = [torch.randn(num_blocks, page, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2)]
+    caches = [torch.randn(num_blocks, page, kv_heads, head_dim, generator=gen).to(dtype).to(cache_dtype or dtype)
+              for _ in range(2)]
     rotary = RotaryEmbedding(head_dim, max(lens) + 1, 1e6, {"rope_type": "default"})
     weights = [(torch.rand(head_dim, generator=gen) + 0.5).to(dtype) for _ in range(2)] if has_norm else [None, None]
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
@@ -63,7 +74,8 @@ def _problem(heads: int, kv_heads: int, head_dim: int, page: int, lens: list[int
             to(rotary.cos), to(rotary.sin), [to(w) for w in weights])
 
 
-def check_fused_decode(cases, device: str, dtype: torch.dtype = torch.bfloat16) -> dict:
+def check_fused_decode(cases, device: str, dtype: torch.dtype = torch.bfloat16,
+                       cache_dtype: torch.dtype | None = None) -> dict:
     """{check: (error or count, all written)} for each case: the output against the unfused kernels
     (relative error, and the share of elements that differ at all), the caches (the new V copied exactly,
     K as qkv_prep writes it, nothing else touched), the output against the fp32 reference, the counters
@@ -75,7 +87,7 @@ def check_fused_decode(cases, device: str, dtype: torch.dtype = torch.bfloat16) 
     results = {}
     for seed, (name, heads, kv_heads, head_dim, page, lens, has_norm, splits, ordered, padding) in enumerate(cases):
         qkv, positions, slots, seqlens, tables, caches, cos, sin, (qw, kw) = _problem(
-            heads, kv_heads, head_dim, page, lens, has_norm, padding, dtype, device, seed)
+            heads, kv_heads, head_dim, page, lens, has_norm, padding, dtype, device, seed, cache_dtype)
         max_len = max(lens)
         order = decode_order(seqlens) if ordered else None
         scale = head_dim ** -0.5
@@ -117,7 +129,9 @@ def _main() -> None:
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     torch.set_num_threads(1)
-    print(json.dumps(check_fused_decode(CPU_CASES, "cpu")))
+    results = check_fused_decode(CPU_CASES, "cpu")
+    results.update(check_fused_decode(FP8_CPU_CASES, "cpu", cache_dtype=torch.float8_e4m3fn))
+    print(json.dumps(results))
 
 
 if __name__ == "__main__":

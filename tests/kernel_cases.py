@@ -420,8 +420,9 @@ def _check_attention_layer_decode(triton_backend, torch_backend, device: str, dt
             "layer_decode_store_v": (float((caches[0][1] != caches[1][1]).sum().item()), True)}
 
 
-def check_qkv_prep(device: str, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """The fused qkv kernel against the eager layers it replaces: RMSNorm per head, rotary, K/V store.
+def check_qkv_prep(device: str, dtype: torch.dtype = torch.bfloat16, cache_dtype: torch.dtype | None = None) -> dict:
+    """The fused qkv kernel against the eager layers it replaces: RMSNorm per head, rotary, K/V store
+    (into caches of cache_dtype, default dtype: the eager values cast as torch casts them).
 
     `*_q_exact_share` is the share of query elements that differ from the eager layers' at all.
     """
@@ -446,8 +447,8 @@ def check_qkv_prep(device: str, dtype: torch.dtype = torch.bfloat16) -> dict:
         norms = [RMSNorm(head_dim, 1e-6).to(device) for _ in range(2)]
         for n in norms:
             n.weight.data = (torch.rand(head_dim, generator=gen) + 0.5).to(dtype).to(device)
-        caches = [torch.randn(num_blocks, page, kv_heads, head_dim, generator=gen).to(dtype).to(device)
-                  for _ in range(2)]
+        caches = [torch.randn(num_blocks, page, kv_heads, head_dim, generator=gen).to(dtype).to(cache_dtype or dtype)
+                  .to(device) for _ in range(2)]
 
         q_ref, k_ref, v_ref = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
         q_ref, k_ref = q_ref.reshape(-1, heads, head_dim), k_ref.reshape(-1, kv_heads, head_dim)
@@ -466,8 +467,8 @@ def check_qkv_prep(device: str, dtype: torch.dtype = torch.bfloat16) -> dict:
                 os.environ["REDLINE_COMPILE"] = saved
         cache_ref = [c.clone() for c in caches]
         keep = slots >= 0
-        cache_ref[0].view(-1, kv_heads, head_dim)[slots[keep]] = k_ref[keep]
-        cache_ref[1].view(-1, kv_heads, head_dim)[slots[keep]] = v_ref[keep]
+        cache_ref[0].view(-1, kv_heads, head_dim)[slots[keep]] = k_ref[keep].to(cache_ref[0].dtype)
+        cache_ref[1].view(-1, kv_heads, head_dim)[slots[keep]] = v_ref[keep].to(cache_ref[1].dtype)
 
         mine = [c.clone() for c in caches]
         q = qkv_prep(qkv, positions, rotary.cos, rotary.sin, norms[0].weight if has_norm else None,
@@ -486,6 +487,86 @@ def check_qkv_prep(device: str, dtype: torch.dtype = torch.bfloat16) -> dict:
         # bit-compatibility with the eager layers (rounding emulated at every step)
         results[f"{name}_q_exact_share"] = (float((q != q_ref).float().mean().item()), True)
         results[f"{name}_k_exact_share"] = (float((mine[0] != cache_ref[0]).float().mean().item()), True)
+    return results
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def check_fp8_cache(device: str, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """A one-byte KV cache (kv_cache_dtype="fp8"): prefill, mixed and decode attention over fp8 caches
+    against the fp32 reference over the same caches widened; store_kvcache and qkv_prep write what
+    torch's cast of the model-dtype values gives, byte for byte; the triton and torch backends agree."""
+    from engine.attention import AttentionMetadata
+    from engine.attention.torch_backend import TorchBackend
+    from engine.attention.triton_backend import TritonBackend
+    from engine.kernels import paged_decode, paged_prefill, store_kvcache
+
+    def fp8(case: PagedCase) -> PagedCase:
+        case.k_cache, case.v_cache = case.k_cache.to(FP8), case.v_cache.to(FP8)
+        return case
+
+    def run(fn, like: torch.Tensor) -> torch.Tensor:
+        out = torch.full_like(like, float("nan"))
+        fn(out)
+        return out
+
+    results = {}
+    q_lens, k_lens = [1, 9, 1, 30, 1], [20, 40, 70, 30, 7]
+    case = fp8(make_case(q_lens, k_lens, 8, 2, 64, 16, dtype, device, seed=21))
+    ref = reference_attention(case)
+    args = (case.q, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seqlens_k, case.block_tables,
+            case.max_seqlen_q, case.scale)
+    out = run(lambda o: paged_prefill(*args, out=o), case.q)
+    results["fp8_prefill"] = (relative_error(out, ref), not out.isnan().any().item())
+    out = run(lambda o: (paged_prefill(*args, out=o, skip_decodes=True),
+                         paged_decode(case.q, case.k_cache, case.v_cache, case.seqlens_k, case.block_tables,
+                                      case.max_seqlen_k, case.scale, out=o, cu_seqlens_q=case.cu_seqlens_q)), case.q)
+    results["fp8_mixed_routed"] = (relative_error(out, ref), not out.isnan().any().item())
+    dec = fp8(make_case([1] * 4, [37, 5, 130, 64], 8, 2, 128, 16, dtype, device, seed=22))
+    dec_ref = reference_attention(dec)
+    for splits, schedule in ((None, "grid"), (1, "grid"), (3, "grid"), (None, "balanced")):
+        out = run(lambda o: paged_decode(dec.q, dec.k_cache, dec.v_cache, dec.seqlens_k, dec.block_tables,
+                                         dec.max_seqlen_k, dec.scale, out=o, num_splits=splits, schedule=schedule),
+                  dec.q)
+        results[f"fp8_decode_{splits or schedule}"] = (relative_error(out, dec_ref), not out.isnan().any().item())
+
+    # stores: K/V as strided views of a qkv buffer, from subnormal to past fp8's largest value (448, where
+    # torch's cast saturates), ties included (bf16 keeps more bits than fp8)
+    gen = torch.Generator().manual_seed(23)
+    qkv = (torch.randn(12, 8 + 2 * 2, 64, generator=gen) * torch.logspace(-3, 2, 64)).to(dtype)
+    qkv[0, 8, :6] = torch.tensor([1000.0, -1000.0, 449.0, 300.0, 7.875, -3.625]).to(dtype)
+    qkv = qkv.to(device)
+    key, value = qkv[:, 8:10], qkv[:, 10:]
+    slots = torch.randperm(10 * 16, generator=gen)[:12]
+    slots[3] = -1
+    slots = slots.to(device)
+    caches = [case.k_cache.clone(), case.v_cache.clone()]
+    refs = [c.clone() for c in caches]
+    store_kvcache(key, value, caches[0], caches[1], slots)
+    keep = slots >= 0
+    refs[0].view(-1, 2, 64)[slots[keep]] = key[keep].to(FP8)
+    refs[1].view(-1, 2, 64)[slots[keep]] = value[keep].to(FP8)
+    results["fp8_store_kvcache"] = (float(sum((a.view(torch.uint8) != b.view(torch.uint8)).sum().item()
+                                              for a, b in zip(caches, refs))), True)
+    try:
+        results.update({f"fp8_{k}": v for k, v in check_qkv_prep(device, dtype, FP8).items()})
+    except ImportError:  # the engine's layers are not importable here
+        pass
+
+    # the backends through the metadata contract: stores, then attention over what was stored
+    triton_backend, torch_backend = TritonBackend(), TorchBackend()
+    meta = AttentionMetadata(slot_mapping=torch.full((case.q.shape[0],), -1, dtype=torch.int32, device=device),
+                             cu_seqlens_q=case.cu_seqlens_q, seqlens_k=case.seqlens_k, block_tables=case.block_tables,
+                             max_seqlen_q=case.max_seqlen_q, max_seqlen_k=case.max_seqlen_k, is_decode=False)
+    mine, theirs = [c.clone() for c in (case.k_cache, case.v_cache)], [c.clone() for c in (case.k_cache, case.v_cache)]
+    triton_backend.store_kvcache(key, value, mine[0], mine[1], slots)
+    torch_backend.store_kvcache(key, value, theirs[0], theirs[1], slots)
+    results["fp8_backend_store_kvcache"] = (float(sum((a.view(torch.uint8) != b.view(torch.uint8)).sum().item()
+                                                      for a, b in zip(mine, theirs))), True)
+    out = triton_backend.forward(case.q, mine[0], mine[1], meta, case.scale)
+    expected = torch_backend.forward(case.q.float(), theirs[0], theirs[1], meta, case.scale)
+    results["fp8_backend_forward"] = (relative_error(out, expected), not out.isnan().any().item())
     return results
 
 
@@ -561,6 +642,11 @@ def _main() -> None:
             results["backend"] = check_backend_contract("cpu")
         except ImportError as e:  # the engine's attention package is not importable here
             results["backend"] = {"skipped": str(e)}
+    if "fp8" in names or not sys.argv[1:]:
+        try:
+            results["fp8"] = check_fp8_cache("cpu")
+        except ImportError as e:
+            results["fp8"] = {"skipped": str(e)}
     print(json.dumps(results))
 
 

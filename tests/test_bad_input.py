@@ -74,6 +74,8 @@ def test_text_prompt_without_tokenizer_is_a_clear_error(tmp_path):
     ({"max_num_seqs": 0}, "max_num_seqs"), ({"attention_backend": "magic"}, "attention_backend"),
     ({"max_model_len": 10**6}, "max_position_embeddings"), ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
     ({"tensor_parallel_size": 3}, "divisible by tensor_parallel_size"),
+    ({"kv_cache_dtype": "int4"}, "kv_cache_dtype must be one of auto, fp8, fp8_e4m3"),
+    ({"kv_cache_dtype": "fp8", "attention_backend": "flash"}, "not supported by attention_backend='flash'"),
 ])
 def test_bad_engine_options_are_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):

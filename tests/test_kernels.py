@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from interpreter import run_under_interpreter  # noqa: E402
 from kernel_cases import (CPU_SHAPES, GPU_SHAPES, check_balanced_decode, check_decode_padding,  # noqa: E402
-                          check_norm_act, check_qkv_prep, check_shape)
+                          check_fp8_cache, check_norm_act, check_qkv_prep, check_shape)
 
 REL_TOL = 1e-2
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -67,6 +67,25 @@ def test_balanced_decode_matches_reference_and_grid_schedule_on_gpu():
 @needs_triton
 def test_triton_backend_matches_torch_backend_under_interpreter(interpreted):
     assert_results(interpreted["backend"])
+
+
+FP8_CHECKS = ("fp8_prefill", "fp8_mixed_routed", "fp8_decode_balanced", "fp8_store_kvcache",
+              "fp8_qknorm_gqa7_d128_k_exact_share", "fp8_qknorm_gqa7_d128_store_v", "fp8_backend_forward")
+
+
+@needs_triton
+def test_fp8_kv_cache_kernels_match_reference_and_torch_cast_under_interpreter(interpreted):
+    results = interpreted["fp8"]
+    assert set(FP8_CHECKS) <= set(results), sorted(results)
+    assert_results(results)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_kv_cache_kernels_match_reference_and_torch_cast_on_gpu():
+    results = check_fp8_cache("cuda")
+    assert set(FP8_CHECKS) <= set(results), sorted(results)
+    assert_results(results)
 
 
 @needs_triton

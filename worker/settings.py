@@ -19,7 +19,7 @@ from producer import protocol
 ENGINE_FIELDS = ("load_format", "dtype", "device", "tensor_parallel_size", "max_num_seqs",
                  "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization", "kvcache_block_size",
                  "num_kvcache_blocks", "enable_prefix_caching", "enforce_eager", "attention_backend",
-                 "async_scheduling", "seed")
+                 "kv_cache_dtype", "async_scheduling", "seed")
 
 
 class WorkerSettings(BaseSettings):
@@ -54,6 +54,7 @@ class WorkerSettings(BaseSettings):
     enable_prefix_caching: bool | None = Field(None, description="reuse KV blocks of shared prefixes")
     enforce_eager: bool | None = Field(None, description="no CUDA graphs")
     attention_backend: str | None = Field(None, description="auto | triton | flash | torch")
+    kv_cache_dtype: str | None = Field(None, description="auto (the model's dtype) | fp8 (one byte an element, lossy)")
     async_scheduling: bool | None = Field(None, description="prepare the next step while the GPU runs this one "
                                                             "(default: on for GPUs)")
     seed: int | None = Field(None, description="seed of dummy weights and of unseeded sampling")

@@ -33,15 +33,17 @@ class ForwardContext:
         self.meta: AttentionMetadata | None = None
 
 
-def get_backend(name: str, device: torch.device):
-    """The backend for `name`; "auto" picks flash, then triton on CUDA, torch elsewhere."""
+def get_backend(name: str, device: torch.device, kv_cache_dtype: torch.dtype | None = None):
+    """The backend for `name`; "auto" picks flash, then triton on CUDA, torch elsewhere (triton over flash
+    for an fp8 KV cache, which flash does not read)."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name == "auto":
         if device.type != "cuda":
             name = "torch"
         else:
-            name = "flash" if _flash_available() else "triton"
+            fp8 = kv_cache_dtype is not None and kv_cache_dtype.itemsize == 1
+            name = "flash" if _flash_available() and not fp8 else "triton"
     if name != "torch" and device.type != "cuda":
         raise ValueError(f"attention_backend={name!r} needs a CUDA device; use 'torch' on {device.type}")
     if name == "torch":

@@ -14,8 +14,10 @@ class TorchBackend:
     def store_kvcache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         valid = slot_mapping >= 0
         slots = slot_mapping[valid].long()
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key[valid])
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value[valid])
+        # a cache of another dtype (fp8) takes the values cast, saturating at its largest finite value
+        # (index assignment: index_copy_ has no fp8 kernel on CPU; the slots are distinct)
+        k_cache.view(-1, *k_cache.shape[2:])[slots] = key[valid].to(k_cache.dtype)
+        v_cache.view(-1, *v_cache.shape[2:])[slots] = value[valid].to(v_cache.dtype)
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -29,8 +31,8 @@ class TorchBackend:
             len_q = end - start
             num_blocks = (len_k + block_size - 1) // block_size
             blocks = meta.block_tables[b, :num_blocks].long()
-            k = k_cache[blocks].flatten(0, 1)[:len_k].repeat_interleave(group, dim=1)
-            v = v_cache[blocks].flatten(0, 1)[:len_k].repeat_interleave(group, dim=1)
+            k = k_cache[blocks].flatten(0, 1)[:len_k].to(q.dtype).repeat_interleave(group, dim=1)
+            v = v_cache[blocks].flatten(0, 1)[:len_k].to(q.dtype).repeat_interleave(group, dim=1)
             q_pos = torch.arange(len_k - len_q, len_k, device=q.device)
             mask = q_pos[:, None] >= torch.arange(len_k, device=q.device)[None, :]
             o = F.scaled_dot_product_attention(

@@ -23,7 +23,7 @@ import triton.language as tl
 from engine.kernels.launch import launch_dependents, pdl_options, wait_for_previous
 from engine.kernels.paged_decode import (MAX_GRID_SEQS, DecodeConfig, _attend_range, _num_sms,
                                          choose_num_splits, default_decode_config, grid_program, split_range)
-from engine.kernels.paged_tiles import LOG2E, check_paged_inputs, group_pad, upcast_dot
+from engine.kernels.paged_tiles import LOG2E, check_paged_inputs, group_pad, to_cache, upcast_dot
 from engine.kernels.qkv_prep import _norm_rope, _round
 
 
@@ -71,10 +71,11 @@ def _fused_decode_kernel(
         k1, k2 = _norm_rope(k1, k2, k_weight_ptr, cos, sin, offs_half, all_half, eps, HEAD_DIM, HAS_NORM, HALF, dtype)
         dst = (slot // PAGE_SIZE) * stride_page + (slot % PAGE_SIZE) * stride_slot + kv_head * stride_khead \
             + offs_half[None, :]
-        tl.store(k_cache_ptr + dst, k1.to(dtype))
-        tl.store(k_cache_ptr + dst + HALF, k2.to(dtype))
-        tl.store(v_cache_ptr + dst, tl.load(v_lo))
-        tl.store(v_cache_ptr + dst + HALF, tl.load(v_lo + HALF))
+        cache_dtype = k_cache_ptr.dtype.element_ty  # the model's dtype, or fp8 (rounded from it)
+        tl.store(k_cache_ptr + dst, to_cache(k1.to(dtype), cache_dtype))
+        tl.store(k_cache_ptr + dst + HALF, to_cache(k2.to(dtype), cache_dtype))
+        tl.store(v_cache_ptr + dst, to_cache(tl.load(v_lo), cache_dtype))
+        tl.store(v_cache_ptr + dst + HALF, to_cache(tl.load(v_lo + HALF), cache_dtype))
     tl.debug_barrier()  # the program's own stores are visible to all its threads' cache reads below
 
     offs_d = tl.arange(0, HEAD_DIM)

@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.paged_tiles import to_cache
+
 
 @triton.jit
 def _store_kvcache_kernel(
@@ -27,10 +29,13 @@ def _store_kvcache_kernel(
     src = token.to(tl.int64)
     key = tl.load(key_ptr + src * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     value = tl.load(value_ptr + src * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    k_dst = k_cache_ptr + page * stride_kc_page + offset * stride_kc_slot
-    v_dst = v_cache_ptr + page * stride_vc_page + offset * stride_vc_slot
-    tl.store(k_dst + offs_h[:, None] * stride_kc_head + offs_d[None, :], key, mask=mask)
-    tl.store(v_dst + offs_h[:, None] * stride_vc_head + offs_d[None, :], value, mask=mask)
+    k_dst = k_cache_ptr + page * stride_kc_page + offset * stride_kc_slot + offs_h[:, None] * stride_kc_head
+    v_dst = v_cache_ptr + page * stride_vc_page + offset * stride_vc_slot + offs_h[:, None] * stride_vc_head
+    k_dst += offs_d[None, :]
+    v_dst += offs_d[None, :]
+    # in the cache's dtype (fp8: rounded to nearest even, saturating)
+    tl.store(k_dst, to_cache(key, k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst, to_cache(value, v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

@@ -59,15 +59,15 @@ def _attend_range(q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset, off
         offs, mask, valid_n = kv_tile_offsets(block_table_row, n0, end, head_offset, offs_d,
                                               stride_page, stride_slot, PAGE_SIZE, BLOCK_N,
                                               HEAD_DIM, BLOCK_D, True)
-        k = tl.load(k_cache_ptr + offs, mask=mask, other=0.0)
+        k = tl.load(k_cache_ptr + offs, mask=mask, other=0.0).to(q.dtype)  # an fp8 cache widens here
         s = mma(q, tl.trans(k), UPCAST) * qk_scale
         s = tl.where(valid_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + offs, mask=mask, other=0.0)
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST)
+        v = tl.load(v_cache_ptr + offs, mask=mask, other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + mma(p.to(q.dtype), v, UPCAST)
         m_i = m_new
     has_keys = l_i > 0.0  # false for an empty range or a zero-length padding sequence
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]

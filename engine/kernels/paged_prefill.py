@@ -38,6 +38,7 @@ def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, n0
         k = tl.load(k_cache_ptr + offs, mask=mask, other=0.0)
     else:
         k = tl.load(k_cache_ptr + offs)
+    k = k.to(q.dtype)  # an fp8 cache widens here
     s = mma(q, tl.trans(k), UPCAST) * qk_scale
     if CAUSAL_TAIL:
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -51,7 +52,7 @@ def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, n0
         v = tl.load(v_cache_ptr + offs, mask=mask, other=0.0)
     else:
         v = tl.load(v_cache_ptr + offs)
-    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST)
+    acc = acc * alpha[:, None] + mma(p.to(q.dtype), v.to(q.dtype), UPCAST)
     return acc, m_new, l_i
 
 

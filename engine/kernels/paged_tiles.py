@@ -37,6 +37,27 @@ def kv_tile_offsets(block_table_row, n0, seqlen, head_offset, offs_d,
 
 
 @triton.jit
+def round_to_e4m3(x):
+    """fp32 x rounded to the nearest float8 e4m3 value (ties to even, saturating at +-448), as fp32: what
+    a GPU's cvt.rn.satfinite gives, written out so that the Triton interpreter, whose emulated fp8 cast
+    rounds ties away from zero and drops the carry into the exponent, stores the same bytes."""
+    a = tl.minimum(tl.abs(x), 448.0)
+    exponent = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    step = tl.maximum(exponent, -6) - 3  # 3 mantissa bits; subnormals below 2^-6 are spaced 2^-9
+    magic = ((step + 150) << 23).to(tl.float32, bitcast=True) * 1.5  # its ulp is 2^step
+    rounded = (a + magic) - magic
+    return tl.where(x < 0, -rounded, rounded)
+
+
+@triton.jit
+def to_cache(x, cache_dtype: tl.constexpr):
+    """x as stored in a KV cache of cache_dtype: the model's dtype, or float8 e4m3 (rounded to nearest)."""
+    if cache_dtype == tl.float8e4nv:
+        return round_to_e4m3(x.to(tl.float32)).to(cache_dtype)
+    return x.to(cache_dtype)
+
+
+@triton.jit
 def mma(a, b, UPCAST: tl.constexpr):
     """tl.dot(a, b) in fp32; UPCAST does it on fp32 operands (the CPU interpreter mis-multiplies bf16)."""
     if UPCAST:

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.launch import launch_dependents, pdl_options, wait_for_previous
+from engine.kernels.paged_tiles import to_cache
 
 
 @triton.jit
@@ -88,10 +89,11 @@ def _qkv_prep_kernel(
         heads = offs_kv[:, None] * HEAD_DIM + offs_half[None, :]
         k_dst = k_cache_ptr + page * stride_kc_page + offset * stride_kc_slot + heads
         v_dst = v_cache_ptr + page * stride_vc_page + offset * stride_vc_slot + heads
-        tl.store(k_dst, k1.to(dtype), mask=mask_kv)
-        tl.store(k_dst + HALF, k2.to(dtype), mask=mask_kv)
-        tl.store(v_dst, tl.load(v_lo, mask=mask_kv), mask=mask_kv)
-        tl.store(v_dst + HALF, tl.load(v_lo + HALF, mask=mask_kv), mask=mask_kv)
+        cache_dtype = k_cache_ptr.dtype.element_ty  # the model's dtype, or fp8 (rounded from it)
+        tl.store(k_dst, to_cache(k1.to(dtype), cache_dtype), mask=mask_kv)
+        tl.store(k_dst + HALF, to_cache(k2.to(dtype), cache_dtype), mask=mask_kv)
+        tl.store(v_dst, to_cache(tl.load(v_lo, mask=mask_kv), cache_dtype), mask=mask_kv)
+        tl.store(v_dst + HALF, to_cache(tl.load(v_lo + HALF, mask=mask_kv), cache_dtype), mask=mask_kv)
 
 
 def qkv_prep(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
