@@ -7,6 +7,16 @@ import torch.nn.functional as F
 from engine.attention import AttentionMetadata
 
 
+def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a KV cache of `dtype` holds it: the model's dtype as is; fp8 rounded to nearest even and
+    saturated at its largest finite value (torch's own cast gives NaN from 480 up on CUDA), as the
+    Triton kernels store it."""
+    if dtype == torch.float8_e4m3fn:
+        limit = torch.finfo(dtype).max
+        x = x.clamp(-limit, limit)
+    return x.to(dtype)
+
+
 class TorchBackend:
     name = "torch"
     supports_cuda_graphs = False
@@ -14,10 +24,9 @@ class TorchBackend:
     def store_kvcache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         valid = slot_mapping >= 0
         slots = slot_mapping[valid].long()
-        # a cache of another dtype (fp8) takes the values cast, saturating at its largest finite value
         # (index assignment: index_copy_ has no fp8 kernel on CPU; the slots are distinct)
-        k_cache.view(-1, *k_cache.shape[2:])[slots] = key[valid].to(k_cache.dtype)
-        v_cache.view(-1, *v_cache.shape[2:])[slots] = value[valid].to(v_cache.dtype)
+        k_cache.view(-1, *k_cache.shape[2:])[slots] = to_cache(key[valid], k_cache.dtype)
+        v_cache.view(-1, *v_cache.shape[2:])[slots] = to_cache(value[valid], v_cache.dtype)
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -46,7 +46,9 @@ def round_to_e4m3(x):
     step = tl.maximum(exponent, -6) - 3  # 3 mantissa bits; subnormals below 2^-6 are spaced 2^-9
     magic = ((step + 150) << 23).to(tl.float32, bitcast=True) * 1.5  # its ulp is 2^step
     rounded = (a + magic) - magic
-    return tl.where(x < 0, -rounded, rounded)
+    # x's sign by its bit, so a negative value that rounds to zero stays -0 as in torch's cast
+    sign = x.to(tl.int32, bitcast=True) & (-2147483647 - 1)
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
