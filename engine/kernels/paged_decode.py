@@ -55,6 +55,8 @@ def _attend_range(q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset, off
     m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
+    if k_cache_ptr.dtype.element_ty == tl.float8e4nv:  # fp8 widens to fp16 in one instruction a pair
+        q = q.to(tl.float16)
     for n0 in range(start, end, BLOCK_N):
         offs, mask, valid_n = kv_tile_offsets(block_table_row, n0, end, head_offset, offs_d,
                                               stride_page, stride_slot, PAGE_SIZE, BLOCK_N,
