@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 from engine.kernels.launch import launch_dependents, pdl_options, wait_for_previous
-from engine.kernels.paged_tiles import LOG2E, check_paged_inputs, group_pad, kv_tile_offsets, mma, upcast_dot
+from engine.kernels.paged_tiles import (LOG2E, check_paged_inputs, group_pad, kv_tile_offsets, mma, query_for_cache,
+                                       upcast_dot)
 
 SCHEDULES = ("balanced", "grid")
 MERGE_TILE = 16  # partials a merge program reads at once; it loops for more
@@ -55,13 +56,12 @@ def _attend_range(q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset, off
     m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
-    if k_cache_ptr.dtype.element_ty == tl.float8e4nv:  # fp8 widens to fp16 in one instruction a pair
-        q = q.to(tl.float16)
+    q = query_for_cache(q, k_cache_ptr.dtype.element_ty)
     for n0 in range(start, end, BLOCK_N):
         offs, mask, valid_n = kv_tile_offsets(block_table_row, n0, end, head_offset, offs_d,
                                               stride_page, stride_slot, PAGE_SIZE, BLOCK_N,
                                               HEAD_DIM, BLOCK_D, True)
-        k = tl.load(k_cache_ptr + offs, mask=mask, other=0.0).to(q.dtype)  # an fp8 cache widens here
+        k = tl.load(k_cache_ptr + offs, mask=mask, other=0.0).to(q.dtype)  # an fp8 cache widens here (to fp16)
         s = mma(q, tl.trans(k), UPCAST) * qk_scale
         s = tl.where(valid_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))

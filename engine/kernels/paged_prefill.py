@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.paged_tiles import LOG2E, check_paged_inputs, group_pad, kv_tile_offsets, mma, upcast_dot
+from engine.kernels.paged_tiles import (LOG2E, check_paged_inputs, group_pad, kv_tile_offsets, mma, query_for_cache,
+                                       upcast_dot)
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, n0
         k = tl.load(k_cache_ptr + offs, mask=mask, other=0.0)
     else:
         k = tl.load(k_cache_ptr + offs)
-    k = k.to(q.dtype)  # an fp8 cache widens here
+    k = k.to(q.dtype)  # an fp8 cache widens here (to fp16)
     s = mma(q, tl.trans(k), UPCAST) * qk_scale
     if CAUSAL_TAIL:
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -89,6 +90,7 @@ def _paged_prefill_kernel(
     q_rows = (q_start + token).to(tl.int64) * stride_qt + head * stride_qh
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :],
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    q = query_for_cache(q, k_cache_ptr.dtype.element_ty)
     q_pos = first_q_pos + token
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: a fully masked tile gives p=0, not NaN

@@ -60,6 +60,15 @@ def to_cache(x, cache_dtype: tl.constexpr):
 
 
 @triton.jit
+def query_for_cache(q, cache_dtype: tl.constexpr):
+    """q in the dtype that K/V tiles of cache_dtype widen to for the dot products: fp16 for an fp8 cache
+    (e4m3 -> f16 is one instruction a pair, -> bf16 three), else q's own dtype."""
+    if cache_dtype == tl.float8e4nv:
+        return q.to(tl.float16)
+    return q
+
+
+@triton.jit
 def mma(a, b, UPCAST: tl.constexpr):
     """tl.dot(a, b) in fp32; UPCAST does it on fp32 operands (the CPU interpreter mis-multiplies bf16)."""
     if UPCAST:
