@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 import triton
@@ -86,8 +85,7 @@ def main() -> None:
         install(args.prefetch)
     print(f"prefetch: {args.prefetch}", flush=True)
     sys.argv = [sys.argv[0]] + rest
-    sys.path.insert(0, str(Path(__file__).parent))
-    import decode_graph_time
+    import decode_graph_time  # run as a script, this folder is on sys.path
     decode_graph_time.main()
 
 

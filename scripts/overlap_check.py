@@ -30,6 +30,8 @@ from engine.kernels.fused_decode import default_decode_config, fused_decode
 from engine.kernels.norm_act import rms_norm, silu_and_mul
 from engine.kernels.skinny_gemm import skinny_linear
 
+from decode_graph_time import events_ms  # run as a script, this folder is on sys.path
+
 LINEAR = {"linear": F.linear}  # what the projections run: cuBLAS, or the skinny Triton GEMM
 ATTENTION = {"programs_per_sm": None}  # the fused decode's grid_programs_per_sm (None: its default)
 
@@ -154,15 +156,7 @@ def graph_ms(fn) -> float:
         fn()
     graph.replay()
     torch.cuda.synchronize()
-    rounds = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        rounds.append(start.elapsed_time(end) / 20)
+    rounds = [events_ms(graph.replay, 20) for _ in range(5)]
     del graph
     return statistics.median(rounds)
 

@@ -29,13 +29,11 @@ def _store_kvcache_kernel(
     src = token.to(tl.int64)
     key = tl.load(key_ptr + src * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     value = tl.load(value_ptr + src * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    k_dst = k_cache_ptr + page * stride_kc_page + offset * stride_kc_slot + offs_h[:, None] * stride_kc_head
-    v_dst = v_cache_ptr + page * stride_vc_page + offset * stride_vc_slot + offs_h[:, None] * stride_vc_head
-    k_dst += offs_d[None, :]
-    v_dst += offs_d[None, :]
-    # in the cache's dtype (fp8: rounded to nearest even, saturating)
-    tl.store(k_dst, to_cache(key, k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst, to_cache(value, v_cache_ptr.dtype.element_ty), mask=mask)
+    k_dst = k_cache_ptr + page * stride_kc_page + offset * stride_kc_slot
+    v_dst = v_cache_ptr + page * stride_vc_page + offset * stride_vc_slot
+    cache_dtype = k_cache_ptr.dtype.element_ty  # the model's dtype, or fp8 (rounded to nearest even, saturating)
+    tl.store(k_dst + offs_h[:, None] * stride_kc_head + offs_d[None, :], to_cache(key, cache_dtype), mask=mask)
+    tl.store(v_dst + offs_h[:, None] * stride_vc_head + offs_d[None, :], to_cache(value, cache_dtype), mask=mask)
 
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -48,6 +46,7 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         assert t.stride(-1) == 1, "K/V rows must be contiguous in the head dimension"
     for c in (k_cache, v_cache):
         assert c.dim() == 4 and c.stride(-1) == 1, "cache must be [num_blocks, block_size, Hkv, D]"
+    assert k_cache.dtype == v_cache.dtype, "the K and V caches hold one dtype"
     assert slot_mapping.numel() == num_tokens
     _store_kvcache_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
