@@ -13,6 +13,9 @@ attention, SiLU·mul) over a paged KV cache of random sequences, and times CUDA 
   priority   pingpong with each half's attention on a low-priority stream of its own;
 and pingpong and whole again with the attention's grid at 2 programs an SM (room for the projections'
 blocks) and with the projections through engine/kernels/skinny_gemm.py (less shared memory a block).
+  green<N>   pingpong with both halves' attention on a stream of a CUDA green context of N SMs, so the
+             other SMs stay free for the projections (on ordinary streams); --green lists the Ns;
+             attention_green<N> is the attention alone there; *_eager the same launched without a graph.
 Prints a table and one JSON line of ms per step (median of 5 rounds of 20 replays).
 """
 from __future__ import annotations
@@ -144,6 +147,45 @@ def step_pingpong(layers, kv, xs, ress, bs, cos, sin, streams, attn_streams):
     return xs, ress
 
 
+def green_stream(num_sms: int):
+    """(context, stream): a stream whose kernels run on num_sms SMs only (keep the context alive)."""
+    from torch.cuda import green_contexts
+
+    ctx = green_contexts.GreenContext.create(num_sms=num_sms)
+    if hasattr(ctx, "Stream"):
+        return ctx, ctx.Stream()
+    ctx.set_context()  # older API: the context's stream becomes the current stream
+    stream = torch.cuda.current_stream()
+    ctx.pop_context()
+    return ctx, stream
+
+
+def on_stream(stream, fn):
+    """fn's kernels on stream, ordered after and before the current stream's work."""
+    main = torch.cuda.current_stream()
+    stream.wait_stream(main)
+    with torch.cuda.stream(stream):
+        out = fn()
+    main.wait_stream(stream)
+    return out
+
+
+def attempt(timer, fn):
+    """timer(fn), or None (the error printed) where the variant cannot run here."""
+    try:
+        return timer(fn)
+    except Exception as exc:  # a driver without green contexts, a capture that refuses their streams
+        print(f"variant failed: {type(exc).__name__}: {exc}", flush=True)
+        return None
+
+
+def eager_ms(fn) -> float:
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    return statistics.median(events_ms(fn, 5) for _ in range(5))
+
+
 def graph_ms(fn) -> float:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -167,7 +209,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=28)
     parser.add_argument("--min-context", type=int, default=500)
     parser.add_argument("--max-context", type=int, default=1500)
+    parser.add_argument("--green", default="", help="SM counts of the attention's green context, e.g. 112,120")
+    parser.add_argument("--only-green", action="store_true", help="skip the variants that take no green context")
     args = parser.parse_args()
+    greens = [int(v) for v in args.green.split(",") if v]
+    contexts = {n: green_stream(n) for n in greens}
+    for n, (ctx, _) in contexts.items():
+        print(f"green context of {n} SMs: {ctx!r}", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     cpu_gen = torch.Generator().manual_seed(0)
     layers = [Layer(gen) for _ in range(args.layers)]
@@ -191,6 +239,25 @@ def main() -> None:
         kv_bytes = sum(lengths) * 2 * KV_HEADS * HEAD_DIM * 2 * len(layers)
         row = {"kv_floor_ms": kv_bytes / 3.0e12 * 1e3}
         row["whole"] = graph_ms(lambda: step_whole(layers, kv, x, res, whole, cos, sin))
+        qkv = torch.randn(batch, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+        def attention_only():
+            return [attend(l, qkv, whole, c, cos, sin) for l, c in zip(layers, kv)]
+        s = [torch.cuda.Stream(), torch.cuda.Stream()]
+        for n, (_, green) in contexts.items():
+            greens2 = [green, green]
+            row[f"attention_green{n}"] = attempt(graph_ms, lambda: on_stream(green, attention_only))
+            row[f"green{n}"] = attempt(graph_ms, lambda: step_pingpong(layers, kv, xs, ress, bs, cos, sin, s, greens2))
+            row[f"green{n}_eager"] = attempt(eager_ms,
+                                             lambda: step_pingpong(layers, kv, xs, ress, bs, cos, sin, s, greens2))
+        if contexts:
+            row["attention_only"] = graph_ms(attention_only)
+            row["whole_eager"] = eager_ms(lambda: step_whole(layers, kv, x, res, whole, cos, sin))
+            row["pingpong_eager"] = eager_ms(lambda: step_pingpong(layers, kv, xs, ress, bs, cos, sin, s, s))
+        if args.only_green:
+            results[batch] = {k: v if v is None else round(v, 3) for k, v in row.items()}
+            print(batch, results[batch], flush=True)
+            continue
         row["halves"] = graph_ms(lambda: step_halves(layers, kv, xs, ress, bs, cos, sin))
         s = [torch.cuda.Stream(), torch.cuda.Stream()]
         row["pingpong"] = graph_ms(lambda: step_pingpong(layers, kv, xs, ress, bs, cos, sin, s, s))
@@ -208,11 +275,10 @@ def main() -> None:
         row["whole_triton_gemm"] = graph_ms(lambda: step_whole(layers, kv, x, res, whole, cos, sin))
         LINEAR["linear"] = F.linear
         # the attention alone and the rest alone, for the sum
-        qkv = torch.randn(batch, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
-        row["attention_only"] = graph_ms(lambda: [attend(l, qkv, whole, c, cos, sin) for l, c in zip(layers, kv)])
+        row["attention_only"] = graph_ms(attention_only)
         att = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
         row["rest_only"] = graph_ms(lambda: [(pre(l, x, res), post(l, att, res)) for l in layers])
-        results[batch] = {k: round(v, 3) for k, v in row.items()}
+        results[batch] = {k: v if v is None else round(v, 3) for k, v in row.items()}
         print(batch, results[batch], flush=True)
         del kv
         torch.cuda.empty_cache()

@@ -16,42 +16,76 @@ instead of three. Prefill, mixed batches and the balanced schedule keep the sepa
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.launch import launch_dependents, pdl_options, wait_for_previous
+from engine.kernels.launch import globaltimer, launch_dependents, pdl_options, smid, wait_for_previous
 from engine.kernels.paged_decode import (MAX_GRID_SEQS, DecodeConfig, _attend_range, _num_sms,
                                          choose_num_splits, default_decode_config, grid_program, split_range)
-from engine.kernels.paged_tiles import LOG2E, check_paged_inputs, group_pad, to_cache, upcast_dot
+from engine.kernels.paged_tiles import (LOG2E, check_paged_inputs, group_pad, prefetch_kv_tile, prefetch_l2, to_cache,
+                                       upcast_dot)
 from engine.kernels.qkv_prep import _norm_rope, _round
+
+# trace=: a row of TRACE_WIDTH int64 per program (see fused_decode): the global timer (ns) at these points,
+# in the order a program passes them, then the SM it ran on
+TRACE_POINTS = ("start", "waited", "queries", "stored", "attended", "ticket", "merged")
+TRACE_WIDTH = len(TRACE_POINTS) + 1
+TRACE_SLOTS = tl.constexpr(TRACE_WIDTH)
+
+
+@triton.jit
+def _stamp(trace_ptr, slot: tl.constexpr, TRACE: tl.constexpr):
+    """With TRACE: the global timer at point `slot` into the program's row of the trace."""
+    if TRACE:
+        program = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
+        row = trace_ptr + program.to(tl.int64) * TRACE_SLOTS
+        tl.store(row + slot, globaltimer())
+        if slot == 0:
+            tl.store(row + TRACE_SLOTS - 1, smid().to(tl.int64))
 
 
 @triton.jit
 def _fused_decode_kernel(
     qkv_ptr, positions_ptr, slot_mapping_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr,
     k_cache_ptr, v_cache_ptr, out_ptr, seqlens_k_ptr, block_tables_ptr,
-    part_out_ptr, part_lse_ptr, counters_ptr, order_ptr,
+    part_out_ptr, part_lse_ptr, counters_ptr, order_ptr, trace_ptr,
     stride_t, stride_cos, stride_ot, stride_oh, stride_page, stride_slot, stride_khead, stride_bt,
     qk_scale, eps, num_heads, num_kv_heads, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    UPCAST: tl.constexpr, HAS_NORM: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, HAS_NORM: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
+    _stamp(trace_ptr, 0, TRACE)
     launch_dependents(PDL)
-    wait_for_previous(PDL)
+    # Before the wait, what no kernel of this step writes (the step's inputs, written before its first
+    # kernel; the cache rows of earlier tokens; weights): and with PREFETCH, the range's first K/V tile
+    # and the norm weights queued into L2, so the reads after the wait do not go to memory.
     kv_head, seq, split = grid_program(order_ptr, ORDERED)
     seqlen = tl.load(seqlens_k_ptr + seq)
     per_split, start, end = split_range(seqlen, split, num_splits, BLOCK_N)
     dtype = out_ptr.dtype.element_ty
-
-    # the queries of this KV head, normed and rotated as qkv_prep does, halves joined into [GROUP_PAD, D]
-    row = qkv_ptr + seq.to(tl.int64) * stride_t
     pos = tl.load(positions_ptr + seq)
     offs_half = tl.arange(0, HALF)
     all_half = offs_half < HALF
     cos = _round(tl.load(cos_ptr + pos * stride_cos + offs_half), dtype)
     sin = _round(tl.load(sin_ptr + pos * stride_cos + offs_half), dtype)
+    slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    if PREFETCH:
+        prefetch_kv_tile(k_cache_ptr, v_cache_ptr, block_table_row, start, end, kv_head * stride_khead,
+                         stride_page, stride_slot, PAGE_SIZE, BLOCK_N, HEAD_DIM)
+        if HAS_NORM:
+            prefetch_l2(q_weight_ptr + tl.arange(0, 2) * (HEAD_DIM // 2))
+            prefetch_l2(k_weight_ptr + tl.arange(0, 2) * (HEAD_DIM // 2))
+    wait_for_previous(PDL)
+    _stamp(trace_ptr, 1, TRACE)
+
+    # the queries of this KV head, normed and rotated as qkv_prep does, halves joined into [GROUP_PAD, D]
+    row = qkv_ptr + seq.to(tl.int64) * stride_t
     offs_g = tl.arange(0, GROUP_PAD)
     g_mask = offs_g < GROUP
     head = kv_head * GROUP + offs_g
@@ -60,9 +94,9 @@ def _fused_decode_kernel(
     q2 = tl.load(q_lo + HALF, mask=g_mask[:, None], other=0.0).to(tl.float32)
     q1, q2 = _norm_rope(q1, q2, q_weight_ptr, cos, sin, offs_half, all_half, eps, HEAD_DIM, HAS_NORM, HALF, dtype)
     q = tl.reshape(tl.permute(tl.join(q1.to(dtype), q2.to(dtype)), (0, 2, 1)), (GROUP_PAD, HEAD_DIM))
+    _stamp(trace_ptr, 2, TRACE)
 
     # the new token's K and V, by the program whose range holds the sequence's last position
-    slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
     if (split == (seqlen - 1) // tl.maximum(per_split, 1)) & (slot >= 0):  # slot -1: a CUDA graph's padding row
         k_lo = row + (num_heads + kv_head) * HEAD_DIM + offs_half[None, :]
         v_lo = k_lo + num_kv_heads * HEAD_DIM
@@ -77,11 +111,13 @@ def _fused_decode_kernel(
         tl.store(v_cache_ptr + dst, to_cache(tl.load(v_lo), cache_dtype))
         tl.store(v_cache_ptr + dst + HALF, to_cache(tl.load(v_lo + HALF), cache_dtype))
     tl.debug_barrier()  # the program's own stores are visible to all its threads' cache reads below
+    _stamp(trace_ptr, 3, TRACE)
 
     offs_d = tl.arange(0, HEAD_DIM)
-    out, lse = _attend_range(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
+    out, lse = _attend_range(q, k_cache_ptr, v_cache_ptr, block_table_row,
                              kv_head * stride_khead, offs_d, start, end, qk_scale, stride_page, stride_slot,
                              GROUP_PAD, HEAD_DIM, HEAD_DIM, PAGE_SIZE, BLOCK_N, UPCAST)
+    _stamp(trace_ptr, 4, TRACE)
     if SPLITS_PAD == 1:
         o_ptrs = out_ptr + seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(dtype), mask=g_mask[:, None])
@@ -92,10 +128,13 @@ def _fused_decode_kernel(
         tl.store(part_lse_ptr + prow, lse, mask=g_mask)
         tl.debug_barrier()  # every thread's partial stored before the ticket releases them
         counter = counters_ptr + seq * num_kv_heads + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        _stamp(trace_ptr, 5, TRACE)
+        if ticket == num_splits - 1:
             tl.store(counter, 0)
             _merge_group(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_heads, num_splits,
                          stride_ot, stride_oh, GROUP, HEAD_DIM, SPLITS_PAD)
+            _stamp(trace_ptr, 6, TRACE)
 
 
 @triton.jit
@@ -120,6 +159,14 @@ def _merge_group(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_heads, n
         tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
+def prefetch_setting(t: torch.Tensor) -> bool:
+    """REDLINE_DECODE_PREFETCH: "1" (the default; on CUDA only, where the prefetch instruction exists) or "0"."""
+    value = os.environ.get("REDLINE_DECODE_PREFETCH", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"REDLINE_DECODE_PREFETCH must be 0 or 1, got {value!r}")
+    return value == "1" and t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+
+
 def fits(head_dim: int) -> bool:
     """Whether fused_decode takes this head size (a power of two from 16: the joined query halves)."""
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
@@ -130,12 +177,17 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                  seqlens_k: torch.Tensor, block_tables: torch.Tensor, max_seqlen_k: int, scale: float,
                  num_heads: int, num_kv_heads: int, counters: torch.Tensor, order: torch.Tensor | None = None,
-                 num_splits: int | None = None, config: DecodeConfig | None = None) -> torch.Tensor:
+                 num_splits: int | None = None, config: DecodeConfig | None = None,
+                 trace: torch.Tensor | None = None, prefetch: bool | None = None) -> torch.Tensor:
     """Attention output [B, H, D] of one new token per sequence, from its qkv row [B, (H + 2 Hkv) D]:
     what qkv_prep followed by paged_decode (grid schedule) computes, K/V stored the same way.
 
     counters: int32 zeros, at least B x Hkv of them, left zero again; one set per stream of launches
     (the caller keeps it). Other arguments as in qkv_prep and paged_decode.
+
+    trace: int64 [programs, TRACE_WIDTH] (programs: KV heads x sequences x splits, KV head fastest) for
+    scripts/decode_chain_trace.py: each program writes the global timer at TRACE_POINTS and its SM.
+    prefetch: queue each program's first K/V tile into L2 before its wait (None: prefetch_setting).
     """
     head_dim = k_cache.shape[3]
     if not fits(head_dim):
@@ -165,15 +217,19 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
     has_norm = q_weight is not None
     if order is not None:
         assert order.shape == (num_seqs,) and order.device == qkv.device, "order: one index per sequence"
+    programs = num_kv_heads * num_seqs * num_splits
+    if trace is not None:
+        assert trace.dtype == torch.int64 and trace.is_contiguous() and trace.numel() >= programs * TRACE_WIDTH
     _fused_decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         qkv, positions, slot_mapping, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos,
         k_cache, v_cache, out, seqlens_k, block_tables, part_out, part_lse, counters,
-        seqlens_k if order is None else order,
+        seqlens_k if order is None else order, trace if trace is not None else counters,
         qkv.stride(0), cos.stride(0), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         scale * LOG2E, eps, num_heads, num_kv_heads, num_splits,
         GROUP=group, GROUP_PAD=max(16, group_pad(group)), HEAD_DIM=head_dim, HALF=head_dim // 2,
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=config.block_n, SPLITS_PAD=triton.next_power_of_2(num_splits),
-        UPCAST=upcast_dot(qkv), HAS_NORM=has_norm, ORDERED=order is not None,
+        UPCAST=upcast_dot(qkv), HAS_NORM=has_norm, ORDERED=order is not None, TRACE=trace is not None,
+        PREFETCH=prefetch_setting(qkv) if prefetch is None else prefetch and qkv.is_cuda,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(qkv))
     return out

@@ -25,6 +25,10 @@ try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # a Triton without grid dependency control: kernels are never launched with PDL
     gdc_launch_dependents = gdc_wait = None
+try:  # read by traced kernels only (fused_decode's trace=)
+    from triton.language.extra.cuda import globaltimer, smid
+except ImportError:
+    globaltimer = smid = None
 
 
 @triton.jit

@@ -1,0 +1,144 @@
+"""Where a batch-1 decode layer's time goes inside its attention kernel (GPU only).
+
+    PYTHONPATH=. python3 scripts/decode_chain_trace.py [--context 768] [--layers 28] [--max-seqlen-k 4096,768]
+        [--prefetch 1,0]
+
+Builds the chain a batch-1 decode graph runs for the Qwen3-0.6B shape from the engine's kernels: per layer
+the qkv GEMV (input norm fused), the fused decode attention, the o GEMV, the gate_up GEMV (norm fused) and
+the down GEMV (SiLU·mul fused), all launched with PDL, captured in one CUDA graph. The fused decode kernel
+runs with trace= (engine/kernels/fused_decode.py): each program writes the global timer when it starts,
+when its wait for the qkv GEMV returns, when its queries are ready, when the new token's K/V are stored,
+when its range is attended, when it has its ticket, and (the last program of a KV head) when the merge
+is done. Per layer, times are taken from the first "waited" (the qkv GEMV complete), and the medians over
+the layers are printed: when programs start and pass each point (first, median and last program), when
+the kernel's last program is done, and how long the four GEMVs take from there to the next layer's
+"waited". --max-seqlen-k sets what the split count is chosen from (the engine's graphs use
+max_model_len, 4096 in the bench); --prefetch runs the kernel with its first K/V tile queued into L2
+before the wait (1) and without (0). Prints a table for each and one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from engine.kernels.fused_decode import TRACE_POINTS, TRACE_WIDTH, fused_decode
+from engine.kernels.gemv import gemv
+from engine.kernels.paged_decode import _num_sms, choose_num_splits, default_decode_config
+
+from decode_graph_time import events_ms  # run as a script, this folder is on sys.path
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 1024, 16, 8, 128, 3072
+PAGE = 256
+EPS = 1e-6
+
+
+def weights(gen: torch.Generator):
+    def w(*shape):
+        return (torch.randn(*shape, generator=gen, device="cuda") * shape[-1] ** -0.5).to(torch.bfloat16)
+    return {"qkv": w((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), "o": w(HIDDEN, HEADS * HEAD_DIM),
+            "gate_up": w(2 * INTER, HIDDEN), "down": w(HIDDEN, INTER),
+            "norm": torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16),
+            "qk_norm": torch.ones(HEAD_DIM, device="cuda", dtype=torch.bfloat16)}
+
+
+def run(args, max_seqlen_k: int, prefetch: bool, gen: torch.Generator) -> dict:
+    layers = [weights(gen) for _ in range(args.layers)]
+    pages = -(-args.context // PAGE) + 1
+    kv = [(torch.randn(pages, PAGE, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen),
+           torch.randn(pages, PAGE, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen))
+          for _ in layers]
+    block_tables = torch.arange(pages, dtype=torch.int32, device="cuda")[None, :]
+    seqlens = torch.tensor([args.context], dtype=torch.int32, device="cuda")
+    positions = (seqlens - 1).long()
+    slots = positions.clone()  # block 0 first: position p is slot p
+    inv = 1.0 / (1e6 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
+    freqs = torch.arange(4096, dtype=torch.float32)[:, None] * inv[None, :]
+    cos, sin = freqs.cos().cuda(), freqs.sin().cuda()
+    counters = torch.zeros(KV_HEADS, dtype=torch.int32, device="cuda")
+    config = default_decode_config(cos)
+    splits = choose_num_splits(1, KV_HEADS, max_seqlen_k, config.block_n, _num_sms(cos.device),
+                               config.grid_programs_per_sm)
+    programs = KV_HEADS * splits
+    traces = torch.zeros(args.layers, programs, TRACE_WIDTH, dtype=torch.int64, device="cuda")
+    x = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
+    res = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    def step(trace: bool):
+        h, r = x, res
+        for i, (w, (k_cache, v_cache)) in enumerate(zip(layers, kv)):
+            qkv, r = gemv(h, w["qkv"], norm=(r, w["norm"], EPS))
+            att = fused_decode(qkv, positions, cos, sin, w["qk_norm"], w["qk_norm"], EPS, k_cache, v_cache, slots,
+                               seqlens, block_tables, max_seqlen_k, HEAD_DIM ** -0.5, HEADS, KV_HEADS, counters,
+                               num_splits=splits, trace=traces[i] if trace else None, prefetch=prefetch)
+            o = gemv(att.view(1, -1), w["o"])
+            gate_up, r = gemv(o, w["gate_up"], norm=(r, w["norm"], EPS))
+            h = gemv(gate_up, w["down"], gated=True)
+        return h
+
+    graphs = {}
+    for trace in (False, True):
+        step(trace)
+        torch.cuda.synchronize()
+        graphs[trace] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[trace]):
+            step(trace)
+    step_ms = {str(t): statistics.median(events_ms(g.replay, 100) for _ in range(5)) for t, g in graphs.items()}
+    traces.zero_()  # the merging program can differ between replays
+    graphs[True].replay()
+    torch.cuda.synchronize()
+    t = traces.cpu()
+    stamps = t[:, :, : len(TRACE_POINTS)].double() / 1e3  # µs
+    sms = t[:, :, -1]
+    rows = {}
+    origin = stamps[:, :, 1].min(dim=1).values  # per layer: the first program past its wait
+    for j, point in enumerate(TRACE_POINTS):
+        col = stamps[:, :, j]
+        written = col > 0
+        per_layer = []
+        for i in range(1, args.layers):  # layer 0 follows the graph's start, not a layer
+            vals = (col[i][written[i]] - origin[i]).sort().values
+            if len(vals):
+                per_layer.append((vals[0].item(), vals[len(vals) // 2].item(), vals[-1].item(), len(vals)))
+        rows[point] = [round(statistics.median(v[k] for v in per_layer), 2) for k in range(3)] + [per_layer[0][3]]
+    end = torch.where(stamps > 0, stamps, torch.zeros_like(stamps)).amax(dim=(1, 2))  # each layer's last stamp
+    gemvs = [(origin[i + 1] - end[i]).item() for i in range(1, args.layers - 1)]
+    previous_end = [(stamps[i, :, 0].min() - end[i - 1]).item() for i in range(1, args.layers)]
+    return {"max_seqlen_k": max_seqlen_k, "prefetch": prefetch, "splits": splits, "programs": programs,
+            "step_ms": step_ms,
+            "points_us_first_median_last_count": rows,
+            "kernel_span_us": round(statistics.median((end[i] - origin[i]).item() for i in range(1, args.layers)), 2),
+            "first_start_after_previous_decode_end_us": round(statistics.median(previous_end), 2),
+            "gemvs_to_next_wait_us": round(statistics.median(gemvs), 2),
+            "distinct_sms": int(statistics.median(len(set(sms[i].tolist())) for i in range(args.layers)))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--context", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--max-seqlen-k", default="4096,768")
+    parser.add_argument("--prefetch", default="1,0", help="the fused decode's prefetch= to run, 1 and/or 0")
+    args = parser.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    results = []
+    for value, prefetch in [(v, p) for v in args.max_seqlen_k.split(",") for p in args.prefetch.split(",")]:
+        r = run(args, int(value), prefetch == "1", gen)
+        results.append(r)
+        print(f"\nmax_seqlen_k {r['max_seqlen_k']}, prefetch {prefetch}: {r['splits']} splits, "
+              f"{r['programs']} programs on "
+              f"{r['distinct_sms']} SMs; graph {r['step_ms']['False']:.4f} ms a step "
+              f"({r['step_ms']['True']:.4f} traced)")
+        print("point      first  median   last  (µs after the first program's wait returned; median of layers)")
+        for point, (first, median, last, count) in r["points_us_first_median_last_count"].items():
+            print(f"{point:9s} {first:6.2f} {median:7.2f} {last:6.2f}  ({count} programs)")
+        print(f"kernel span (first waited -> last stamp) {r['kernel_span_us']} µs; first start after the previous "
+              f"layer's last stamp {r['first_start_after_previous_decode_end_us']} µs; four GEMVs to the next "
+              f"layer's wait {r['gemvs_to_next_wait_us']} µs", flush=True)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
