@@ -48,7 +48,7 @@ def prefetch_l2(ptrs):
 def prefetch_kv_tile(k_cache_ptr, v_cache_ptr, block_table_row, n0, end, head_offset, stride_page, stride_slot,
                      PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """prefetch_l2 of the K and V rows of positions n0..min(n0 + BLOCK_N, end) - 1 (one KV head's)."""
-    line: tl.constexpr = 1024 // k_cache_ptr.dtype.element_ty.primitive_bitsize  # elements a 128-byte line
+    line: tl.constexpr = 1024 // k_cache_ptr.dtype.element_ty.primitive_bitwidth  # elements a 128-byte line
     lines: tl.constexpr = (HEAD_DIM + line - 1) // line
     offs_n = n0 + tl.arange(0, BLOCK_N)
     valid = offs_n < end
