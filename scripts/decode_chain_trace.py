@@ -1,7 +1,6 @@
 """Where a batch-1 decode layer's time goes inside its attention kernel (GPU only).
 
     PYTHONPATH=. python3 scripts/decode_chain_trace.py [--context 768] [--layers 28] [--max-seqlen-k 4096,768]
-        [--prefetch 1,0]
 
 Builds the chain a batch-1 decode graph runs for the Qwen3-0.6B shape from the engine's kernels: per layer
 the qkv GEMV (input norm fused), the fused decode attention, the o GEMV, the gate_up GEMV (norm fused) and
@@ -13,8 +12,7 @@ is done. Per layer, times are taken from the first "waited" (the qkv GEMV comple
 the layers are printed: when programs start and pass each point (first, median and last program), when
 the kernel's last program is done, and how long the four GEMVs take from there to the next layer's
 "waited". --max-seqlen-k sets what the split count is chosen from (the engine's graphs use
-max_model_len, 4096 in the bench); --prefetch runs the kernel with its first K/V tile queued into L2
-before the wait (1) and without (0). Prints a table for each and one JSON line.
+max_model_len, 4096 in the bench). Prints a table for each and one JSON line.
 """
 from __future__ import annotations
 
@@ -44,7 +42,7 @@ def weights(gen: torch.Generator):
             "qk_norm": torch.ones(HEAD_DIM, device="cuda", dtype=torch.bfloat16)}
 
 
-def run(args, max_seqlen_k: int, prefetch: bool, gen: torch.Generator) -> dict:
+def run(args, max_seqlen_k: int, gen: torch.Generator) -> dict:
     layers = [weights(gen) for _ in range(args.layers)]
     pages = -(-args.context // PAGE) + 1
     kv = [(torch.randn(pages, PAGE, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen),
@@ -72,7 +70,7 @@ def run(args, max_seqlen_k: int, prefetch: bool, gen: torch.Generator) -> dict:
             qkv, r = gemv(h, w["qkv"], norm=(r, w["norm"], EPS))
             att = fused_decode(qkv, positions, cos, sin, w["qk_norm"], w["qk_norm"], EPS, k_cache, v_cache, slots,
                                seqlens, block_tables, max_seqlen_k, HEAD_DIM ** -0.5, HEADS, KV_HEADS, counters,
-                               num_splits=splits, trace=traces[i] if trace else None, prefetch=prefetch)
+                               num_splits=splits, trace=traces[i] if trace else None)
             o = gemv(att.view(1, -1), w["o"])
             gate_up, r = gemv(o, w["gate_up"], norm=(r, w["norm"], EPS))
             h = gemv(gate_up, w["down"], gated=True)
@@ -106,7 +104,7 @@ def run(args, max_seqlen_k: int, prefetch: bool, gen: torch.Generator) -> dict:
     end = torch.where(stamps > 0, stamps, torch.zeros_like(stamps)).amax(dim=(1, 2))  # each layer's last stamp
     gemvs = [(origin[i + 1] - end[i]).item() for i in range(1, args.layers - 1)]
     previous_end = [(stamps[i, :, 0].min() - end[i - 1]).item() for i in range(1, args.layers)]
-    return {"max_seqlen_k": max_seqlen_k, "prefetch": prefetch, "splits": splits, "programs": programs,
+    return {"max_seqlen_k": max_seqlen_k, "splits": splits, "programs": programs,
             "step_ms": step_ms,
             "points_us_first_median_last_count": rows,
             "kernel_span_us": round(statistics.median((end[i] - origin[i]).item() for i in range(1, args.layers)), 2),
@@ -120,14 +118,13 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=768)
     parser.add_argument("--layers", type=int, default=28)
     parser.add_argument("--max-seqlen-k", default="4096,768")
-    parser.add_argument("--prefetch", default="1,0", help="the fused decode's prefetch= to run, 1 and/or 0")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     results = []
-    for value, prefetch in [(v, p) for v in args.max_seqlen_k.split(",") for p in args.prefetch.split(",")]:
-        r = run(args, int(value), prefetch == "1", gen)
+    for value in args.max_seqlen_k.split(","):
+        r = run(args, int(value), gen)
         results.append(r)
-        print(f"\nmax_seqlen_k {r['max_seqlen_k']}, prefetch {prefetch}: {r['splits']} splits, "
+        print(f"\nmax_seqlen_k {r['max_seqlen_k']}: {r['splits']} splits, "
               f"{r['programs']} programs on "
               f"{r['distinct_sms']} SMs; graph {r['step_ms']['False']:.4f} ms a step "
               f"({r['step_ms']['True']:.4f} traced)")

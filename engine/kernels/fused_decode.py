@@ -16,8 +16,6 @@ instead of three. Prefill, mixed batches and the balanced schedule keep the sepa
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -25,8 +23,7 @@ import triton.language as tl
 from engine.kernels.launch import globaltimer, launch_dependents, pdl_options, smid, wait_for_previous
 from engine.kernels.paged_decode import (MAX_GRID_SEQS, DecodeConfig, _attend_range, _num_sms,
                                          choose_num_splits, default_decode_config, grid_program, split_range)
-from engine.kernels.paged_tiles import (LOG2E, check_paged_inputs, group_pad, prefetch_kv_tile, prefetch_l2, to_cache,
-                                       upcast_dot)
+from engine.kernels.paged_tiles import LOG2E, check_paged_inputs, group_pad, to_cache, upcast_dot
 from engine.kernels.qkv_prep import _norm_rope, _round
 
 # trace=: a row of TRACE_WIDTH int64 per program (see fused_decode): the global timer (ns) at these points,
@@ -57,13 +54,11 @@ def _fused_decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
     UPCAST: tl.constexpr, HAS_NORM: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     _stamp(trace_ptr, 0, TRACE)
     launch_dependents(PDL)
-    # Before the wait, what no kernel of this step writes (the step's inputs, written before its first
-    # kernel; the cache rows of earlier tokens; weights): and with PREFETCH, the range's first K/V tile
-    # and the norm weights queued into L2, so the reads after the wait do not go to memory.
+    # before the wait, what no kernel of the step writes (its inputs, copied before its first kernel; the
+    # rotary tables), so these loads are off the chain that starts when the qkv projection completes
     kv_head, seq, split = grid_program(order_ptr, ORDERED)
     seqlen = tl.load(seqlens_k_ptr + seq)
     per_split, start, end = split_range(seqlen, split, num_splits, BLOCK_N)
@@ -75,12 +70,6 @@ def _fused_decode_kernel(
     sin = _round(tl.load(sin_ptr + pos * stride_cos + offs_half), dtype)
     slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    if PREFETCH:
-        prefetch_kv_tile(k_cache_ptr, v_cache_ptr, block_table_row, start, end, kv_head * stride_khead,
-                         stride_page, stride_slot, PAGE_SIZE, BLOCK_N, HEAD_DIM)
-        if HAS_NORM:
-            prefetch_l2(q_weight_ptr + tl.arange(0, 2) * (HEAD_DIM // 2))
-            prefetch_l2(k_weight_ptr + tl.arange(0, 2) * (HEAD_DIM // 2))
     wait_for_previous(PDL)
     _stamp(trace_ptr, 1, TRACE)
 
@@ -159,14 +148,6 @@ def _merge_group(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_heads, n
         tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-def prefetch_setting(t: torch.Tensor) -> bool:
-    """REDLINE_DECODE_PREFETCH: "1" (the default; on CUDA only, where the prefetch instruction exists) or "0"."""
-    value = os.environ.get("REDLINE_DECODE_PREFETCH", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"REDLINE_DECODE_PREFETCH must be 0 or 1, got {value!r}")
-    return value == "1" and t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-
-
 def fits(head_dim: int) -> bool:
     """Whether fused_decode takes this head size (a power of two from 16: the joined query halves)."""
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
@@ -178,7 +159,7 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
                  seqlens_k: torch.Tensor, block_tables: torch.Tensor, max_seqlen_k: int, scale: float,
                  num_heads: int, num_kv_heads: int, counters: torch.Tensor, order: torch.Tensor | None = None,
                  num_splits: int | None = None, config: DecodeConfig | None = None,
-                 trace: torch.Tensor | None = None, prefetch: bool | None = None) -> torch.Tensor:
+                 trace: torch.Tensor | None = None) -> torch.Tensor:
     """Attention output [B, H, D] of one new token per sequence, from its qkv row [B, (H + 2 Hkv) D]:
     what qkv_prep followed by paged_decode (grid schedule) computes, K/V stored the same way.
 
@@ -187,7 +168,6 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
 
     trace: int64 [programs, TRACE_WIDTH] (programs: KV heads x sequences x splits, KV head fastest) for
     scripts/decode_chain_trace.py: each program writes the global timer at TRACE_POINTS and its SM.
-    prefetch: queue each program's first K/V tile into L2 before its wait (None: prefetch_setting).
     """
     head_dim = k_cache.shape[3]
     if not fits(head_dim):
@@ -230,6 +210,5 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
         GROUP=group, GROUP_PAD=max(16, group_pad(group)), HEAD_DIM=head_dim, HALF=head_dim // 2,
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=config.block_n, SPLITS_PAD=triton.next_power_of_2(num_splits),
         UPCAST=upcast_dot(qkv), HAS_NORM=has_norm, ORDERED=order is not None, TRACE=trace is not None,
-        PREFETCH=prefetch_setting(qkv) if prefetch is None else prefetch and qkv.is_cuda,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(qkv))
     return out
