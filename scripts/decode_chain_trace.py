@@ -27,23 +27,11 @@ from engine.kernels.gemv import gemv
 from engine.kernels.paged_decode import _num_sms, choose_num_splits, default_decode_config
 
 from decode_graph_time import events_ms  # run as a script, this folder is on sys.path
-
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 1024, 16, 8, 128, 3072
-PAGE = 256
-EPS = 1e-6
-
-
-def weights(gen: torch.Generator):
-    def w(*shape):
-        return (torch.randn(*shape, generator=gen, device="cuda") * shape[-1] ** -0.5).to(torch.bfloat16)
-    return {"qkv": w((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), "o": w(HIDDEN, HEADS * HEAD_DIM),
-            "gate_up": w(2 * INTER, HIDDEN), "down": w(HIDDEN, INTER),
-            "norm": torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16),
-            "qk_norm": torch.ones(HEAD_DIM, device="cuda", dtype=torch.bfloat16)}
+from overlap_check import EPS, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, PAGE, Layer, rotary_tables
 
 
 def run(args, max_seqlen_k: int, gen: torch.Generator) -> dict:
-    layers = [weights(gen) for _ in range(args.layers)]
+    layers = [Layer(gen) for _ in range(args.layers)]
     pages = -(-args.context // PAGE) + 1
     kv = [(torch.randn(pages, PAGE, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen),
            torch.randn(pages, PAGE, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen))
@@ -52,9 +40,7 @@ def run(args, max_seqlen_k: int, gen: torch.Generator) -> dict:
     seqlens = torch.tensor([args.context], dtype=torch.int32, device="cuda")
     positions = (seqlens - 1).long()
     slots = positions.clone()  # block 0 first: position p is slot p
-    inv = 1.0 / (1e6 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
-    freqs = torch.arange(4096, dtype=torch.float32)[:, None] * inv[None, :]
-    cos, sin = freqs.cos().cuda(), freqs.sin().cuda()
+    cos, sin = rotary_tables()
     counters = torch.zeros(KV_HEADS, dtype=torch.int32, device="cuda")
     config = default_decode_config(cos)
     splits = choose_num_splits(1, KV_HEADS, max_seqlen_k, config.block_n, _num_sms(cos.device),
@@ -67,13 +53,13 @@ def run(args, max_seqlen_k: int, gen: torch.Generator) -> dict:
     def step(trace: bool):
         h, r = x, res
         for i, (w, (k_cache, v_cache)) in enumerate(zip(layers, kv)):
-            qkv, r = gemv(h, w["qkv"], norm=(r, w["norm"], EPS))
-            att = fused_decode(qkv, positions, cos, sin, w["qk_norm"], w["qk_norm"], EPS, k_cache, v_cache, slots,
+            qkv, r = gemv(h, w.qkv, norm=(r, w.norm1, EPS))
+            att = fused_decode(qkv, positions, cos, sin, w.qk_norm, w.qk_norm, EPS, k_cache, v_cache, slots,
                                seqlens, block_tables, max_seqlen_k, HEAD_DIM ** -0.5, HEADS, KV_HEADS, counters,
                                num_splits=splits, trace=traces[i] if trace else None)
-            o = gemv(att.view(1, -1), w["o"])
-            gate_up, r = gemv(o, w["gate_up"], norm=(r, w["norm"], EPS))
-            h = gemv(gate_up, w["down"], gated=True)
+            o = gemv(att.view(1, -1), w.o)
+            gate_up, r = gemv(o, w.gate_up, norm=(r, w.norm2, EPS))
+            h = gemv(gate_up, w.down, gated=True)
         return h
 
     graphs = {}

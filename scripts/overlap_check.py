@@ -56,6 +56,13 @@ class Layer:
         self.down = w(HIDDEN, INTER)
 
 
+def rotary_tables(positions: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [positions, HEAD_DIM / 2] of Qwen3's rotary embedding (theta 1e6), on the GPU."""
+    inv = 1.0 / (1e6 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
+    freqs = torch.arange(positions, dtype=torch.float32)[:, None] * inv[None, :]
+    return freqs.cos().cuda(), freqs.sin().cuda()
+
+
 class Batch:
     """One decode batch: contexts, block tables, slots, its own split counters."""
 
@@ -219,9 +226,7 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     cpu_gen = torch.Generator().manual_seed(0)
     layers = [Layer(gen) for _ in range(args.layers)]
-    inv = 1.0 / (1e6 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
-    freqs = torch.arange(4096, dtype=torch.float32)[:, None] * inv[None, :]
-    cos, sin = freqs.cos().cuda(), freqs.sin().cuda()
+    cos, sin = rotary_tables()
     results = {}
     for batch in (int(v) for v in args.batches.split(",")):
         lengths = torch.randint(args.min_context, args.max_context + 1, (batch,), generator=cpu_gen).tolist()
@@ -259,7 +264,6 @@ def main() -> None:
             print(batch, results[batch], flush=True)
             continue
         row["halves"] = graph_ms(lambda: step_halves(layers, kv, xs, ress, bs, cos, sin))
-        s = [torch.cuda.Stream(), torch.cuda.Stream()]
         row["pingpong"] = graph_ms(lambda: step_pingpong(layers, kv, xs, ress, bs, cos, sin, s, s))
         low, high = torch.cuda.Stream.priority_range()
         hi = [torch.cuda.Stream(priority=high), torch.cuda.Stream(priority=high)]
