@@ -96,8 +96,9 @@ def test_sigterm_lets_running_jobs_finish_then_exits_0(url):
 @pytest.mark.timeout(120)
 def test_a_second_signal_hands_running_jobs_back_at_once(url):
     client = Client(url, new_queue())
-    proc = start_worker_process(url, client.keys.queue, "impatient")
-    job_id = client.submit(prompt_token_ids=[4, 5, 6], sampling={"max_tokens": 1500, "ignore_eos": True})
+    # a job long enough to be running still when the signals come, even when the stream's reader lags
+    proc = start_worker_process(url, client.keys.queue, "impatient", "--max-model-len", "4096")
+    job_id = client.submit(prompt_token_ids=[4, 5, 6], sampling={"max_tokens": 4000, "ignore_eos": True})
     for delta in client.stream(job_id, timeout=60):
         if delta.index >= 5:
             break
