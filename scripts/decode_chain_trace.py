@@ -13,6 +13,12 @@ the layers are printed: when programs start and pass each point (first, median a
 the kernel's last program is done, and how long the four GEMVs take from there to the next layer's
 "waited". --max-seqlen-k sets what the split count is chosen from (the engine's graphs use
 max_model_len, 4096 in the bench). Prints a table for each and one JSON line.
+
+The GEMVs run with trace= too (engine/kernels/gemv.py: start, wait returned, last store), and a second
+table gives, per projection, when its first / median / last program passes each point, in µs after the
+fused decode kernel's first "waited" of the same layer. --sweep then captures one graph per projection
+and (rows a program holds, warps) in place of the GEMV's defaults, the other projections on theirs,
+and prints each graph's ms a step beside the defaults' (measured alternately).
 """
 from __future__ import annotations
 
@@ -23,11 +29,14 @@ import statistics
 import torch
 
 from engine.kernels.fused_decode import TRACE_POINTS, TRACE_WIDTH, fused_decode
-from engine.kernels.gemv import gemv
+from engine.kernels import gemv as gemv_module
+from engine.kernels.gemv import gemv, slice_rows
 from engine.kernels.paged_decode import _num_sms, choose_num_splits, default_decode_config
 
 from decode_graph_time import events_ms  # run as a script, this folder is on sys.path
 from overlap_check import EPS, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, PAGE, Layer, rotary_tables
+
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
 def run(args, max_seqlen_k: int, gen: torch.Generator) -> dict:
@@ -47,30 +56,67 @@ def run(args, max_seqlen_k: int, gen: torch.Generator) -> dict:
                                config.grid_programs_per_sm)
     programs = KV_HEADS * splits
     traces = torch.zeros(args.layers, programs, TRACE_WIDTH, dtype=torch.int64, device="cuda")
+    gemv_traces = {name: torch.zeros(args.layers, -(-getattr(layers[0], name).shape[0] // slice_rows(
+        *getattr(layers[0], name).shape)), gemv_module.TRACE_WIDTH, dtype=torch.int64, device="cuda")
+        for name in PROJECTIONS}
     x = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
     res = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
 
-    def step(trace: bool):
+    def step(trace, configs: dict):
+        """trace: True, False or the set of kernels ("decode" and projections) to trace."""
+        traced = (set(PROJECTIONS) | {"decode"}) if trace is True else (trace or set())
+
+        def proj(name, i, h, w, **kw):
+            block_n, num_warps = configs.get(name, (None, None))
+            return gemv(h, getattr(w, name), block_n=block_n, num_warps=num_warps,
+                        trace=gemv_traces[name][i] if name in traced else None, **kw)
         h, r = x, res
         for i, (w, (k_cache, v_cache)) in enumerate(zip(layers, kv)):
-            qkv, r = gemv(h, w.qkv, norm=(r, w.norm1, EPS))
+            qkv, r = proj("qkv", i, h, w, norm=(r, w.norm1, EPS))
             att = fused_decode(qkv, positions, cos, sin, w.qk_norm, w.qk_norm, EPS, k_cache, v_cache, slots,
                                seqlens, block_tables, max_seqlen_k, HEAD_DIM ** -0.5, HEADS, KV_HEADS, counters,
-                               num_splits=splits, trace=traces[i] if trace else None)
-            o = gemv(att.view(1, -1), w.o)
-            gate_up, r = gemv(o, w.gate_up, norm=(r, w.norm2, EPS))
-            h = gemv(gate_up, w.down, gated=True)
+                               num_splits=splits, trace=traces[i] if "decode" in traced else None)
+            o = proj("o", i, att.view(1, -1), w)
+            gate_up, r = proj("gate_up", i, o, w, norm=(r, w.norm2, EPS))
+            h = proj("down", i, gate_up, w, gated=True)
         return h
 
-    graphs = {}
-    for trace in (False, True):
-        step(trace)
+    def capture(trace, configs: dict) -> torch.cuda.CUDAGraph:
+        step(trace, configs)
         torch.cuda.synchronize()
-        graphs[trace] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[trace]):
-            step(trace)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step(trace, configs)
+        return graph
+
+    graphs = {trace: capture(trace, {}) for trace in (False, True)}
     step_ms = {str(t): statistics.median(events_ms(g.replay, 100) for _ in range(5)) for t, g in graphs.items()}
+    sweep = []
+    if args.trace_sweep:  # how much tracing each kernel moves the step's time
+        variants = [("decode", {"decode"}, {}), ("gemvs", set(PROJECTIONS), {})]
+        variants += [(name, {name}, {}) for name in PROJECTIONS]
+        for label, traced, configs in variants:
+            variant = capture(traced, configs)
+            ms = [events_ms(g.replay, 100) for _ in range(3) for g in (graphs[False], variant)]
+            sweep.append({"variant": label, "default_ms": round(statistics.median(ms[0::2]), 4),
+                          "ms": round(statistics.median(ms[1::2]), 4)})
+            print(sweep[-1], flush=True)
+            del variant
+    if args.sweep:
+        for name in PROJECTIONS:
+            n, k = getattr(layers[0], name).shape
+            default = slice_rows(n, k)
+            for block_n in (default // 2, default, default * 2):
+                for num_warps in (4, 8):
+                    variant = capture(False, {name: (block_n, num_warps)})
+                    ms = [events_ms(g.replay, 100) for _ in range(3) for g in (graphs[False], variant)]
+                    sweep.append({"projection": name, "block_n": block_n, "num_warps": num_warps,
+                                  "programs": -(-n // block_n), "default_ms": round(statistics.median(ms[0::2]), 4),
+                                  "ms": round(statistics.median(ms[1::2]), 4)})
+                    del variant
     traces.zero_()  # the merging program can differ between replays
+    for t in gemv_traces.values():
+        t.zero_()
     graphs[True].replay()
     torch.cuda.synchronize()
     t = traces.cpu()
@@ -90,7 +136,17 @@ def run(args, max_seqlen_k: int, gen: torch.Generator) -> dict:
     end = torch.where(stamps > 0, stamps, torch.zeros_like(stamps)).amax(dim=(1, 2))  # each layer's last stamp
     gemvs = [(origin[i + 1] - end[i]).item() for i in range(1, args.layers - 1)]
     previous_end = [(stamps[i, :, 0].min() - end[i - 1]).item() for i in range(1, args.layers)]
-    return {"max_seqlen_k": max_seqlen_k, "splits": splits, "programs": programs,
+    gemv_rows = {}
+    for name, t in gemv_traces.items():
+        g = t.cpu()[:, :, :len(gemv_module.TRACE_POINTS)].double() / 1e3
+        per_point = {}
+        for j, point in enumerate(gemv_module.TRACE_POINTS):
+            per_layer = [(g[i, :, j] - origin[i]).sort().values for i in range(1, args.layers)]
+            per_point[point] = [round(statistics.median(v[q].item() for v in per_layer), 2)
+                                for q in (0, g.shape[1] // 2, -1)]
+        gemv_rows[name] = {"programs": g.shape[1], **per_point}
+    return {"max_seqlen_k": max_seqlen_k, "splits": splits, "programs": programs, "gemvs": gemv_rows,
+            "sweep": sweep,
             "step_ms": step_ms,
             "points_us_first_median_last_count": rows,
             "kernel_span_us": round(statistics.median((end[i] - origin[i]).item() for i in range(1, args.layers)), 2),
@@ -104,6 +160,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=768)
     parser.add_argument("--layers", type=int, default=28)
     parser.add_argument("--max-seqlen-k", default="4096,768")
+    parser.add_argument("--sweep", action="store_true", help="time other (rows, warps) per projection")
+    parser.add_argument("--trace-sweep", action="store_true", help="time the graph with each kernel traced")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     results = []
@@ -120,6 +178,14 @@ def main() -> None:
         print(f"kernel span (first waited -> last stamp) {r['kernel_span_us']} µs; first start after the previous "
               f"layer's last stamp {r['first_start_after_previous_decode_end_us']} µs; four GEMVs to the next "
               f"layer's wait {r['gemvs_to_next_wait_us']} µs", flush=True)
+        print("GEMV     programs  start f/m/l          waited f/m/l         done f/m/l   (µs, same origin)")
+        for name, row in r["gemvs"].items():
+            cells = "  ".join("/".join(f"{v:.2f}" for v in row[p]) for p in gemv_module.TRACE_POINTS)
+            print(f"{name:8s} {row['programs']:8d}  {cells}")
+        for v in r["sweep"]:
+            if "projection" in v:
+                print(f"sweep {v['projection']:8s} rows {v['block_n']:3d} warps {v['num_warps']} ({v['programs']} "
+                      f"programs): {v['ms']:.4f} ms against {v['default_ms']:.4f} default", flush=True)
     print(json.dumps(results))
 
 

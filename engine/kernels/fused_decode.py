@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.gemv import max_rows as gemv_max_rows
-from engine.kernels.launch import globaltimer, launch_dependents, pdl_options, smid, wait_for_previous
+from engine.kernels.launch import launch_dependents, pdl_options, stamp, wait_for_previous
 from engine.kernels.paged_decode import (MAX_GRID_SEQS, DecodeConfig, _attend_range, _num_sms,
                                          choose_num_splits, default_decode_config, grid_program, split_range)
 from engine.kernels.paged_tiles import LOG2E, check_paged_inputs, group_pad, to_cache, upcast_dot
@@ -32,17 +32,6 @@ from engine.kernels.qkv_prep import _norm_rope, _round
 TRACE_POINTS = ("start", "waited", "queries", "stored", "attended", "ticket", "merged")
 TRACE_WIDTH = len(TRACE_POINTS) + 1
 TRACE_SLOTS = tl.constexpr(TRACE_WIDTH)
-
-
-@triton.jit
-def _stamp(trace_ptr, slot: tl.constexpr, TRACE: tl.constexpr):
-    """With TRACE: the global timer at point `slot` into the program's row of the trace."""
-    if TRACE:
-        program = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
-        row = trace_ptr + program.to(tl.int64) * TRACE_SLOTS
-        tl.store(row + slot, globaltimer())
-        if slot == 0:
-            tl.store(row + TRACE_SLOTS - 1, smid().to(tl.int64))
 
 
 @triton.jit
@@ -57,7 +46,7 @@ def _fused_decode_kernel(
     UPCAST: tl.constexpr, HAS_NORM: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr,
     EARLY: tl.constexpr,
 ):
-    _stamp(trace_ptr, 0, TRACE)
+    stamp(trace_ptr, 0, TRACE_SLOTS, TRACE)
     launch_dependents(PDL)
     if not EARLY:
         wait_for_previous(PDL)
@@ -76,7 +65,7 @@ def _fused_decode_kernel(
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if EARLY:
         wait_for_previous(PDL)
-    _stamp(trace_ptr, 1, TRACE)
+    stamp(trace_ptr, 1, TRACE_SLOTS, TRACE)
 
     # the queries of this KV head, normed and rotated as qkv_prep does, halves joined into [GROUP_PAD, D]
     row = qkv_ptr + seq.to(tl.int64) * stride_t
@@ -88,7 +77,7 @@ def _fused_decode_kernel(
     q2 = tl.load(q_lo + HALF, mask=g_mask[:, None], other=0.0).to(tl.float32)
     q1, q2 = _norm_rope(q1, q2, q_weight_ptr, cos, sin, offs_half, all_half, eps, HEAD_DIM, HAS_NORM, HALF, dtype)
     q = tl.reshape(tl.permute(tl.join(q1.to(dtype), q2.to(dtype)), (0, 2, 1)), (GROUP_PAD, HEAD_DIM))
-    _stamp(trace_ptr, 2, TRACE)
+    stamp(trace_ptr, 2, TRACE_SLOTS, TRACE)
 
     # the new token's K and V, by the program whose range holds the sequence's last position
     if (split == (seqlen - 1) // tl.maximum(per_split, 1)) & (slot >= 0):  # slot -1: a CUDA graph's padding row
@@ -105,13 +94,13 @@ def _fused_decode_kernel(
         tl.store(v_cache_ptr + dst, to_cache(tl.load(v_lo), cache_dtype))
         tl.store(v_cache_ptr + dst + HALF, to_cache(tl.load(v_lo + HALF), cache_dtype))
     tl.debug_barrier()  # the program's own stores are visible to all its threads' cache reads below
-    _stamp(trace_ptr, 3, TRACE)
+    stamp(trace_ptr, 3, TRACE_SLOTS, TRACE)
 
     offs_d = tl.arange(0, HEAD_DIM)
     out, lse = _attend_range(q, k_cache_ptr, v_cache_ptr, block_table_row,
                              kv_head * stride_khead, offs_d, start, end, qk_scale, stride_page, stride_slot,
                              GROUP_PAD, HEAD_DIM, HEAD_DIM, PAGE_SIZE, BLOCK_N, UPCAST)
-    _stamp(trace_ptr, 4, TRACE)
+    stamp(trace_ptr, 4, TRACE_SLOTS, TRACE)
     if SPLITS_PAD == 1:
         o_ptrs = out_ptr + seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(dtype), mask=g_mask[:, None])
@@ -123,12 +112,12 @@ def _fused_decode_kernel(
         tl.debug_barrier()  # every thread's partial stored before the ticket releases them
         counter = counters_ptr + seq * num_kv_heads + kv_head
         ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        _stamp(trace_ptr, 5, TRACE)
+        stamp(trace_ptr, 5, TRACE_SLOTS, TRACE)
         if ticket == num_splits - 1:
             tl.store(counter, 0)
             _merge_group(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_heads, num_splits,
                          stride_ot, stride_oh, GROUP, HEAD_DIM, SPLITS_PAD)
-            _stamp(trace_ptr, 6, TRACE)
+            stamp(trace_ptr, 6, TRACE_SLOTS, TRACE)
 
 
 @triton.jit

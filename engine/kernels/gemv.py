@@ -2,8 +2,8 @@
 
 One program owns BLOCK_N output columns: it loads its whole [BLOCK_N, K] slice of the weight into
 registers, then computes every row of x against it. Launched with programmatic dependent launch
-(engine/kernels/launch.py), a program lets the next kernel start, loads its weight slice, and only then
-waits for the kernel that writes x: the weight reads of a GEMV overlap the kernels before it, which is
+(engine/kernels/launch.py), a program issues the loads of its weight slice, lets the next kernel start,
+and only then waits for the kernel that writes x: the weight reads of a GEMV overlap the kernels before it, which is
 what a batch-1 decode step, a chain of ~300 short kernels, spends most of its time without. Slices are
 sized to about 16K elements, at least ~128 programs where N allows.
 
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.launch import launch_dependents, pdl_options, wait_for_previous
+from engine.kernels.launch import launch_dependents, pdl_options, stamp, wait_for_previous
 from engine.kernels.qkv_prep import _round
 
 MAX_SLICE = 16384      # weight elements a program holds in registers
@@ -30,15 +30,20 @@ EIGHT_WARPS_ABOVE = 8192  # slices of more elements than this take 8 warps, othe
 # 5% slower at 4 and 2.3x slower at 16 (docs/kernels-notes.md), so 2.
 DEFAULT_MAX_ROWS = 2
 ROW_LIMIT = 32  # the row loop is unrolled: one compiled variant per row count, so few rows only
+# trace=: a row of TRACE_WIDTH int64 per program, the global timer (ns) when it starts, when its wait for
+# the kernel before returns and when its last store is issued, then its SM (scripts/decode_chain_trace.py)
+TRACE_POINTS = ("start", "waited", "done")
+TRACE_WIDTH = len(TRACE_POINTS) + 1
+TRACE_SLOTS = tl.constexpr(TRACE_WIDTH)
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                 res_ptr, norm_w_ptr, res_out_ptr, stride_rm, stride_rom, eps,
+                 res_ptr, norm_w_ptr, res_out_ptr, stride_rm, stride_rom, eps, trace_ptr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                 ROWS: tl.constexpr, PDL: tl.constexpr):
-    launch_dependents(PDL)
+                 ROWS: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
+    stamp(trace_ptr, 0, TRACE_SLOTS, TRACE)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     if not EVEN_N:  # rows past N read row N-1 and are not stored
@@ -54,7 +59,11 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
         bias = tl.load(bias_ptr + offs_n).to(tl.float32)
     if NORM:
         norm_w = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    # The next kernel may start once this program's weight loads are issued. Letting it start first thing
+    # instead (same order of completion) measured 5% slower at batch 1 (docs/kernels-notes.md).
+    launch_dependents(PDL)
     wait_for_previous(PDL)  # x is written by an earlier kernel; the weights never are
+    stamp(trace_ptr, 1, TRACE_SLOTS, TRACE)
     w = w.to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     for m in tl.static_range(ROWS):  # unrolled, so every row's loads issue before the first row's sums
@@ -74,6 +83,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
         if HAS_BIAS:
             acc += bias
         tl.store(out_ptr + m * stride_om + offs_n, acc.to(dtype), mask=n_mask)
+    stamp(trace_ptr, 2, TRACE_SLOTS, TRACE)
 
 
 def slice_rows(N: int, K: int) -> int:
@@ -86,14 +96,19 @@ def slice_rows(N: int, K: int) -> int:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         gated: bool = False, norm: "tuple[torch.Tensor | None, torch.Tensor, float] | None" = None):
+         gated: bool = False, norm: "tuple[torch.Tensor | None, torch.Tensor, float] | None" = None,
+         block_n: int | None = None, num_warps: int | None = None, trace: torch.Tensor | None = None):
     """F.linear(x, weight, bias) for x [M, K] with few rows (each costs every program a pass over its
     slice) and weight [N, K], K contiguous; output in x's dtype. gated: x is [M, 2K], packed [gate | up],
     and the product is with silu(gate) * up (the SiLU·mul kernel fused in).
 
     norm = (residual or None, norm weight [K], eps): the product is with rms_norm(x + residual) x norm
     weight (the RMSNorm kernel fused in), and the result is (output, x + residual), or just the output
-    without a residual."""
+    without a residual.
+
+    block_n, num_warps: the weight rows a program holds (a power of two) and its warps, in place of the
+    defaults (slice_rows; 8 warps above EIGHT_WARPS_ABOVE elements), for sweeps. trace: int64
+    [programs, TRACE_WIDTH] (programs: cdiv(N, block_n)), written as TRACE_POINTS says."""
     N, K = weight.shape
     if norm is not None and gated:
         raise ValueError("gemv fuses either the RMSNorm or the SiLU·mul, not both")
@@ -115,17 +130,24 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"the residual must be [M, {K}] like x with contiguous rows, got {tuple(residual.shape)}")
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else None
+    block_n = block_n or slice_rows(N, K)
+    block_k = triton.next_power_of_2(K)
+    if block_n < 1 or block_n & (block_n - 1) or block_n * block_k > 4 * MAX_SLICE:
+        raise ValueError(f"block_n must be a power of two of at most {4 * MAX_SLICE // block_k} rows, got {block_n}")
+    programs = triton.cdiv(N, block_n)
+    if trace is not None and (trace.dtype != torch.int64 or not trace.is_contiguous()
+                              or trace.numel() < programs * TRACE_WIDTH):
+        raise ValueError(f"trace must be a contiguous int64 tensor of at least [{programs}, {TRACE_WIDTH}]")
     if M:
-        block_n = slice_rows(N, K)
-        block_k = triton.next_power_of_2(K)
         res_in, res_to = (residual, res_out) if residual is not None else (x, x)  # placeholders without one
-        _gemv_kernel[(triton.cdiv(N, block_n),)](
+        _gemv_kernel[(programs,)](
             x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), weight.stride(0),
             out.stride(0), res_in, norm_weight if norm_weight is not None else weight, res_to, res_in.stride(0),
-            res_to.stride(0), eps,
+            res_to.stride(0), eps, trace if trace is not None else out,
             BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % block_n == 0, EVEN_K=K == block_k,
             HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None, HAS_RESIDUAL=residual is not None,
-            ROWS=M, num_warps=8 if block_n * block_k > EIGHT_WARPS_ABOVE else 4, **pdl_options(x))
+            ROWS=M, TRACE=trace is not None,
+            num_warps=num_warps or (8 if block_n * block_k > EIGHT_WARPS_ABOVE else 4), **pdl_options(x))
     return out if res_out is None else (out, res_out)
 
 
