@@ -44,6 +44,8 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                  ROWS: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
     stamp(trace_ptr, 0, TRACE_SLOTS, TRACE)
+    if ROWS > 1:
+        launch_dependents(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     if not EVEN_N:  # rows past N read row N-1 and are not stored
@@ -59,9 +61,10 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
         bias = tl.load(bias_ptr + offs_n).to(tl.float32)
     if NORM:
         norm_w = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-    # The next kernel may start once this program's weight loads are issued. Letting it start first thing
-    # instead (same order of completion) measured 5% slower at batch 1 (docs/kernels-notes.md).
-    launch_dependents(PDL)
+    # With one row, the next kernel may start once this program's weight loads are issued; with more, first
+    # thing. Each is the faster where it is used, by 1.7-3% of a decode graph (docs/kernels-notes.md).
+    if ROWS == 1:
+        launch_dependents(PDL)
     wait_for_previous(PDL)  # x is written by an earlier kernel; the weights never are
     stamp(trace_ptr, 1, TRACE_SLOTS, TRACE)
     w = w.to(tl.float32)
