@@ -2,10 +2,11 @@
 
 One program owns BLOCK_N output columns: it loads its whole [BLOCK_N, K] slice of the weight into
 registers, then computes every row of x against it. Launched with programmatic dependent launch
-(engine/kernels/launch.py), a program issues the loads of its weight slice, lets the next kernel start,
-and only then waits for the kernel that writes x: the weight reads of a GEMV overlap the kernels before it, which is
-what a batch-1 decode step, a chain of ~300 short kernels, spends most of its time without. Slices are
-sized to about 16K elements, at least ~128 programs where N allows.
+(engine/kernels/launch.py), a program issues the loads of its weight slice, lets the next kernel start
+(with more than one row, it does so first thing), and only then waits for the kernel that writes x: the
+weight reads of a GEMV overlap the kernels before it, which is what a batch-1 decode step, a chain of ~300
+short kernels, spends most of its time without. Slices are sized to about 16K elements, at least ~128
+programs where N allows.
 
 CUDA-graph safe (every size is a Python int from the shapes; nothing syncs). Accumulates in float32 and
 rounds once, as cuBLAS does.
