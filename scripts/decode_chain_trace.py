@@ -18,7 +18,8 @@ The GEMVs run with trace= too (engine/kernels/gemv.py: start, wait returned, las
 table gives, per projection, when its first / median / last program passes each point, in µs after the
 fused decode kernel's first "waited" of the same layer. --sweep then captures one graph per projection
 and (rows a program holds, warps) in place of the GEMV's defaults, the other projections on theirs,
-and prints each graph's ms a step beside the defaults' (measured alternately).
+and prints each graph's ms a step beside the defaults' (measured alternately); --trace-sweep does the same
+for graphs with only some kernels traced (the stamps move the schedule they measure).
 """
 from __future__ import annotations
 
@@ -37,6 +38,26 @@ from decode_graph_time import events_ms  # run as a script, this folder is on sy
 from overlap_check import EPS, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, PAGE, Layer, rotary_tables
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
+def against_default(default: torch.cuda.CUDAGraph, variant: torch.cuda.CUDAGraph, label: dict) -> dict:
+    """label with the ms a step of the variant and of the default graph, replayed alternately (medians)."""
+    ms = [events_ms(g.replay, 100) for _ in range(3) for g in (default, variant)]
+    return {**label, "default_ms": round(statistics.median(ms[0::2]), 4), "ms": round(statistics.median(ms[1::2]), 4)}
+
+
+def gemv_table(gemv_traces: dict, origin: torch.Tensor) -> dict:
+    """Per projection: its programs and, per TRACE_POINT, the first / median / last program's µs after the
+    layer's origin (medians over the layers after the first)."""
+    table = {}
+    for name, t in gemv_traces.items():
+        g = t.cpu()[:, :, :len(gemv_module.TRACE_POINTS)].double() / 1e3
+        table[name] = {"programs": g.shape[1]}
+        for j, point in enumerate(gemv_module.TRACE_POINTS):
+            per_layer = [(g[i, :, j] - origin[i]).sort().values for i in range(1, g.shape[0])]
+            table[name][point] = [round(statistics.median(v[q].item() for v in per_layer), 2)
+                                  for q in (0, g.shape[1] // 2, -1)]
+    return table
 
 
 def run(args, max_seqlen_k: int, gen: torch.Generator) -> dict:
@@ -91,29 +112,18 @@ def run(args, max_seqlen_k: int, gen: torch.Generator) -> dict:
 
     graphs = {trace: capture(trace, {}) for trace in (False, True)}
     step_ms = {str(t): statistics.median(events_ms(g.replay, 100) for _ in range(5)) for t, g in graphs.items()}
-    sweep = []
+    variants = []
     if args.trace_sweep:  # how much tracing each kernel moves the step's time
-        variants = [("decode", {"decode"}, {}), ("gemvs", set(PROJECTIONS), {})]
-        variants += [(name, {name}, {}) for name in PROJECTIONS]
-        for label, traced, configs in variants:
-            variant = capture(traced, configs)
-            ms = [events_ms(g.replay, 100) for _ in range(3) for g in (graphs[False], variant)]
-            sweep.append({"variant": label, "default_ms": round(statistics.median(ms[0::2]), 4),
-                          "ms": round(statistics.median(ms[1::2]), 4)})
-            print(sweep[-1], flush=True)
-            del variant
+        variants += [({"variant": label}, traced, {}) for label, traced in
+                     [("decode", {"decode"}), ("gemvs", set(PROJECTIONS))] + [(n, {n}) for n in PROJECTIONS]]
     if args.sweep:
         for name in PROJECTIONS:
             n, k = getattr(layers[0], name).shape
             default = slice_rows(n, k)
-            for block_n in (default // 2, default, default * 2):
-                for num_warps in (4, 8):
-                    variant = capture(False, {name: (block_n, num_warps)})
-                    ms = [events_ms(g.replay, 100) for _ in range(3) for g in (graphs[False], variant)]
-                    sweep.append({"projection": name, "block_n": block_n, "num_warps": num_warps,
-                                  "programs": -(-n // block_n), "default_ms": round(statistics.median(ms[0::2]), 4),
-                                  "ms": round(statistics.median(ms[1::2]), 4)})
-                    del variant
+            variants += [({"projection": name, "block_n": block_n, "num_warps": num_warps,
+                           "programs": -(-n // block_n)}, set(), {name: (block_n, num_warps)})
+                         for block_n in (default // 2, default, default * 2) for num_warps in (4, 8)]
+    sweep = [against_default(graphs[False], capture(traced, configs), label) for label, traced, configs in variants]
     traces.zero_()  # the merging program can differ between replays
     for t in gemv_traces.values():
         t.zero_()
@@ -136,16 +146,8 @@ def run(args, max_seqlen_k: int, gen: torch.Generator) -> dict:
     end = torch.where(stamps > 0, stamps, torch.zeros_like(stamps)).amax(dim=(1, 2))  # each layer's last stamp
     gemvs = [(origin[i + 1] - end[i]).item() for i in range(1, args.layers - 1)]
     previous_end = [(stamps[i, :, 0].min() - end[i - 1]).item() for i in range(1, args.layers)]
-    gemv_rows = {}
-    for name, t in gemv_traces.items():
-        g = t.cpu()[:, :, :len(gemv_module.TRACE_POINTS)].double() / 1e3
-        per_point = {}
-        for j, point in enumerate(gemv_module.TRACE_POINTS):
-            per_layer = [(g[i, :, j] - origin[i]).sort().values for i in range(1, args.layers)]
-            per_point[point] = [round(statistics.median(v[q].item() for v in per_layer), 2)
-                                for q in (0, g.shape[1] // 2, -1)]
-        gemv_rows[name] = {"programs": g.shape[1], **per_point}
-    return {"max_seqlen_k": max_seqlen_k, "splits": splits, "programs": programs, "gemvs": gemv_rows,
+    return {"max_seqlen_k": max_seqlen_k, "splits": splits, "programs": programs,
+            "gemvs": gemv_table(gemv_traces, origin),
             "sweep": sweep,
             "step_ms": step_ms,
             "points_us_first_median_last_count": rows,
@@ -186,6 +188,8 @@ def main() -> None:
             if "projection" in v:
                 print(f"sweep {v['projection']:8s} rows {v['block_n']:3d} warps {v['num_warps']} ({v['programs']} "
                       f"programs): {v['ms']:.4f} ms against {v['default_ms']:.4f} default", flush=True)
+            else:
+                print(f"traced {v['variant']:8s}: {v['ms']:.4f} ms against {v['default_ms']:.4f} untraced", flush=True)
     print(json.dumps(results))
 
 
