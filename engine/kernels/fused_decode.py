@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.gemv import max_rows as gemv_max_rows
-from engine.kernels.launch import launch_dependents, pdl_options, stamp, wait_for_previous
+from engine.kernels.launch import check_trace, launch_dependents, pdl_options, stamp, wait_for_previous
 from engine.kernels.paged_decode import (MAX_GRID_SEQS, DecodeConfig, _attend_range, _num_sms,
                                          choose_num_splits, default_decode_config, grid_program, split_range)
 from engine.kernels.paged_tiles import LOG2E, check_paged_inputs, group_pad, to_cache, upcast_dot
@@ -192,8 +192,7 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
     if order is not None:
         assert order.shape == (num_seqs,) and order.device == qkv.device, "order: one index per sequence"
     programs = num_kv_heads * num_seqs * num_splits
-    if trace is not None:
-        assert trace.dtype == torch.int64 and trace.is_contiguous() and trace.numel() >= programs * TRACE_WIDTH
+    check_trace(trace, programs, TRACE_WIDTH)
     _fused_decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         qkv, positions, slot_mapping, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos,
         k_cache, v_cache, out, seqlens_k, block_tables, part_out, part_lse, counters,

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.launch import launch_dependents, pdl_options, stamp, wait_for_previous
+from engine.kernels.launch import check_trace, launch_dependents, pdl_options, stamp, wait_for_previous
 from engine.kernels.qkv_prep import _round
 
 MAX_SLICE = 16384      # weight elements a program holds in registers
@@ -139,9 +139,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if block_n < 1 or block_n & (block_n - 1) or block_n * block_k > 4 * MAX_SLICE:
         raise ValueError(f"block_n must be a power of two of at most {4 * MAX_SLICE // block_k} rows, got {block_n}")
     programs = triton.cdiv(N, block_n)
-    if trace is not None and (trace.dtype != torch.int64 or not trace.is_contiguous()
-                              or trace.numel() < programs * TRACE_WIDTH):
-        raise ValueError(f"trace must be a contiguous int64 tensor of at least [{programs}, {TRACE_WIDTH}]")
+    check_trace(trace, programs, TRACE_WIDTH)
     if M:
         res_in, res_to = (residual, res_out) if residual is not None else (x, x)  # placeholders without one
         _gemv_kernel[(programs,)](

@@ -58,6 +58,13 @@ def stamp(trace_ptr, slot: tl.constexpr, WIDTH: tl.constexpr, TRACE: tl.constexp
             tl.store(row + WIDTH - 1, smid().to(tl.int64))
 
 
+def check_trace(trace: torch.Tensor | None, programs: int, width: int) -> None:
+    """A kernel's trace= argument: None, or room for `programs` rows of `width` int64 stamps."""
+    if trace is not None and (trace.dtype != torch.int64 or not trace.is_contiguous()
+                              or trace.numel() < programs * width):
+        raise ValueError(f"trace must be a contiguous int64 tensor of at least [{programs}, {width}]")
+
+
 def pdl_setting() -> bool:
     value = os.environ.get("REDLINE_PDL", "1")
     if value not in ("0", "1"):
