@@ -44,8 +44,12 @@ def test_fused_decode_with_fp8_cache_equals_qkv_prep_then_decode_on_gpu():
 @pytest.mark.parametrize("lens", [[700], [700, 90, 1500]], ids=["early_reads", "reads_after_wait"])
 def test_fused_decode_trace_stamps_every_program_in_order_and_leaves_the_output_alone(lens):
     """trace= (scripts/decode_chain_trace.py): every program stamps each point up to its ticket, in order,
-    one program a (sequence, KV head) stamps the merge, and the output is the untraced launch's."""
+    except, past the GEMV's rows, one whose range holds no positions: it stamps its start only (it leaves
+    once the qkv projection is done); one program a (sequence, KV head) stamps the merge, and the output
+    is the untraced launch's."""
     from engine.kernels.fused_decode import TRACE_POINTS, TRACE_WIDTH, fused_decode
+    from engine.kernels.gemv import max_rows
+    from engine.kernels.paged_decode import default_decode_config
 
     heads, kv_heads, splits = 16, 8, 8
     qkv, positions, slots, seqlens, tables, caches, cos, sin, (qw, kw) = _problem(
@@ -59,7 +63,19 @@ def test_fused_decode_trace_stamps_every_program_in_order_and_leaves_the_output_
                                  max(lens), 128 ** -0.5, heads, kv_heads, counters, num_splits=splits, trace=traced))
     assert torch.equal(outs[0], outs[1])
     stamps = trace[:, :len(TRACE_POINTS)]
+    # rows in grid order (KV head fastest, then sequence, then split); a split holds positions when it
+    # starts below the length, its ranges whole tiles of cdiv(length, splits) positions rounded up
+    block_n = default_decode_config(qkv).block_n
+    cdiv = lambda a, b: -(-a // b)  # noqa: E731
+    per_split = [cdiv(cdiv(n, splits), block_n) * block_n for n in lens]
+    has_positions = torch.tensor([split * per_split[s] < n for split in range(splits) for s, n in enumerate(lens)
+                                  for _ in range(kv_heads)], device="cuda")
+    assert 0 < int(has_positions.sum()) < len(has_positions), "the case should have empty ranges"
+    active = has_positions if len(lens) > max_rows() else torch.ones_like(has_positions)
+    assert (stamps[:, 0] > 0).all(), "a program did not start"
+    assert (stamps[~active, 1:] == 0).all(), "a program without positions went on"
     ticket = TRACE_POINTS.index("ticket")
+    stamps = stamps[active]
     assert (stamps[:, : ticket + 1] > 0).all(), "a program skipped a point"
     assert (stamps[:, 1: ticket + 1] >= stamps[:, :ticket]).all(), "points out of order"
     merged = stamps[:, -1] > 0
