@@ -7,13 +7,9 @@ of it folded in:
   itself, with qkv_prep's code, so the queries are the same bits. The program whose range holds the new
   token (the sequence's last position) normalises, rotates and stores that token's K and V, then
   synchronises its threads before reading the cache, which then holds them.
-- after: the merge of the partial outputs. Every program of a (sequence, KV head) whose range holds
-  positions writes its partial and takes a ticket from a counter; the one that takes the last ticket
-  merges the partials of that KV head's query heads (the merge kernel's arithmetic) and resets the
-  counter for the next launch. A CUDA graph's split count comes from the longest context the engine
-  allows, so most ranges of a short sequence are empty: their programs leave once the qkv projection
-  is done, and the ticket and the merge count only the others. After the GEMV (EARLY: one or two rows)
-  they stay and take their tickets, which measured faster there (see fused_decode).
+- after: the merge of the partial outputs. Every program of a (sequence, KV head) writes its partial
+  and takes a ticket from a counter; the one that takes the last ticket merges the partials of that
+  KV head's query heads (the merge kernel's arithmetic) and resets the counter for the next launch.
 
 So a layer's decode attention is one launch in the chain of kernels that a batch-1 step waits on,
 instead of three. Prefill, mixed batches and the balanced schedule keep the separate kernels.
@@ -59,12 +55,6 @@ def _fused_decode_kernel(
     kv_head, seq, split = grid_program(order_ptr, ORDERED)
     seqlen = tl.load(seqlens_k_ptr + seq)
     per_split, start, end = split_range(seqlen, split, num_splits, BLOCK_N)
-    if EARLY:  # every program takes a ticket: see fused_decode on why they stay
-        active = num_splits
-    else:  # the splits that hold positions (split 0 of a zero-length padding row too, so its output is written)
-        active = tl.where(seqlen > 0, tl.cdiv(seqlen, tl.maximum(per_split, 1)), 1)
-        if split >= active:  # no positions: leave now, the SM slot free and one ticket fewer to wait for
-            return
     dtype = out_ptr.dtype.element_ty
     pos = tl.load(positions_ptr + seq)
     offs_half = tl.arange(0, HALF)
@@ -123,21 +113,20 @@ def _fused_decode_kernel(
         counter = counters_ptr + seq * num_kv_heads + kv_head
         ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         stamp(trace_ptr, 5, TRACE_SLOTS, TRACE)
-        if ticket == active - 1:
+        if ticket == num_splits - 1:
             tl.store(counter, 0)
-            _merge_group(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_heads, num_splits, active,
+            _merge_group(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_heads, num_splits,
                          stride_ot, stride_oh, GROUP, HEAD_DIM, SPLITS_PAD)
             stamp(trace_ptr, 6, TRACE_SLOTS, TRACE)
 
 
 @triton.jit
-def _merge_group(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_heads, num_splits, active, stride_ot,
-                 stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    """The merge kernel's arithmetic for the GROUP query heads of one KV head over its first `active` splits
-    (the others hold no positions and wrote nothing), all partials in one tile; the partials are read from
-    L2 (.cg), where the other programs' released stores are."""
+def _merge_group(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_heads, num_splits, stride_ot, stride_oh,
+                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """The merge kernel's arithmetic for the GROUP query heads of one KV head (all partials in one tile);
+    the partials are read from L2 (.cg), where the other programs' released stores are."""
     offs_t = tl.arange(0, SPLITS_PAD)
-    t_mask = offs_t < active
+    t_mask = offs_t < num_splits
     offs_d = tl.arange(0, HEAD_DIM)
     for g in tl.static_range(GROUP):
         head = kv_head * GROUP + g
@@ -194,6 +183,9 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seqlen_k, config.block_n,
                                        _num_sms(qkv.device), config.grid_programs_per_sm)
+    # early reads where the qkv projection is the GEMV, whose programs let this kernel start before it
+    # completes (-0.024 ms a batch-1 step); after cuBLAS they gained nothing and cost 0.4-0.7% at 16-64 rows
+    early = num_seqs <= gemv_max_rows()
     if num_splits > 1:
         part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=qkv.device)
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=qkv.device)
@@ -214,10 +206,14 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
         GROUP=group, GROUP_PAD=max(16, group_pad(group)), HEAD_DIM=head_dim, HALF=head_dim // 2,
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=config.block_n, SPLITS_PAD=triton.next_power_of_2(num_splits),
         UPCAST=upcast_dot(qkv), HAS_NORM=has_norm, ORDERED=order is not None, TRACE=trace is not None,
-        # early reads where the qkv projection is the GEMV, whose programs let this kernel start before it
-        # completes (-0.024 ms a batch-1 step); after cuBLAS they gained nothing and cost 0.4-0.7% at 16-64 rows.
-        # With EARLY the programs of empty ranges stay: leaving (before or after the wait) made the batch-1 and
-        # batch-2 decode graphs 3-4% slower; after cuBLAS it made the 16- and 64-row graphs 4.5% and 2.3% faster
-        EARLY=num_seqs <= gemv_max_rows(),
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(qkv))
+        EARLY=early, num_warps=config.num_warps, num_stages=loop_stages(config, early),
+        **pdl_options(qkv))
     return out
+
+
+def loop_stages(config: DecodeConfig, early: bool) -> int:
+    """Pipeline stages of the K/V loop: the config's, except that with DecodeConfig()'s defaults the kernel
+    after the GEMV (one or two rows, where a program attends a tile or two) takes 1: the batch-1 decode graph
+    measured 1.6-1.8% faster, batch 2 the same (docs/kernels-notes.md, "Pipeline stages of the fused decode
+    kernel"). Any other config (a sweep's, the CPU one) is taken as given."""
+    return 1 if early and config == DecodeConfig() else config.num_stages
