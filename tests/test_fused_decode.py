@@ -26,15 +26,17 @@ def test_fused_decode_equals_qkv_prep_then_decode_under_interpreter():
 
 
 @needs_triton
-def test_loop_stages_take_one_after_the_gemv_with_the_default_config_and_the_config_otherwise():
+def test_loop_stages_take_one_after_the_gemv_by_default_and_each_setting_where_it_applies():
     from engine.kernels.fused_decode import loop_stages
-    from engine.kernels.paged_decode import DecodeConfig
+    from engine.kernels.paged_decode import DecodeConfig, default_decode_config
 
     default = DecodeConfig()
     assert loop_stages(default, early=True) == 1                   # after the GEMV: one or two rows
-    assert loop_stages(default, early=False) == default.num_stages  # after cuBLAS
-    assert [loop_stages(DecodeConfig(num_stages=4), early) for early in (True, False)] == [4, 4]  # a sweep's
-    assert loop_stages(DecodeConfig(block_n=16, num_warps=4, num_stages=2), early=True) == 2
+    assert loop_stages(default, early=False) == 3                  # after cuBLAS
+    swept = DecodeConfig(num_stages=4, stages_after_gemv=2)
+    assert (loop_stages(swept, early=True), loop_stages(swept, early=False)) == (2, 4)
+    cpu = default_decode_config(torch.zeros(1))
+    assert (loop_stages(cpu, early=True), loop_stages(cpu, early=False)) == (1, 1)
 
 
 @pytest.mark.gpu

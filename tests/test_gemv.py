@@ -235,7 +235,6 @@ def test_a_chain_of_pdl_kernels_replays_in_a_cuda_graph_in_stream_order(rows):
         assert torch.equal(out, ref)
 
 
-
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("rows", [1, 2])

@@ -212,8 +212,6 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
 
 
 def loop_stages(config: DecodeConfig, early: bool) -> int:
-    """Pipeline stages of the K/V loop: the config's, except that with DecodeConfig()'s defaults the kernel
-    after the GEMV (one or two rows, where a program attends a tile or two) takes 1: the batch-1 decode graph
-    measured 1.6-1.8% faster, batch 2 the same (docs/kernels-notes.md, "Pipeline stages of the fused decode
-    kernel"). Any other config (a sweep's, the CPU one) is taken as given."""
-    return 1 if early and config == DecodeConfig() else config.num_stages
+    """Pipeline stages of the K/V loop: config.stages_after_gemv where the qkv projection is the GEMV (one or
+    two rows), config.num_stages elsewhere."""
+    return config.stages_after_gemv if early else config.num_stages

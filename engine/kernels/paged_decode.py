@@ -45,6 +45,10 @@ class DecodeConfig:
     grid_programs_per_sm: int = 4  # grid schedule: split sequences until about this many programs per SM
     programs_per_sm: int = 4     # balanced schedule: the plan aims at SMs x programs_per_sm x items_per_program
     items_per_program: int = 8   # (chunk, KV head) items a step
+    # the fused decode kernel's K/V loop after the GEMV (one or two rows: engine/kernels/fused_decode.py);
+    # num_stages holds elsewhere. 1: the batch-1 decode graph measured 1.6-1.8% faster than with 3, batch 2
+    # the same (docs/kernels-notes.md, "Empty KV ranges, and the K/V loop's pipeline stages")
+    stages_after_gemv: int = 1
 
 
 @triton.jit
