@@ -17,6 +17,7 @@ from engine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowPar
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel import TPGroup, divide
 from engine.layers.rotary import RotaryEmbedding, rope_settings
+from engine.layers.stack import run_stack
 
 
 class DecoderAttention(nn.Module):
@@ -84,8 +85,12 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
+        stacked = run_stack(self, x, positions)  # one sequence's decode step: every layer in one kernel
+        if stacked is not None:
+            x, residual = stacked
+        else:
+            for layer in self.layers:
+                x, residual = layer(positions, x, residual)
         x, _ = self.norm(x, residual)
         return x
 
