@@ -28,7 +28,7 @@ for round in $(seq "${ROUNDS:-2}"); do
 done
 for cfg in ${CONFIGS:-}; do
   echo "== REDLINE_STACK_CONFIG=$cfg" | tee -a "$OUT/graph.log"
-  graph REDLINE_STACK_CONFIG="$cfg" | tee -a "$OUT/graph.log"
+  graph REDLINE_DECODE_STACK=1 REDLINE_STACK_CONFIG="$cfg" | tee -a "$OUT/graph.log"
 done
 if [ -z "${SKIP_BATCH1:-}" ]; then
   for v in 0 1 0 1; do
