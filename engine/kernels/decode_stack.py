@@ -57,6 +57,7 @@ class StackConfig:
     num_warps: int = 16
     kv_tile: int = 32        # KV positions an attention program reads at once
     l2_ahead: bool = True    # at each layer's start, queue the program's later slices into L2
+    spin_load: bool = False  # barriers poll with acquire loads instead of atomics
 
 
 def stack_config() -> StackConfig:
@@ -67,7 +68,7 @@ def stack_config() -> StackConfig:
         name, _, number = item.partition("=")
         if name not in StackConfig.__dataclass_fields__ or not number.isdigit():
             raise ValueError(f"REDLINE_STACK_CONFIG: {item!r} is not FIELD=N with a field of {StackConfig.__name__}")
-        fields[name] = bool(int(number)) if name == "l2_ahead" else int(number)
+        fields[name] = bool(int(number)) if name in ("l2_ahead", "spin_load") else int(number)
     config = StackConfig(**fields)
     if config.num_warps not in (4, 8, 16, 32) or config.kv_tile not in (16, 32, 64, 128):
         raise ValueError(f"REDLINE_STACK_CONFIG: num_warps must be 4-32 and kv_tile 16-128 (powers of two), got {config}")
@@ -81,14 +82,25 @@ def _layer_ptr(row, col: tl.constexpr, like):
 
 
 @triton.jit
-def _grid_sync(bar_ptr, target):
+def _load_acquire(ptr):
+    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _grid_sync(bar_ptr, target, SPIN_LOAD: tl.constexpr):
     """Wait until every program has arrived (the counter reaches target); what each program stored before
-    arriving is visible to every program after."""
+    arriving is visible to every program after. SPIN_LOAD: poll with acquire loads, not atomics."""
     tl.debug_barrier()  # every thread's stores are issued before the release
     tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
-    seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
-    while seen < target:
+    if SPIN_LOAD:
+        seen = _load_acquire(bar_ptr)
+        while seen < target:
+            seen = _load_acquire(bar_ptr)
+    else:
         seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+        while seen < target:
+            seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
 
 
@@ -193,7 +205,7 @@ def _decode_stack_kernel(
     R_GU: tl.constexpr, BR_GU: tl.constexpr, R_DN: tl.constexpr, BR_DN: tl.constexpr,
     SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     PAGE: tl.constexpr, BKV: tl.constexpr, HAS_QK_NORM: tl.constexpr, PHASE: tl.constexpr,
-    L2_AHEAD: tl.constexpr, LANES: tl.constexpr,
+    L2_AHEAD: tl.constexpr, LANES: tl.constexpr, SPIN_LOAD: tl.constexpr,
 ):
     """PHASE -1: every phase of layers 0..num_layers-1, barriers between them. PHASE 0..4: that phase of
     layer `layer0` only."""
@@ -264,7 +276,7 @@ def _decode_stack_kernel(
             if PERSISTENT:  # the first tile of B's range: no phase writes it (the new token is patched in)
                 k1, k2, v1, v2 = _kv_tile(k_cache, v_cache, rows0, valid0, head_offset, HALF)
                 target += P
-                _grid_sync(bar_ptr, target)
+                _grid_sync(bar_ptr, target, SPIN_LOAD)
 
         # B: attention over this program's range; the last ticket of a KV head merges
         if PERSISTENT or PHASE == 1:
@@ -331,7 +343,7 @@ def _decode_stack_kernel(
             if PERSISTENT:
                 w_o = _slice(_layer_ptr(row, W_O, x_in_ptr), pid * R_O, H, A_N, R_O, BR_O, BA)
                 target += P
-                _grid_sync(bar_ptr, target)
+                _grid_sync(bar_ptr, target, SPIN_LOAD)
 
         # C: o projection slice
         if PERSISTENT or PHASE == 2:
@@ -344,7 +356,7 @@ def _decode_stack_kernel(
                 w_up = _slice(_layer_ptr(row, W_GATE_UP, x_in_ptr) + INTER * H, pid * R_GU, INTER, H, R_GU, BR_GU,
                               BH)
                 target += P
-                _grid_sync(bar_ptr, target)
+                _grid_sync(bar_ptr, target, SPIN_LOAD)
 
         # D: residual add, RMSNorm, gate and up slices, SiLU·mul
         if PERSISTENT or PHASE == 3:
@@ -364,7 +376,7 @@ def _decode_stack_kernel(
             if PERSISTENT:
                 w_down = _slice(_layer_ptr(row, W_DOWN, x_in_ptr), pid * R_DN, H, INTER, R_DN, BR_DN, BI)
                 target += P
-                _grid_sync(bar_ptr, target)
+                _grid_sync(bar_ptr, target, SPIN_LOAD)
 
         # E: down projection slice
         if PERSISTENT or PHASE == 4:
@@ -379,7 +391,7 @@ def _decode_stack_kernel(
                 w_qkv = _slice(_layer_ptr(next_row, W_QKV, x_in_ptr), pid * R_QKV, QKV_N, H, R_QKV, BR_QKV, BH)
                 if layer + 1 < layer_end:
                     target += P
-                    _grid_sync(bar_ptr, target)
+                    _grid_sync(bar_ptr, target, SPIN_LOAD)
 
     if PERSISTENT:  # the last program out resets the barrier for the next launch
         if tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu") == P - 1:
@@ -540,9 +552,10 @@ class DecodeStack:
         if phases or dev.type != "cuda":
             for layer in range(self.num_layers):
                 for phase in range(PHASES):
-                    _decode_stack_kernel[(P,)](*args, self.num_layers, layer, *scalars, PHASE=phase, L2_AHEAD=False,
+                    _decode_stack_kernel[(P,)](*args, self.num_layers, layer, *scalars, PHASE=phase, L2_AHEAD=False, SPIN_LOAD=False,
                                                **constants)
         else:
             _decode_stack_kernel[(P,)](*args, self.num_layers, 0, *scalars, PHASE=-1, L2_AHEAD=self.config.l2_ahead,
+                                       SPIN_LOAD=self.config.spin_load,
                                        launch_cooperative_grid=True, **constants)
         return x_down, res_a
