@@ -76,9 +76,11 @@ def stack_config() -> StackConfig:
 
 
 @triton.jit
-def _layer_ptr(row, col: tl.constexpr, like):
-    """Column `col` of a layer's pointer-table row, as a pointer of `like`'s element type."""
-    return tl.load(row + col).to(tl.pointer_type(like.dtype.element_ty))
+def _layer_ptr(row, col: tl.constexpr, base):
+    """The tensor of column `col` of a layer's table row: the row holds element offsets from `base` (a
+    pointer argument, so its alignment is known and the loads vectorise; torch aligns every allocation
+    to 256 bytes, so the offsets are multiples of 16 elements)."""
+    return base + tl.multiple_of(tl.load(row + col), 16)
 
 
 @triton.jit
@@ -112,6 +114,7 @@ def _slice(w_ptr, first, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BR: 
     rows = first + offs_r
     offs_k = tl.arange(0, BK)
     ptrs = w_ptr + rows[:, None].to(tl.int64) * K + offs_k[None, :]
+    ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [16, 16]), [1, 16])  # the table's addresses are aligned
     r_mask = (offs_r < R) & (rows < N)
     if K == BK:
         return tl.load(ptrs, mask=r_mask[:, None], other=0.0)
@@ -155,8 +158,10 @@ def _kv_rows(block_table_row, n0, end, last, stride_page, stride_slot, PAGE: tl.
 def _kv_tile(k_cache, v_cache, rows, valid, head_offset, HALF: tl.constexpr):
     offs = rows[:, None] + head_offset + tl.arange(0, HALF)[None, :]
     m = valid[:, None]
-    return (tl.load(k_cache + offs, mask=m, other=0.0), tl.load(k_cache + offs + HALF, mask=m, other=0.0),
-            tl.load(v_cache + offs, mask=m, other=0.0), tl.load(v_cache + offs + HALF, mask=m, other=0.0))
+    k = tl.max_contiguous(tl.multiple_of(k_cache + offs, [16, 16]), [1, 16])  # head rows are aligned
+    v = tl.max_contiguous(tl.multiple_of(v_cache + offs, [16, 16]), [1, 16])
+    return (tl.load(k, mask=m, other=0.0), tl.load(k + HALF, mask=m, other=0.0),
+            tl.load(v, mask=m, other=0.0), tl.load(v + HALF, mask=m, other=0.0))
 
 
 @triton.jit
@@ -195,7 +200,7 @@ def _attend_tile(q1, q2, k1, k2, v1, v2, offs_n, valid, last, kn1, kn2, vn1, vn2
 
 @triton.jit
 def _decode_stack_kernel(
-    x_in_ptr, positions_ptr, slot_mapping_ptr, seqlens_k_ptr, block_table_ptr, cos_ptr, sin_ptr, table_ptr,
+    x_in_ptr, positions_ptr, slot_mapping_ptr, seqlens_k_ptr, block_table_ptr, cos_ptr, sin_ptr, table_ptr, base_ptr,
     res_m_ptr, res_a_ptr, x_down_ptr, x_o_ptr, qkv_ptr, attn_ptr, act_ptr, part_out_ptr, part_lse_ptr,
     tickets_ptr, bar_ptr, num_layers, layer0, stride_cos, stride_page, stride_slot, stride_khead,
     eps, qk_eps, qk_scale,
@@ -242,28 +247,28 @@ def _decode_stack_kernel(
     if PERSISTENT:
         layer_begin = 0
         layer_end = num_layers
-        w_qkv = _slice(_layer_ptr(table_ptr, W_QKV, x_in_ptr), pid * R_QKV, QKV_N, H, R_QKV, BR_QKV, BH)
+        w_qkv = _slice(_layer_ptr(table_ptr, W_QKV, base_ptr), pid * R_QKV, QKV_N, H, R_QKV, BR_QKV, BH)
     else:
         layer_begin = layer0
         layer_end = layer0 + 1
     target = 0
     for layer in range(layer_begin, layer_end):
         row = table_ptr + layer * NUM_PTRS
-        k_cache = _layer_ptr(row, K_CACHE, x_in_ptr)  # the cache holds the model's dtype
-        v_cache = _layer_ptr(row, V_CACHE, x_in_ptr)
+        k_cache = _layer_ptr(row, K_CACHE, base_ptr)  # the cache holds the model's dtype
+        v_cache = _layer_ptr(row, V_CACHE, base_ptr)
 
         if PERSISTENT and L2_AHEAD:  # this layer's later slices and the next layer's qkv slice, into L2
-            _prefetch_slice(_layer_ptr(row, W_O, x_in_ptr), pid * R_O, H, A_N, R_O, LANES)
-            _prefetch_slice(_layer_ptr(row, W_GATE_UP, x_in_ptr), pid * R_GU, INTER, H, R_GU, LANES)
-            _prefetch_slice(_layer_ptr(row, W_GATE_UP, x_in_ptr) + INTER * H, pid * R_GU, INTER, H, R_GU, LANES)
-            _prefetch_slice(_layer_ptr(row, W_DOWN, x_in_ptr), pid * R_DN, H, INTER, R_DN, LANES)
+            _prefetch_slice(_layer_ptr(row, W_O, base_ptr), pid * R_O, H, A_N, R_O, LANES)
+            _prefetch_slice(_layer_ptr(row, W_GATE_UP, base_ptr), pid * R_GU, INTER, H, R_GU, LANES)
+            _prefetch_slice(_layer_ptr(row, W_GATE_UP, base_ptr) + INTER * H, pid * R_GU, INTER, H, R_GU, LANES)
+            _prefetch_slice(_layer_ptr(row, W_DOWN, base_ptr), pid * R_DN, H, INTER, R_DN, LANES)
             if layer + 1 < layer_end:
-                _prefetch_slice(_layer_ptr(row + NUM_PTRS, W_QKV, x_in_ptr), pid * R_QKV, QKV_N, H, R_QKV, LANES)
+                _prefetch_slice(_layer_ptr(row + NUM_PTRS, W_QKV, base_ptr), pid * R_QKV, QKV_N, H, R_QKV, LANES)
 
         # A: residual add, RMSNorm, qkv slice
         if PERSISTENT or PHASE == 0:
             if not PERSISTENT:
-                w_qkv = _slice(_layer_ptr(row, W_QKV, x_in_ptr), pid * R_QKV, QKV_N, H, R_QKV, BR_QKV, BH)
+                w_qkv = _slice(_layer_ptr(row, W_QKV, base_ptr), pid * R_QKV, QKV_N, H, R_QKV, BR_QKV, BH)
             if layer == 0:
                 r = _load_row(x_in_ptr, H, BH)
             else:
@@ -271,7 +276,7 @@ def _decode_stack_kernel(
             offs_h = tl.arange(0, BH)
             if pid == 0:
                 tl.store(res_m_ptr + offs_h, r.to(dtype), mask=offs_h < H)
-            h = _rms_norm(r, _layer_ptr(row, NORM_IN, x_in_ptr), eps, H, BH, dtype)
+            h = _rms_norm(r, _layer_ptr(row, NORM_IN, base_ptr), eps, H, BH, dtype)
             _store_rows(qkv_ptr, pid * R_QKV, tl.sum(w_qkv.to(tl.float32) * h[None, :], axis=1), QKV_N, R_QKV, BR_QKV)
             if PERSISTENT:  # the first tile of B's range: no phase writes it (the new token is patched in)
                 k1, k2, v1, v2 = _kv_tile(k_cache, v_cache, rows0, valid0, head_offset, HALF)
@@ -286,8 +291,8 @@ def _decode_stack_kernel(
                 qrow = qkv_ptr + heads[:, None] * D + offs_half[None, :]
                 q1 = tl.load(qrow, mask=g_mask[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
                 q2 = tl.load(qrow + HALF, mask=g_mask[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
-                q_w = _layer_ptr(row, NORM_Q, x_in_ptr)
-                k_w = _layer_ptr(row, NORM_K, x_in_ptr)
+                q_w = _layer_ptr(row, NORM_Q, base_ptr)
+                k_w = _layer_ptr(row, NORM_K, base_ptr)
                 q1, q2 = _norm_rope(q1, q2, q_w, cos, sin, offs_half, all_half, qk_eps, D, HAS_QK_NORM, HALF, dtype)
                 krow = qkv_ptr + (NQ + kv_head) * D + offs_half[None, :]
                 vrow = krow + NKV * D
@@ -341,19 +346,19 @@ def _decode_stack_kernel(
                         _merge_group(part_out_ptr, part_lse_ptr, attn_ptr, pid * 0, kv_head, NQ, SPLITS, 0, D,
                                      GROUP, D, SPLITS_PAD)
             if PERSISTENT:
-                w_o = _slice(_layer_ptr(row, W_O, x_in_ptr), pid * R_O, H, A_N, R_O, BR_O, BA)
+                w_o = _slice(_layer_ptr(row, W_O, base_ptr), pid * R_O, H, A_N, R_O, BR_O, BA)
                 target += P
                 _grid_sync(bar_ptr, target, SPIN_LOAD)
 
         # C: o projection slice
         if PERSISTENT or PHASE == 2:
             if not PERSISTENT:
-                w_o = _slice(_layer_ptr(row, W_O, x_in_ptr), pid * R_O, H, A_N, R_O, BR_O, BA)
+                w_o = _slice(_layer_ptr(row, W_O, base_ptr), pid * R_O, H, A_N, R_O, BR_O, BA)
             a = _load_row(attn_ptr, A_N, BA)
             _store_rows(x_o_ptr, pid * R_O, tl.sum(w_o.to(tl.float32) * a[None, :], axis=1), H, R_O, BR_O)
             if PERSISTENT:
-                w_gate = _slice(_layer_ptr(row, W_GATE_UP, x_in_ptr), pid * R_GU, INTER, H, R_GU, BR_GU, BH)
-                w_up = _slice(_layer_ptr(row, W_GATE_UP, x_in_ptr) + INTER * H, pid * R_GU, INTER, H, R_GU, BR_GU,
+                w_gate = _slice(_layer_ptr(row, W_GATE_UP, base_ptr), pid * R_GU, INTER, H, R_GU, BR_GU, BH)
+                w_up = _slice(_layer_ptr(row, W_GATE_UP, base_ptr) + INTER * H, pid * R_GU, INTER, H, R_GU, BR_GU,
                               BH)
                 target += P
                 _grid_sync(bar_ptr, target, SPIN_LOAD)
@@ -361,34 +366,34 @@ def _decode_stack_kernel(
         # D: residual add, RMSNorm, gate and up slices, SiLU·mul
         if PERSISTENT or PHASE == 3:
             if not PERSISTENT:
-                w_gate = _slice(_layer_ptr(row, W_GATE_UP, x_in_ptr), pid * R_GU, INTER, H, R_GU, BR_GU, BH)
-                w_up = _slice(_layer_ptr(row, W_GATE_UP, x_in_ptr) + INTER * H, pid * R_GU, INTER, H, R_GU, BR_GU,
+                w_gate = _slice(_layer_ptr(row, W_GATE_UP, base_ptr), pid * R_GU, INTER, H, R_GU, BR_GU, BH)
+                w_up = _slice(_layer_ptr(row, W_GATE_UP, base_ptr) + INTER * H, pid * R_GU, INTER, H, R_GU, BR_GU,
                               BH)
             r = _round(_load_row(x_o_ptr, H, BH) + _load_row(res_m_ptr, H, BH), dtype)
             offs_h = tl.arange(0, BH)
             if pid == 0:
                 tl.store(res_a_ptr + offs_h, r.to(dtype), mask=offs_h < H)
-            h = _rms_norm(r, _layer_ptr(row, NORM_POST, x_in_ptr), eps, H, BH, dtype)
+            h = _rms_norm(r, _layer_ptr(row, NORM_POST, base_ptr), eps, H, BH, dtype)
             gate = _round(tl.sum(w_gate.to(tl.float32) * h[None, :], axis=1), dtype)
             up = _round(tl.sum(w_up.to(tl.float32) * h[None, :], axis=1), dtype)
             act = _round(_round(gate / (1.0 + tl.exp(-gate)), dtype) * up, dtype)
             _store_rows(act_ptr, pid * R_GU, act, INTER, R_GU, BR_GU)
             if PERSISTENT:
-                w_down = _slice(_layer_ptr(row, W_DOWN, x_in_ptr), pid * R_DN, H, INTER, R_DN, BR_DN, BI)
+                w_down = _slice(_layer_ptr(row, W_DOWN, base_ptr), pid * R_DN, H, INTER, R_DN, BR_DN, BI)
                 target += P
                 _grid_sync(bar_ptr, target, SPIN_LOAD)
 
         # E: down projection slice
         if PERSISTENT or PHASE == 4:
             if not PERSISTENT:
-                w_down = _slice(_layer_ptr(row, W_DOWN, x_in_ptr), pid * R_DN, H, INTER, R_DN, BR_DN, BI)
+                w_down = _slice(_layer_ptr(row, W_DOWN, base_ptr), pid * R_DN, H, INTER, R_DN, BR_DN, BI)
             a = _load_row(act_ptr, INTER, BI)
             _store_rows(x_down_ptr, pid * R_DN, tl.sum(w_down.to(tl.float32) * a[None, :], axis=1), H, R_DN, BR_DN)
             if PERSISTENT:
                 # the next layer's qkv slice (after the last layer, its own again: a branch would keep the
                 # old slice alive through the layer)
                 next_row = table_ptr + tl.minimum(layer + 1, layer_end - 1) * NUM_PTRS
-                w_qkv = _slice(_layer_ptr(next_row, W_QKV, x_in_ptr), pid * R_QKV, QKV_N, H, R_QKV, BR_QKV, BH)
+                w_qkv = _slice(_layer_ptr(next_row, W_QKV, base_ptr), pid * R_QKV, QKV_N, H, R_QKV, BR_QKV, BH)
                 if layer + 1 < layer_end:
                     target += P
                     _grid_sync(bar_ptr, target, SPIN_LOAD)
@@ -470,6 +475,7 @@ class DecodeStack:
                     "gate_up": (2 * s.intermediate, hidden), "down": (hidden, s.intermediate),
                     "input_norm": (hidden,), "post_norm": (hidden,), "q_norm": (head_dim,), "k_norm": (head_dim,),
                     "k_cache": tuple(k_cache.shape), "v_cache": tuple(k_cache.shape)}
+        base = first["qkv"]  # the table holds element offsets from it (see _layer_ptr)
         rows = []
         for i, layer in enumerate(layers):
             if set(layer) != set(PTR_NAMES):
@@ -491,9 +497,13 @@ class DecodeStack:
                         raise ValueError(f"layer {i} {name}: every cache needs the strides {k_cache.stride()}")
                 elif not t.is_contiguous():
                     raise ValueError(f"layer {i} {name} must be contiguous")
-                row.append(t.data_ptr())
+                offset, rest = divmod(t.data_ptr() - base.data_ptr(), t.element_size())
+                if rest or offset % 16:
+                    raise ValueError(f"layer {i} {name} is not aligned to 16 elements")
+                row.append(offset)
             rows.append(row)
         self.table = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        self.base = base
         self.num_layers = len(layers)
         self.layers = layers  # what the table's addresses point into
         self.page_size = k_cache.shape[1]
@@ -546,7 +556,7 @@ class DecodeStack:
             R_DN=r_dn, BR_DN=_block(r_dn), SPLITS=splits, SPLITS_PAD=_block(splits), GROUP=group,
             GROUP_PAD=_block(group), PAGE=self.page_size, BKV=self.config.kv_tile, HAS_QK_NORM=self.has_qk_norm,
             LANES=32 * self.config.num_warps, num_warps=self.config.num_warps)
-        args = (x, positions, slot_mapping, seqlens_k, block_table, cos, sin, self.table,
+        args = (x, positions, slot_mapping, seqlens_k, block_table, cos, sin, self.table, self.base,
                 res_m, res_a, x_down, x_o, qkv, attn, act, part_out, part_lse, self.tickets, self.barrier)
         scalars = (cos.stride(0), *self.cache_strides, self.eps, self.qk_eps, self.scale * LOG2E)
         if phases or dev.type != "cuda":
