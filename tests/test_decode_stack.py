@@ -59,8 +59,8 @@ def test_stack_config_from_the_environment(monkeypatch):
     from engine.kernels.decode_stack import StackConfig, stack_config
 
     assert stack_config() == StackConfig()
-    monkeypatch.setenv("REDLINE_STACK_CONFIG", "num_warps=8,l2_ahead=0")
-    assert stack_config() == StackConfig(num_warps=8, l2_ahead=False)
+    monkeypatch.setenv("REDLINE_STACK_CONFIG", "num_warps=16,l2_ahead=1")
+    assert stack_config() == StackConfig(num_warps=16, l2_ahead=True)
     monkeypatch.setenv("REDLINE_STACK_CONFIG", "warps=8")
     with pytest.raises(ValueError, match="REDLINE_STACK_CONFIG"):
         stack_config()
