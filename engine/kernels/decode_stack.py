@@ -25,6 +25,11 @@ grid where the device supports it, so that a grid that cannot be resident fails 
 hanging. `phase=` runs one phase of one layer per launch instead, without barriers: the same arithmetic
 under the Triton interpreter (tests) and a reference for the persistent launch.
 
+Status: correct (tests against a torch reference, on the GPU too) but slower than the layer-by-layer
+chain it would replace: on the H100 the batch-1 decode graph takes 1.16 ms with it against 0.78 ms
+without (docs/kernels-notes.md, "Every layer in one persistent kernel"), so the engine uses it only with
+REDLINE_DECODE_STACK=1 (engine/layers/stack.py).
+
 The roundings are those of the kernels it replaces (gemv's norm prologue, qkv_prep's q/k norm and
 rotary, the SiLU·mul of the gated GEMV), so its hidden states agree with the layer-by-layer path up to
 the order of the sums.
@@ -73,7 +78,8 @@ def stack_config() -> StackConfig:
         fields[name] = bool(int(number)) if name in ("l2_ahead", "spin_load") else int(number)
     config = StackConfig(**fields)
     if config.num_warps not in (4, 8, 16, 32) or config.kv_tile not in (16, 32, 64, 128):
-        raise ValueError(f"REDLINE_STACK_CONFIG: num_warps must be 4-32 and kv_tile 16-128 (powers of two), got {config}")
+        raise ValueError(f"REDLINE_STACK_CONFIG: num_warps must be 4-32 and kv_tile 16-128 (powers of two), "
+                         f"got {config}")
     return config
 
 
@@ -482,7 +488,7 @@ class DecodeStack:
         for i, layer in enumerate(layers):
             if set(layer) != set(PTR_NAMES):
                 raise ValueError(f"layer {i} must give exactly {PTR_NAMES}, got {sorted(layer)}")
-            if (layer["q_norm"] is None) != (not self.has_qk_norm) or (layer["k_norm"] is None) != (not self.has_qk_norm):
+            if (layer["q_norm"] is not None) != self.has_qk_norm or (layer["k_norm"] is not None) != self.has_qk_norm:
                 raise ValueError(f"layer {i}: every layer needs both q/k norm weights or neither")
             row = []
             for name in PTR_NAMES:
@@ -564,7 +570,8 @@ class DecodeStack:
         if phases or dev.type != "cuda":
             for layer in range(self.num_layers):
                 for phase in range(PHASES):
-                    _decode_stack_kernel[(P,)](*args, self.num_layers, layer, *scalars, PHASE=phase, L2_AHEAD=False, SPIN_LOAD=False,
+                    _decode_stack_kernel[(P,)](*args, self.num_layers, layer, *scalars, PHASE=phase, L2_AHEAD=False,
+                                               SPIN_LOAD=False,
                                                **constants)
         else:
             _decode_stack_kernel[(P,)](*args, self.num_layers, 0, *scalars, PHASE=-1, L2_AHEAD=self.config.l2_ahead,
