@@ -76,3 +76,14 @@ def test_persistent_decode_stack_on_gpu(case):
     check(case[0], phases, TOLERANCE["bfloat16"])
     # the same arithmetic: the persistent launch and the phase launches agree to rounding
     assert abs(persistent["hidden"] - phases["hidden"]) < 2e-3, (persistent, phases)
+
+
+def test_decode_stack_setting_rejects_other_values(monkeypatch):
+    from engine.layers.stack import stack_setting
+
+    assert stack_setting() is False  # off by default: slower than the layer-by-layer chain so far
+    monkeypatch.setenv("REDLINE_DECODE_STACK", "1")
+    assert stack_setting() is True
+    monkeypatch.setenv("REDLINE_DECODE_STACK", "yes")
+    with pytest.raises(ValueError, match="REDLINE_DECODE_STACK must be 0 or 1"):
+        stack_setting()

@@ -10,6 +10,7 @@ from engine.kernels import fused_decode, gemv, paged_decode, paged_prefill, qkv_
 from engine.kernels.launch import pdl_setting
 from engine.kernels.paged_decode import SCHEDULES as DECODE_SCHEDULES
 from engine.kernels.paged_decode import decode_order, plan_decode
+from engine.layers.stack import stack_setting
 
 if TYPE_CHECKING:
     from engine.attention import AttentionMetadata
@@ -41,7 +42,8 @@ class TritonBackend:
         # fused decode's split counters, zero between launches; earlier, smaller sets stay alive for the
         # CUDA graphs that captured them
         self._counters: list[torch.Tensor] = []
-        pdl_setting(), gemv.max_rows()  # REDLINE_PDL and REDLINE_GEMV_MAX_ROWS: bad values fail here, not mid-step
+        # REDLINE_PDL, REDLINE_GEMV_MAX_ROWS and REDLINE_DECODE_STACK: bad values fail here, not mid-step
+        pdl_setting(), gemv.max_rows(), stack_setting()
 
     def qkv_prep(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
