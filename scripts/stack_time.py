@@ -19,39 +19,25 @@ import triton.language as tl
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from decode_stack_cases import make_problem  # noqa: E402
 
-from engine.kernels.decode_stack import DecodeStack, StackConfig, _grid_sync  # noqa: E402
+from decode_graph_time import compiled_kernels, events_ms  # noqa: E402 (scripts/, this script's folder)
+
+from engine.kernels.decode_stack import DecodeStack, _grid_release, _grid_sync, parse_stack_config  # noqa: E402
 
 
 @triton.jit
 def _barriers_kernel(bar_ptr, count, SPIN_LOAD: tl.constexpr):
-    P = tl.num_programs(0)
     target = 0
     for _ in range(count):
-        target += P
+        target += tl.num_programs(0)
         _grid_sync(bar_ptr, target, SPIN_LOAD)
-    if tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu") == P - 1:
-        tl.store(bar_ptr, 0)
-        tl.store(bar_ptr + 1, 0)
+    _grid_release(bar_ptr)
 
 
 def time_ms(fn, repeats: int = 50) -> float:
+    """Milliseconds a call, back to back, after one call outside the timing (compilation)."""
     fn()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
-
-
-def config_of(text: str) -> StackConfig:
-    fields = {}
-    for item in filter(None, text.split(",")):
-        name, _, value = item.partition("=")
-        fields[name] = bool(int(value)) if name in ("l2_ahead", "spin_load") else int(value)
-    return StackConfig(**fields)
+    return events_ms(fn, repeats)
 
 
 def main() -> None:
@@ -62,7 +48,7 @@ def main() -> None:
     weights, inputs = make_problem(args.layers, 1024, 16, 8, 128, 3072, 256, 771, True, torch.bfloat16, "cuda")
     result = {"gpu": torch.cuda.get_device_name()}
     for text in [""] + args.configs.split():
-        config = config_of(text)
+        config = parse_stack_config(text)
         stack = DecodeStack(weights, 16, 8, 1e-6, 1e-6, 128 ** -0.5, config=config)
         result[text or "default"] = time_ms(lambda: stack(**inputs))
         if not text:
@@ -75,14 +61,7 @@ def main() -> None:
             result[f"barriers_only_{count}_spin_load{int(spin)}_w{warps}"] = time_ms(
                 lambda: _barriers_kernel[(programs,)](barrier, count, SPIN_LOAD=spin, num_warps=warps,
                                                       launch_cooperative_grid=True))
-    from engine.kernels import decode_stack
-    compiled = []
-    for cache in getattr(decode_stack._decode_stack_kernel, "device_caches", {}).values():
-        variants = cache[0] if isinstance(cache, tuple) else cache
-        for kernel in getattr(variants, "values", lambda: [])():
-            compiled.append({"regs": getattr(kernel, "n_regs", None), "spills": getattr(kernel, "n_spills", None),
-                             "warps": getattr(getattr(kernel, "metadata", None), "num_warps", None)})
-    result["compiled"] = compiled
+    result["compiled"] = compiled_kernels("engine.kernels.decode_stack", "_decode_stack_kernel")
     print(json.dumps(result))
 
 

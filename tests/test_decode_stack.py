@@ -81,9 +81,16 @@ def test_persistent_decode_stack_on_gpu(case):
 def test_decode_stack_setting_rejects_other_values(monkeypatch):
     from engine.layers.stack import stack_setting
 
-    assert stack_setting() is False  # off by default: slower than the layer-by-layer chain so far
+    def setting():
+        stack_setting.cache_clear()  # read once per process in the engine
+        return stack_setting()
+
+    monkeypatch.delenv("REDLINE_DECODE_STACK", raising=False)
+    assert setting() is False  # off by default: slower than the layer-by-layer chain so far
     monkeypatch.setenv("REDLINE_DECODE_STACK", "1")
-    assert stack_setting() is True
+    assert setting() is True
     monkeypatch.setenv("REDLINE_DECODE_STACK", "yes")
     with pytest.raises(ValueError, match="REDLINE_DECODE_STACK must be 0 or 1"):
-        stack_setting()
+        setting()
+    monkeypatch.delenv("REDLINE_DECODE_STACK")
+    stack_setting.cache_clear()

@@ -69,7 +69,11 @@ class StackConfig:
 
 def stack_config() -> StackConfig:
     """The default config, or REDLINE_STACK_CONFIG="num_warps=8,kv_tile=16,l2_ahead=0" (for sweeps)."""
-    value = os.environ.get("REDLINE_STACK_CONFIG", "")
+    return parse_stack_config(os.environ.get("REDLINE_STACK_CONFIG", ""))
+
+
+def parse_stack_config(value: str) -> StackConfig:
+    """A StackConfig from "FIELD=N,..." (empty: the default)."""
     fields = {}
     for item in filter(None, value.split(",")):
         name, _, number = item.partition("=")
@@ -115,6 +119,14 @@ def _grid_sync(bar_ptr, target, SPIN_LOAD: tl.constexpr):
 
 
 @triton.jit
+def _grid_release(bar_ptr):
+    """After a program's last barrier: the last program out resets the counter for the next launch."""
+    if tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        tl.store(bar_ptr, 0)
+        tl.store(bar_ptr + 1, 0)
+
+
+@triton.jit
 def _slice(w_ptr, first, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BR: tl.constexpr,
            BK: tl.constexpr):
     """Rows first..first+R-1 (those < N) of a [N, K] weight, as a [BR, BK] tile (zeros past them)."""
@@ -127,6 +139,13 @@ def _slice(w_ptr, first, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BR: 
     if K == BK:
         return tl.load(ptrs, mask=r_mask[:, None], other=0.0)
     return tl.load(ptrs, mask=r_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+
+
+@triton.jit
+def _gate_up_slices(w_ptr, first, INTER: tl.constexpr, H: tl.constexpr, R: tl.constexpr, BR: tl.constexpr,
+                    BH: tl.constexpr):
+    """Rows first..first+R-1 of the gate half and of the up half of a packed [2 INTER, H] gate_up weight."""
+    return (_slice(w_ptr, first, INTER, H, R, BR, BH), _slice(w_ptr + INTER * H, first, INTER, H, R, BR, BH))
 
 
 @triton.jit
@@ -365,18 +384,16 @@ def _decode_stack_kernel(
             a = _load_row(attn_ptr, A_N, BA)
             _store_rows(x_o_ptr, pid * R_O, tl.sum(w_o.to(tl.float32) * a[None, :], axis=1), H, R_O, BR_O)
             if PERSISTENT:
-                w_gate = _slice(_layer_ptr(row, W_GATE_UP, base_ptr), pid * R_GU, INTER, H, R_GU, BR_GU, BH)
-                w_up = _slice(_layer_ptr(row, W_GATE_UP, base_ptr) + INTER * H, pid * R_GU, INTER, H, R_GU, BR_GU,
-                              BH)
+                w_gate, w_up = _gate_up_slices(_layer_ptr(row, W_GATE_UP, base_ptr), pid * R_GU, INTER, H, R_GU, BR_GU,
+                                               BH)
                 target += P
                 _grid_sync(bar_ptr, target, SPIN_LOAD)
 
         # D: residual add, RMSNorm, gate and up slices, SiLU·mul
         if PERSISTENT or PHASE == 3:
             if not PERSISTENT:
-                w_gate = _slice(_layer_ptr(row, W_GATE_UP, base_ptr), pid * R_GU, INTER, H, R_GU, BR_GU, BH)
-                w_up = _slice(_layer_ptr(row, W_GATE_UP, base_ptr) + INTER * H, pid * R_GU, INTER, H, R_GU, BR_GU,
-                              BH)
+                w_gate, w_up = _gate_up_slices(_layer_ptr(row, W_GATE_UP, base_ptr), pid * R_GU, INTER, H, R_GU, BR_GU,
+                                               BH)
             r = _round(_load_row(x_o_ptr, H, BH) + _load_row(res_m_ptr, H, BH), dtype)
             offs_h = tl.arange(0, BH)
             if pid == 0:
@@ -406,10 +423,8 @@ def _decode_stack_kernel(
                     target += P
                     _grid_sync(bar_ptr, target, SPIN_LOAD)
 
-    if PERSISTENT:  # the last program out resets the barrier for the next launch
-        if tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu") == P - 1:
-            tl.store(bar_ptr, 0)
-            tl.store(bar_ptr + 1, 0)
+    if PERSISTENT:
+        _grid_release(bar_ptr)
 
 
 @functools.cache

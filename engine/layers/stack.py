@@ -6,6 +6,7 @@ layer, with REDLINE_DECODE_STACK=1 (off by default until measured on a GPU).
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -13,7 +14,9 @@ import torch
 _UNSUPPORTED = object()  # the model was looked at and the stack does not take it
 
 
+@functools.cache
 def stack_setting() -> bool:
+    """REDLINE_DECODE_STACK, read once (the layers ask every batch-1 step)."""
     value = os.environ.get("REDLINE_DECODE_STACK", "0")
     if value not in ("0", "1"):
         raise ValueError(f"REDLINE_DECODE_STACK must be 0 or 1, got {value!r}")
@@ -34,9 +37,9 @@ def _applies(model, x: torch.Tensor) -> bool:
     first = model.layers[0]
     attn = first.self_attn
     meta = attn.attn.ctx.meta
-    return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and meta is not None and meta.is_decode
-            and getattr(attn.attn.ctx.backend, "name", None) == "triton"
-            and os.environ.get("REDLINE_COMPILE", "1") != "0" and stack_setting()
+    return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and stack_setting() and meta is not None
+            and meta.is_decode and getattr(attn.attn.ctx.backend, "name", None) == "triton"
+            and os.environ.get("REDLINE_COMPILE", "1") != "0"
             and attn.qkv_proj.tp.size == 1 and attn.qkv_proj.bias is None and attn.o_proj.bias is None
             and attn.attn.k_cache.dtype == x.dtype and meta.block_tables.shape[0] == 1
             and meta.block_tables.stride(1) == 1 and meta.seqlens_k.dtype == torch.int32
