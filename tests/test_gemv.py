@@ -31,11 +31,11 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def check_case(M: int, N: int, K: int, dtype: torch.dtype, bias: bool, device: str, strided: bool = False,
-               gated: bool = False, norm: str | None = None, seed: int = 0) -> dict:
+               gated: bool = False, norm: str | None = None, seed: int = 0, dot: bool | None = None) -> dict:
     """gemv against F.linear in float32 on random inputs; gated: against F.linear of silu_and_mul(x) (the
     engine's own activation, whose roundings the fused prologue must repeat); norm "residual" or "plain":
     against F.linear of the engine's RMSNorm kernel's output (with or without a residual added first),
-    and the new residual equal to that kernel's."""
+    and the new residual equal to that kernel's. dot: gemv's choice of kernel (None: its own)."""
     gen = torch.Generator().manual_seed(seed)
     width = 2 * K if gated else K
     x = torch.randn(M, width + 24, generator=gen)[:, 7:7 + width] if strided else torch.randn(M, width, generator=gen)
@@ -47,13 +47,13 @@ def check_case(M: int, N: int, K: int, dtype: torch.dtype, bias: bool, device: s
     b = b.to(device, dtype) if b is not None else None
     result = {}
     if norm is None:
-        out = gemv(x, w, b, gated=gated)
+        out = gemv(x, w, b, gated=gated, dot=dot)
         x_in = silu_and_mul(x) if gated else x
     elif residual is None:
-        out = gemv(x, w, b, norm=(None, norm_weight, 1e-6))
+        out = gemv(x, w, b, norm=(None, norm_weight, 1e-6), dot=dot)
         x_in = rms_norm(x, norm_weight, 1e-6)
     else:
-        out, new_residual = gemv(x, w, b, norm=(residual, norm_weight, 1e-6))
+        out, new_residual = gemv(x, w, b, norm=(residual, norm_weight, 1e-6), dot=dot)
         x_in, want_residual = rms_norm(x, norm_weight, 1e-6, residual=residual)
         result["residual_equal"] = torch.equal(new_residual, want_residual)
     ref = F.linear(x_in.float(), w.float(), b.float() if b is not None else None)
@@ -80,6 +80,17 @@ def interpreter_cases() -> dict[str, dict]:
         for dtype in (torch.float32, torch.bfloat16):
             results[f"norm-{norm}-M{M}-N{N}-K{K}-{str(dtype).removeprefix('torch.')}"] = check_case(
                 M, N, K, dtype, M > 1, "cpu", norm=norm, strided=M == 3, seed=M + K)
+    # the tensor-core kernel past DOT_ABOVE_ROWS (above, from 3 rows) against the row loop at those rows; K=48
+    # and 3072-like splits (32 + 16, 64 + 64 masked to 8) and 20 rows (a 32-row tile)
+    for M, N, K in ((3, 50, 200), (16, 64, 64), (20, 40, 48), (7, 33, 72)):
+        for dot in (False, True):
+            for dtype in (torch.float32, torch.bfloat16):
+                results[f"{'dot' if dot else 'rows'}-M{M}-N{N}-K{K}-{str(dtype).removeprefix('torch.')}"] = check_case(
+                    M, N, K, dtype, True, "cpu", seed=M * K, dot=dot)
+    for norm, gated in (("residual", False), ("plain", False), (None, True)):
+        for dtype in (torch.float32, torch.bfloat16):
+            results[f"dot-{norm or 'gated'}-M9-N40-K72-{str(dtype).removeprefix('torch.')}"] = check_case(
+                9, 40, 72, dtype, True, "cpu", norm=norm, gated=gated, strided=True, seed=9, dot=True)
     return results
 
 
@@ -89,7 +100,7 @@ def interpreted() -> dict:
 
 
 def test_gemv_matches_f_linear_under_interpreter(interpreted):
-    assert len(interpreted) == 3 * 2 * 2 * 2 + 2 + 4 + 6
+    assert len(interpreted) == 3 * 2 * 2 * 2 + 2 + 4 + 6 + 4 * 2 * 2 + 3 * 2
     for name, result in interpreted.items():
         assert result["dtype_ok"] and result["shape_ok"], f"{name}: wrong output dtype or shape"
         assert result.get("residual_equal", True), f"{name}: the new residual differs from x + residual"
@@ -198,6 +209,16 @@ def test_gemv_matches_f_linear_on_model_shapes_on_gpu(N, K):
         fused = gemv(gate_up, w, gated=True)
         error = relative_error(fused, F.linear(silu_and_mul(gate_up).float(), w.float()))
         assert error < 1e-2, f"[{N}, {K}] M={M} gated: relative error {error:.3g}"
+        residual = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        norm_weight = torch.rand(K, device="cuda", dtype=torch.bfloat16) + 0.5
+        normed, new_residual = gemv(x, w, b, norm=(residual, norm_weight, 1e-6))
+        want, want_residual = rms_norm(x, norm_weight, 1e-6, residual=residual)
+        assert torch.equal(new_residual, want_residual), f"[{N}, {K}] M={M}: new residual"
+        error = relative_error(normed, F.linear(want.float(), w.float(), b.float()))
+        assert error < 1e-2, f"[{N}, {K}] M={M} norm: relative error {error:.3g}"
+        if M > gemv_module.DOT_ABOVE_ROWS and gemv_module.dot_fits(K):  # the tensor cores against the row loop
+            error = relative_error(gemv(x, w, b, dot=True), gemv(x, w, b, dot=False).float())
+            assert error < 1e-2, f"[{N}, {K}] M={M}: the two kernels differ by {error:.3g}"
 
 
 @pytest.mark.gpu

@@ -31,6 +31,12 @@ EIGHT_WARPS_ABOVE = 8192  # slices of more elements than this take 8 warps, othe
 # 5% slower at 4 and 2.3x slower at 16 (docs/kernels-notes.md), so 2.
 DEFAULT_MAX_ROWS = 2
 ROW_LIMIT = 32  # the row loop is unrolled: one compiled variant per row count, so few rows only
+# Above DOT_ABOVE_ROWS rows gemv runs on the tensor cores (_gemv_dot_kernel): a program holds a
+# [DOT_BLOCK_N, K] slice (at most DOT_MAX_SLICE elements) and multiplies all rows at once.
+DOT_ABOVE_ROWS = 2
+DOT_BLOCK_N = 16
+DOT_MAX_SLICE = 49152
+DOT_SIXTEEN_WARPS_ABOVE = 32768  # larger slices take 16 warps (8 spill there), others 8
 # trace=: a row of TRACE_WIDTH int64 per program, the global timer (ns) when it starts, when its wait for
 # the kernel before returns and when its last store is issued, then its SM (scripts/decode_chain_trace.py)
 TRACE_POINTS = ("start", "waited", "done")
@@ -90,6 +96,105 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
     stamp(trace_ptr, 2, TRACE_SLOTS, TRACE)
 
 
+@triton.jit
+def _dot_rows(x_ptr, stride_xm, offs_m, m_mask, cols, col_mask, K, GATED: tl.constexpr, dtype: tl.constexpr,
+              COL_MASK: tl.constexpr):
+    """Rows of x as float32 [groups, rows, columns of a group] (masked rows, and with COL_MASK masked
+    columns, 0); gated: the SiLU·mul of the row's [gate | up] halves, rounded as gemv's row loop rounds."""
+    ptrs = x_ptr + offs_m[None, :, None].to(tl.int64) * stride_xm + cols
+    mask = m_mask[None, :, None]
+    if COL_MASK:
+        mask = mask & col_mask
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if GATED:
+        up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
+        x = _round(_round(x / (1.0 + tl.exp(-x)), dtype) * up, dtype)
+    return x
+
+
+@triton.jit
+def _group_dot(w, x, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """sum over groups g of w[g] @ x[g].T: w [G, BLOCK_N, KG], x [G, rows, KG] -> float32 [BLOCK_N, rows].
+    One MMA chain a group, so the warps share the K dimension instead of one warp walking all of it."""
+    xt = tl.permute(x, (0, 2, 1))
+    if UPCAST:
+        part = tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        part = tl.dot(w, xt, input_precision="ieee")
+    else:
+        part = tl.dot(w, xt)
+    return tl.sum(part, axis=0)
+
+
+@triton.jit
+def _gemv_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                     res_ptr, norm_w_ptr, res_out_ptr, stride_rm, stride_rom, eps, trace_ptr,
+                     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, K1: tl.constexpr, G1: tl.constexpr,
+                     K2: tl.constexpr, G2: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
+    """gemv for more rows on the tensor cores. The weight slice is held as two parts, columns [0, K1) and
+    [K1, K1 + K2) (K1 the largest power of two not above K, K2 a power of two covering the rest, or 0), each
+    [groups, BLOCK_N, columns of a group]; x is read after the wait in the same shape, BLOCK_M rows."""
+    stamp(trace_ptr, 0, TRACE_SLOTS, TRACE)
+    launch_dependents(PDL)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    if not EVEN_N:  # rows past N read row N-1 and are not stored
+        offs_n = tl.minimum(offs_n, N - 1)
+    KG1: tl.constexpr = K1 // G1
+    cols1 = (tl.arange(0, G1)[:, None, None] * KG1 + tl.arange(0, KG1)[None, None, :])
+    w_rows = w_ptr + offs_n[None, :, None].to(tl.int64) * stride_wn
+    w1 = tl.load(w_rows + cols1)
+    if NORM:
+        nw1 = tl.load(norm_w_ptr + cols1).to(tl.float32)
+    if K2 > 0:
+        KG2: tl.constexpr = K2 // G2
+        cols2 = K1 + (tl.arange(0, G2)[:, None, None] * KG2 + tl.arange(0, KG2)[None, None, :])
+        col2_mask = cols2 < K
+        w2 = tl.load(w_rows + cols2, mask=col2_mask, other=0.0)
+        if NORM:
+            nw2 = tl.load(norm_w_ptr + cols2, mask=col2_mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n).to(tl.float32)
+    wait_for_previous(PDL)  # x is written by an earlier kernel; the weights never are
+    stamp(trace_ptr, 1, TRACE_SLOTS, TRACE)
+    dtype = out_ptr.dtype.element_ty
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    x1 = _dot_rows(x_ptr, stride_xm, offs_m, m_mask, cols1, None, K, GATED, dtype, False)
+    if K2 > 0:
+        x2 = _dot_rows(x_ptr, stride_xm, offs_m, m_mask, cols2, col2_mask, K, GATED, dtype, True)
+    if NORM:  # RMSNorm of each row (after the residual add), rounded as the RMSNorm kernel rounds
+        if HAS_RESIDUAL:
+            res_rows = offs_m[None, :, None].to(tl.int64)
+            row_mask = m_mask[None, :, None]
+            x1 = _round(x1 + tl.load(res_ptr + res_rows * stride_rm + cols1, mask=row_mask, other=0.0)
+                        .to(tl.float32), dtype)
+            if K2 > 0:
+                x2 = _round(x2 + tl.load(res_ptr + res_rows * stride_rm + cols2, mask=row_mask & col2_mask,
+                                         other=0.0).to(tl.float32), dtype)
+            if tl.program_id(0) == 0:  # every program sums the rows; one writes the new residual
+                tl.store(res_out_ptr + res_rows * stride_rom + cols1, x1.to(dtype), mask=row_mask)
+                if K2 > 0:
+                    tl.store(res_out_ptr + res_rows * stride_rom + cols2, x2.to(dtype), mask=row_mask & col2_mask)
+        squares = tl.sum(tl.sum(x1 * x1, axis=2), axis=0)
+        if K2 > 0:
+            squares += tl.sum(tl.sum(x2 * x2, axis=2), axis=0)
+        inv = tl.math.rsqrt(squares / K + eps)[None, :, None]
+        x1 = _round(nw1 * _round(x1 * inv, dtype), dtype)
+        if K2 > 0:
+            x2 = _round(nw2 * _round(x2 * inv, dtype), dtype)
+    acc = _group_dot(w1, x1.to(dtype), UPCAST, IEEE)
+    if K2 > 0:
+        acc += _group_dot(w2, x2.to(dtype), UPCAST, IEEE)
+    if HAS_BIAS:
+        acc += bias[:, None]
+    tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(dtype),
+             mask=n_mask[:, None] & m_mask[None, :])
+    stamp(trace_ptr, 2, TRACE_SLOTS, TRACE)
+
+
 def slice_rows(N: int, K: int) -> int:
     """BLOCK_N: weight rows a program holds, a power of two from 1 to 32."""
     block_k = triton.next_power_of_2(K)
@@ -99,9 +204,22 @@ def slice_rows(N: int, K: int) -> int:
     return rows
 
 
+def dot_parts(K: int) -> tuple[int, int]:
+    """(K1, K2): the dot kernel's two column parts of a weight row, K1 the largest power of two not above K
+    and K2 the power of two (at least 16) that covers the rest, or 0."""
+    k1 = 1 << (K.bit_length() - 1)
+    return k1, (max(16, triton.next_power_of_2(K - k1)) if K > k1 else 0)
+
+
+def dot_fits(K: int, block_n: int = DOT_BLOCK_N) -> bool:
+    """Whether the dot kernel can hold a [block_n, K] weight slice (and tl.dot's 16-column minimum)."""
+    return K >= 16 and block_n * sum(dot_parts(K)) <= DOT_MAX_SLICE
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          gated: bool = False, norm: "tuple[torch.Tensor | None, torch.Tensor, float] | None" = None,
-         block_n: int | None = None, num_warps: int | None = None, trace: torch.Tensor | None = None):
+         block_n: int | None = None, num_warps: int | None = None, trace: torch.Tensor | None = None,
+         dot: bool | None = None):
     """F.linear(x, weight, bias) for x [M, K] with few rows (each costs every program a pass over its
     slice) and weight [N, K], K contiguous; output in x's dtype. gated: x is [M, 2K], packed [gate | up],
     and the product is with silu(gate) * up (the SiLU·mul kernel fused in).
@@ -112,7 +230,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
     block_n, num_warps: the weight rows a program holds (a power of two) and its warps, in place of the
     defaults (slice_rows; 8 warps above EIGHT_WARPS_ABOVE elements), for sweeps. trace: int64
-    [programs, TRACE_WIDTH] (programs: cdiv(N, block_n)), written as TRACE_POINTS says."""
+    [programs, TRACE_WIDTH] (programs: cdiv(N, block_n)), written as TRACE_POINTS says.
+
+    dot: the tensor-core kernel (True), the row loop on CUDA cores (False), or (None) the tensor cores above
+    DOT_ABOVE_ROWS rows where the slice fits (dot_fits) and no block_n is given."""
     N, K = weight.shape
     if norm is not None and gated:
         raise ValueError("gemv fuses either the RMSNorm or the SiLU·mul, not both")
@@ -134,6 +255,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"the residual must be [M, {K}] like x with contiguous rows, got {tuple(residual.shape)}")
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else None
+    if dot is None:
+        dot = M > DOT_ABOVE_ROWS and block_n is None and dot_fits(K)
+    if dot and M:
+        return _gemv_dot(x, weight, bias, out, gated, residual, norm_weight, eps, res_out, block_n, num_warps, trace)
     block_n = block_n or slice_rows(N, K)
     block_k = triton.next_power_of_2(K)
     if block_n < 1 or block_n & (block_n - 1) or block_n * block_k > 4 * MAX_SLICE:
@@ -150,6 +275,29 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None, HAS_RESIDUAL=residual is not None,
             ROWS=M, TRACE=trace is not None,
             num_warps=num_warps or (8 if block_n * block_k > EIGHT_WARPS_ABOVE else 4), **pdl_options(x))
+    return out if res_out is None else (out, res_out)
+
+
+def _gemv_dot(x, weight, bias, out, gated, residual, norm_weight, eps, res_out, block_n, num_warps, trace):
+    M, (N, K) = x.shape[0], weight.shape
+    block_n = block_n or DOT_BLOCK_N
+    if block_n < 16 or block_n & (block_n - 1) or not dot_fits(K, block_n):
+        raise ValueError(f"the dot kernel takes a power-of-two block_n of at least 16 whose [block_n, {K}] slice "
+                         f"has at most {DOT_MAX_SLICE} elements (K of at least 16), got block_n {block_n}")
+    k1, k2 = dot_parts(K)
+    num_warps = num_warps or (16 if block_n * (k1 + k2) > DOT_SIXTEEN_WARPS_ABOVE else 8)
+    programs = triton.cdiv(N, block_n)
+    check_trace(trace, programs, TRACE_WIDTH)
+    upcast = x.device.type != "cuda" and x.dtype == torch.bfloat16  # the interpreter's numpy has no bf16 dot
+    res_in, res_to = (residual, res_out) if residual is not None else (x, x)  # placeholders without one
+    _gemv_dot_kernel[(programs,)](
+        x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), weight.stride(0),
+        out.stride(0), res_in, norm_weight if norm_weight is not None else weight, res_to, res_in.stride(0),
+        res_to.stride(0), eps, trace if trace is not None else out,
+        BLOCK_N=block_n, BLOCK_M=max(16, triton.next_power_of_2(M)), K1=k1, G1=min(num_warps, k1 // 16),
+        K2=k2, G2=min(num_warps, max(1, k2 // 16)), EVEN_N=N % block_n == 0, HAS_BIAS=bias is not None,
+        GATED=gated, NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, UPCAST=upcast,
+        IEEE=x.dtype == torch.float32, TRACE=trace is not None, num_warps=num_warps, **pdl_options(x))
     return out if res_out is None else (out, res_out)
 
 
