@@ -4,7 +4,8 @@ by +-10% between runs; this does not see it. On one GPU the graph holds the LM h
 too (engine/cuda_graphs.py), so its time is the whole step's and the two separate timings repeat them.
 
     PYTHONPATH=. python3 scripts/decode_graph_time.py [--batches 1,8] [--context 768] [--replays 200]
-        [--gemv-slice N] [--gemv-min-programs N] [--gemv-eight-warps-above N] [--fused-config block_n=32,num_warps=2]
+        [--gemv-slice N] [--gemv-min-programs N] [--gemv-eight-warps-above N] [--gemv-set NAME=N,...]
+        [--fused-config block_n=32,num_warps=2]
 Prints one JSON line: {batch: {"graph_ms", "lm_head_ms", "sample_ms"}} (medians of 5 rounds). The
 --gemv options set engine/kernels/gemv.py's slice sizing before the graphs are captured (a sweep), and
 --fused-config the fused decode kernel's DecodeConfig fields; the registers and spills of the compiled variants follow.
@@ -54,6 +55,8 @@ def main() -> None:
     parser.add_argument("--gemv-slice", type=int, default=None, help="engine.kernels.gemv.MAX_SLICE to try")
     parser.add_argument("--gemv-min-programs", type=int, default=None, help="gemv.MIN_PROGRAMS to try")
     parser.add_argument("--gemv-eight-warps-above", type=int, default=None, help="gemv.EIGHT_WARPS_ABOVE to try")
+    parser.add_argument("--gemv-set", default="", metavar="NAME=N,...",
+                        help="other engine.kernels.gemv constants to try, e.g. DOT_WIDE_K=2048,DOT_ABOVE_ROWS=4")
     parser.add_argument("--fused-config", default="", metavar="FIELD=N,...",
                         help="DecodeConfig fields for the fused decode kernel to try, e.g. block_n=32,num_warps=2")
     args = parser.parse_args()
@@ -73,6 +76,11 @@ def main() -> None:
         value = getattr(args, f"gemv_{name}")
         if value is not None:
             setattr(gemv, "MAX_SLICE" if name == "slice" else name.upper(), value)
+    for item in filter(None, args.gemv_set.split(",")):
+        name, value = item.split("=")
+        if not name.isupper() or not isinstance(getattr(gemv, name, None), int):
+            parser.error(f"--gemv-set: {name} is not an integer constant of engine.kernels.gemv")
+        setattr(gemv, name, int(value))
     from engine.layers.sampler import SamplingTensors, sample
     from engine.sampling_params import SamplingParams
 
@@ -80,7 +88,9 @@ def main() -> None:
     runner = llm.runner
     results = {}
     for batch in (int(b) for b in args.batches.split(",")):
-        prompts = [[(7 * i + j) % 10000 for j in range(args.context)] for i in range(batch)]
+        # prompts of their own for each batch size, so no batch finds another's blocks in the prefix cache
+        # (shared first rows made a size's figure depend on the sizes run before it)
+        prompts = [[(7 * i + 131 * batch + j) % 10000 for j in range(args.context)] for i in range(batch)]
         llm.generate(prompts, SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=4),
                      use_tqdm=False)  # the graph of this size now holds this batch's last step
         size = next(s for s in runner.graphs.sizes if s >= batch)
@@ -103,9 +113,10 @@ def main() -> None:
         print(f"batch {batch}: decode graph {results[batch]['graph_ms']:.4f} ms, LM head "
               f"{results[batch]['lm_head_ms']:.4f} ms, sampling {results[batch]['sample_ms']:.4f} ms", flush=True)
     print(json.dumps({"fused_decode_kernels": compiled_kernels("engine.kernels.fused_decode", "_fused_decode_kernel"),
-                      "gemv_kernels": compiled_kernels("engine.kernels.gemv", "_gemv_kernel")}))
+                      "gemv_kernels": compiled_kernels("engine.kernels.gemv", "_gemv_kernel"),
+                      "gemv_dot_kernels": compiled_kernels("engine.kernels.gemv", "_gemv_dot_kernel")}))
     gemv_settings = {"slice": gemv.MAX_SLICE, "min_programs": gemv.MIN_PROGRAMS,
-                     "eight_warps_above": gemv.EIGHT_WARPS_ABOVE}
+                     "eight_warps_above": gemv.EIGHT_WARPS_ABOVE, "set": args.gemv_set}
     print(json.dumps({"gpu": bench.gpu_name(), "commit": bench.git_commit(), "model": args.model, "gemv": gemv_settings,
                       "steps": results}))
     llm.shutdown()

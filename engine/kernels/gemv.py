@@ -32,11 +32,13 @@ EIGHT_WARPS_ABOVE = 8192  # slices of more elements than this take 8 warps, othe
 DEFAULT_MAX_ROWS = 2
 ROW_LIMIT = 32  # the row loop is unrolled: one compiled variant per row count, so few rows only
 # Above DOT_ABOVE_ROWS rows gemv runs on the tensor cores (_gemv_dot_kernel): a program holds a
-# [DOT_BLOCK_N, K] slice (at most DOT_MAX_SLICE elements) and multiplies all rows at once.
+# [block_n, K] weight slice (at most DOT_MAX_SLICE elements; block_n 16, or 8 past DOT_WIDE_K columns)
+# and multiplies all rows at once. Programs that hold more than DOT_SIXTEEN_WARPS_ABOVE elements of weight
+# and x together take 16 warps, others 8.
 DOT_ABOVE_ROWS = 2
-DOT_BLOCK_N = 16
 DOT_MAX_SLICE = 49152
-DOT_SIXTEEN_WARPS_ABOVE = 32768  # larger slices take 16 warps (8 spill there), others 8
+DOT_WIDE_K = 1024
+DOT_SIXTEEN_WARPS_ABOVE = 32768
 # trace=: a row of TRACE_WIDTH int64 per program, the global timer (ns) when it starts, when its wait for
 # the kernel before returns and when its last store is issued, then its SM (scripts/decode_chain_trace.py)
 TRACE_POINTS = ("start", "waited", "done")
@@ -211,9 +213,13 @@ def dot_parts(K: int) -> tuple[int, int]:
     return k1, (max(16, triton.next_power_of_2(K - k1)) if K > k1 else 0)
 
 
-def dot_fits(K: int, block_n: int = DOT_BLOCK_N) -> bool:
+def dot_block_n(K: int) -> int:
+    return 16 if K <= DOT_WIDE_K else 8
+
+
+def dot_fits(K: int, block_n: int | None = None) -> bool:
     """Whether the dot kernel can hold a [block_n, K] weight slice (and tl.dot's 16-column minimum)."""
-    return K >= 16 and block_n * sum(dot_parts(K)) <= DOT_MAX_SLICE
+    return K >= 16 and (block_n or dot_block_n(K)) * sum(dot_parts(K)) <= DOT_MAX_SLICE
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -280,12 +286,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 def _gemv_dot(x, weight, bias, out, gated, residual, norm_weight, eps, res_out, block_n, num_warps, trace):
     M, (N, K) = x.shape[0], weight.shape
-    block_n = block_n or DOT_BLOCK_N
-    if block_n < 16 or block_n & (block_n - 1) or not dot_fits(K, block_n):
-        raise ValueError(f"the dot kernel takes a power-of-two block_n of at least 16 whose [block_n, {K}] slice "
-                         f"has at most {DOT_MAX_SLICE} elements (K of at least 16), got block_n {block_n}")
+    block_n = block_n or dot_block_n(K)
+    if block_n < 1 or block_n & (block_n - 1) or not dot_fits(K, block_n):
+        raise ValueError(f"the dot kernel takes a power-of-two block_n whose [block_n, {K}] slice has at most "
+                         f"{DOT_MAX_SLICE} elements (K of at least 16), got block_n {block_n}")
     k1, k2 = dot_parts(K)
-    num_warps = num_warps or (16 if block_n * (k1 + k2) > DOT_SIXTEEN_WARPS_ABOVE else 8)
+    block_m = triton.next_power_of_2(M)
+    held = (block_n + block_m * (2 if gated else 1)) * (k1 + k2)
+    num_warps = num_warps or (16 if held > DOT_SIXTEEN_WARPS_ABOVE else 8)
     programs = triton.cdiv(N, block_n)
     check_trace(trace, programs, TRACE_WIDTH)
     upcast = x.device.type != "cuda" and x.dtype == torch.bfloat16  # the interpreter's numpy has no bf16 dot
@@ -294,7 +302,7 @@ def _gemv_dot(x, weight, bias, out, gated, residual, norm_weight, eps, res_out, 
         x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), weight.stride(0),
         out.stride(0), res_in, norm_weight if norm_weight is not None else weight, res_to, res_in.stride(0),
         res_to.stride(0), eps, trace if trace is not None else out,
-        BLOCK_N=block_n, BLOCK_M=max(16, triton.next_power_of_2(M)), K1=k1, G1=min(num_warps, k1 // 16),
+        BLOCK_N=block_n, BLOCK_M=block_m, K1=k1, G1=min(num_warps, k1 // 16),
         K2=k2, G2=min(num_warps, max(1, k2 // 16)), EVEN_N=N % block_n == 0, HAS_BIAS=bias is not None,
         GATED=gated, NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, UPCAST=upcast,
         IEEE=x.dtype == torch.float32, TRACE=trace is not None, num_warps=num_warps, **pdl_options(x))
