@@ -4,6 +4,7 @@
 # GEMV and of the engine against transformers. A variant is "ROWS[:NAME=N,...]": REDLINE_GEMV_MAX_ROWS and
 # decode_graph_time.py's --gemv-set. Logs under $OUT.
 #   VARIANTS="2 16 16:DOT_WIDE_K=4096" BATCHES=1,2,4,8,16 ROUNDS=2 bash scripts/gemv_dot_check.sh
+# GRAPH_ARGS are more decode_graph_time.py arguments (e.g. --model engine/configs/qwen3-8b); TIMEOUT a run's seconds.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-out}"; mkdir -p "$OUT"
@@ -13,8 +14,8 @@ for round in $(seq "${ROUNDS:-2}"); do
   for variant in ${VARIANTS:-2 16}; do
     rows="${variant%%:*}"; set_="${variant#*:}"; [ "$set_" = "$variant" ] && set_=""
     echo "== round $round REDLINE_GEMV_MAX_ROWS=$rows --gemv-set '$set_'" | tee -a "$OUT/graph.log"
-    REDLINE_GEMV_MAX_ROWS=$rows timeout 150 python3 scripts/decode_graph_time.py --batches "${BATCHES:-1,2,4,8,16}" \
-      --max-num-seqs 64 --gemv-set "$set_" 2>&1 | grep -v Warning | tail -3 | tee -a "$OUT/graph.log"
+    REDLINE_GEMV_MAX_ROWS=$rows timeout "${TIMEOUT:-150}" python3 scripts/decode_graph_time.py --batches "${BATCHES:-1,2,4,8,16}" \
+      --max-num-seqs 64 --gemv-set "$set_" ${GRAPH_ARGS:-} 2>&1 | grep -v Warning | tail -3 | tee -a "$OUT/graph.log"
   done
 done
 python3 - "$OUT/graph.log" <<'PY'
