@@ -137,6 +137,14 @@ def test_mismatched_inputs_are_rejected_with_the_reason():
         gemv(torch.zeros(2, 16), w, block_n=8, trace=torch.zeros(1, 3, dtype=torch.int64))
 
 
+def test_the_tensor_core_kernel_refuses_a_slice_it_cannot_hold():
+    x, w = torch.zeros(4, 4096), torch.zeros(64, 4096)
+    with pytest.raises(ValueError, match=r"power-of-two block_n whose \[block_n, 4096\] slice has at most 24576"):
+        gemv(x, w, dot=True)
+    with pytest.raises(ValueError, match="got block_n 12"):
+        gemv(torch.zeros(4, 64), torch.zeros(64, 64), block_n=12, dot=True)
+
+
 def test_gemv_is_never_taken_for_cpu_tensors():
     x, w = torch.zeros(1, 16, dtype=torch.bfloat16), torch.zeros(8, 16, dtype=torch.bfloat16)
     assert not gemv_module.takes(x, w)

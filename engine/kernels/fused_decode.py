@@ -212,6 +212,6 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
 
 
 def loop_stages(config: DecodeConfig, early: bool) -> int:
-    """Pipeline stages of the K/V loop: config.stages_after_gemv where the qkv projection is the GEMV (one or
-    two rows), config.num_stages elsewhere."""
+    """Pipeline stages of the K/V loop: config.stages_after_gemv where the qkv projection is the GEMV (up to
+    REDLINE_GEMV_MAX_ROWS rows), config.num_stages elsewhere."""
     return config.stages_after_gemv if early else config.num_stages

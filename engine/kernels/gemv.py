@@ -26,17 +26,19 @@ from engine.kernels.qkv_prep import _round
 MAX_SLICE = 16384      # weight elements a program holds in registers
 MIN_PROGRAMS = 128     # narrow the slices until N gives about this many programs
 EIGHT_WARPS_ABOVE = 8192  # slices of more elements than this take 8 warps, others 4
-# x rows up to which the layers take this kernel (REDLINE_GEMV_MAX_ROWS). Each row is a pass over the
-# slice on CUDA cores: on the H100 a 0.6B decode step is 36% faster than with cuBLAS at 1 row, 14% at 2,
-# 5% slower at 4 and 2.3x slower at 16 (docs/kernels-notes.md), so 2.
-DEFAULT_MAX_ROWS = 2
+# x rows up to which the layers take this kernel (REDLINE_GEMV_MAX_ROWS). Up to 2 rows each row is a pass
+# over the slice on CUDA cores: on the H100 a 0.6B decode step is 36% faster than with cuBLAS at 1 row and
+# 14% at 2. Past them the tensor-core kernel below: 6% faster at 3-4 rows, 15-27% slower at 8-16 (each
+# program reads every x row, as many bytes as its weight slice at 16 rows; docs/kernels-notes.md), so 4.
+DEFAULT_MAX_ROWS = 4
 ROW_LIMIT = 32  # the row loop is unrolled: one compiled variant per row count, so few rows only
 # Above DOT_ABOVE_ROWS rows gemv runs on the tensor cores (_gemv_dot_kernel): a program holds a
-# [block_n, K] weight slice (at most DOT_MAX_SLICE elements; block_n 16, or 8 past DOT_WIDE_K columns)
-# and multiplies all rows at once. Programs that hold more than DOT_SIXTEEN_WARPS_ABOVE elements of weight
-# and x together take 16 warps, others 8.
+# [block_n, K] weight slice (block_n 16, or 8 past DOT_WIDE_K columns) and multiplies all rows at once.
+# Programs that hold more than DOT_SIXTEEN_WARPS_ABOVE elements of weight and x together take 16 warps,
+# others 8. The layers take it for slices of at most DOT_MAX_SLICE elements: the 0.6B shape's (16K-24K)
+# gain, the 8B's (32K, K=4096) made its 4-row decode step 1.65x slower on the H100.
 DOT_ABOVE_ROWS = 2
-DOT_MAX_SLICE = 49152
+DOT_MAX_SLICE = 24576
 DOT_WIDE_K = 1024
 DOT_SIXTEEN_WARPS_ABOVE = 65536
 # Past DOT_ABOVE_ROWS rows the layers take gemv only for weights of at most DOT_MAX_N rows: the LM head's
