@@ -14,8 +14,9 @@ for round in $(seq "${ROUNDS:-2}"); do
   for variant in ${VARIANTS:-2 16}; do
     rows="${variant%%:*}"; set_="${variant#*:}"; [ "$set_" = "$variant" ] && set_=""
     echo "== round $round REDLINE_GEMV_MAX_ROWS=$rows --gemv-set '$set_'" | tee -a "$OUT/graph.log"
-    REDLINE_GEMV_MAX_ROWS=$rows timeout "${TIMEOUT:-150}" python3 scripts/decode_graph_time.py --batches "${BATCHES:-1,2,4,8,16}" \
-      --max-num-seqs 64 --gemv-set "$set_" ${GRAPH_ARGS:-} 2>&1 | grep -v Warning | tail -3 | tee -a "$OUT/graph.log"
+    REDLINE_GEMV_MAX_ROWS=$rows timeout "${TIMEOUT:-150}" python3 scripts/decode_graph_time.py \
+      --batches "${BATCHES:-1,2,4,8,16}" --max-num-seqs 64 --gemv-set "$set_" ${GRAPH_ARGS:-} 2>&1 \
+      | grep -v Warning | tail -3 | tee -a "$OUT/graph.log"
   done
 done
 python3 - "$OUT/graph.log" <<'PY'
@@ -34,6 +35,7 @@ for name, ms in rows:
 PY
 if [ -z "${SKIP_TESTS:-}" ]; then
   timeout 200 python3 -m pytest -q -m gpu tests/test_gemv.py 2>&1 | tail -4 | tee "$OUT/tests.log"
-  timeout 300 python3 -m pytest -q -m gpu tests/test_gpu_engine.py -s -k "${TESTS:-dot-gemv or decode-stack or programmatic}" \
+  timeout 300 python3 -m pytest -q -m gpu tests/test_gpu_engine.py -s \
+    -k "${TESTS:-dot-gemv or decode-stack or programmatic}" \
     2>&1 | grep -E "equal|passed|failed|Error|assert" | tail -20 | tee -a "$OUT/tests.log"
 fi
