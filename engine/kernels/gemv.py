@@ -21,7 +21,9 @@ import triton
 import triton.language as tl
 
 from engine.kernels.launch import check_trace, launch_dependents, pdl_options, stamp, wait_for_previous
+from engine.kernels.paged_tiles import upcast_dot
 from engine.kernels.qkv_prep import _round
+from engine.kernels.skinny_gemm import _dot
 
 MAX_SLICE = 16384      # weight elements a program holds in registers
 MIN_PROGRAMS = 128     # narrow the slices until N gives about this many programs
@@ -123,14 +125,7 @@ def _dot_rows(x_ptr, stride_xm, offs_m, m_mask, cols, col_mask, K, GATED: tl.con
 def _group_dot(w, x, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """sum over groups g of w[g] @ x[g].T: w [G, BLOCK_N, KG], x [G, rows, KG] -> float32 [BLOCK_N, rows].
     One MMA chain a group, so the warps share the K dimension instead of one warp walking all of it."""
-    xt = tl.permute(x, (0, 2, 1))
-    if UPCAST:
-        part = tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
-    elif IEEE:
-        part = tl.dot(w, xt, input_precision="ieee")
-    else:
-        part = tl.dot(w, xt)
-    return tl.sum(part, axis=0)
+    return tl.sum(_dot(w, tl.permute(x, (0, 2, 1)), UPCAST, IEEE), axis=0)
 
 
 @triton.jit
@@ -301,7 +296,6 @@ def _gemv_dot(x, weight, bias, out, gated, residual, norm_weight, eps, res_out, 
     num_warps = num_warps or (16 if held > DOT_SIXTEEN_WARPS_ABOVE else 8)
     programs = triton.cdiv(N, block_n)
     check_trace(trace, programs, TRACE_WIDTH)
-    upcast = x.device.type != "cuda" and x.dtype == torch.bfloat16  # the interpreter's numpy has no bf16 dot
     res_in, res_to = (residual, res_out) if residual is not None else (x, x)  # placeholders without one
     _gemv_dot_kernel[(programs,)](
         x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), weight.stride(0),
@@ -309,7 +303,7 @@ def _gemv_dot(x, weight, bias, out, gated, residual, norm_weight, eps, res_out, 
         res_to.stride(0), eps, trace if trace is not None else out,
         BLOCK_N=block_n, BLOCK_M=block_m, K1=k1, G1=min(num_warps, k1 // 16),
         K2=k2, G2=min(num_warps, max(1, k2 // 16)), EVEN_N=N % block_n == 0, HAS_BIAS=bias is not None,
-        GATED=gated, NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, UPCAST=upcast,
+        GATED=gated, NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, UPCAST=upcast_dot(x),
         IEEE=x.dtype == torch.float32, TRACE=trace is not None, num_warps=num_warps, **pdl_options(x))
     return out if res_out is None else (out, res_out)
 
