@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine import graph_edges
 from engine.attention import AttentionMetadata
 from engine.layers.sampler import _gumbel_kernels
 
@@ -85,6 +86,7 @@ class DecodeGraphs:
         self._temperatures_of = None  # the tensor self.temperatures holds a copy of
         self._tokens_sampled = None   # the view of self.tokens the last sampling replay returned
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.edges_moved: dict[int, dict[str, int]] = {}  # REDLINE_GRAPH_EDGES=launch: per size, per kernel
         self.outputs: dict[int, torch.Tensor] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self._capture_all(cfg.max_model_len)
@@ -109,15 +111,19 @@ class DecodeGraphs:
     def _capture_all(self, max_model_len: int) -> None:
         ctx = self.runner.ctx
         pool = None
+        rewrite = graph_edges.setting() == "launch"
         for bs in reversed(self.sizes):  # largest first, so smaller graphs fit in its memory pool
             ctx.meta = self._meta(bs, max_model_len)
             self._step(bs)  # warm-up: compile kernels outside capture
             # fresh metadata: what the backend derived during the warm-up (a decode order) must be
             # derived again inside the capture, from the buffers each replay refills
             ctx.meta = self._meta(bs, max_model_len)
-            graph = torch.cuda.CUDAGraph()
+            graph = torch.cuda.CUDAGraph(keep_graph=rewrite)
             with torch.cuda.graph(graph, pool):
                 self.outputs[bs] = self._step(bs)
+            if rewrite:
+                self.edges_moved[bs] = graph_edges.open_at_launch(graph.raw_cuda_graph())
+                graph.instantiate()
             pool = pool or graph.pool()
             self.graphs[bs] = graph
             torch.cuda.synchronize()

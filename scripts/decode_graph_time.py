@@ -18,7 +18,7 @@ import statistics
 
 import torch
 
-from engine import bench
+from engine import bench, graph_edges
 
 
 def events_ms(fn, repeats: int) -> float:
@@ -117,8 +117,11 @@ def main() -> None:
                       "gemv_dot_kernels": compiled_kernels("engine.kernels.gemv", "_gemv_dot_kernel")}))
     gemv_settings = {"slice": gemv.MAX_SLICE, "min_programs": gemv.MIN_PROGRAMS,
                      "eight_warps_above": gemv.EIGHT_WARPS_ABOVE, "set": args.gemv_set}
+    moved = runner.graphs.edges_moved  # REDLINE_GRAPH_EDGES=launch: edges moved per graph, by upstream kernel
+    sizes = [next(s for s in runner.graphs.sizes if s >= b) for b in results]
+    print(json.dumps({"graph_edges_moved": {s: moved[s] for s in sizes if s in moved}}))
     print(json.dumps({"gpu": bench.gpu_name(), "commit": bench.git_commit(), "model": args.model, "gemv": gemv_settings,
-                      "steps": results}))
+                      "graph_edges": graph_edges.setting(), "steps": results}))
     llm.shutdown()
 
 

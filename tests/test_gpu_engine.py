@@ -144,6 +144,30 @@ def test_programmatic_dependent_launch_keeps_every_token(gpu_checkpoint, monkeyp
     assert tokens["1"] == tokens["0"]
 
 
+def test_graph_edges_opened_at_launch_keep_every_token(gpu_checkpoint, monkeypatch, free_gpu):
+    """REDLINE_GRAPH_EDGES=launch lets the PDL kernels after cuBLAS's GEMMs in earlier, never changes what
+    they compute: sampled (seeded) and greedy tokens equal those of the graphs as captured, and the graphs
+    of batches past the GEMV's rows had edges moved (from the GEMMs)."""
+    from engine.kernels import gemv
+
+    prompts = _prompts(n=32, seed=11)
+    params = [SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=MAX_NEW) for i in range(len(prompts))]
+    tokens = {}
+    for edges in ("capture", "launch"):
+        monkeypatch.setenv("REDLINE_GRAPH_EDGES", edges)
+        llm = LLM(str(gpu_checkpoint), device="cuda", dtype="bfloat16", max_model_len=1024, max_num_seqs=32)
+        moved = llm.runner.graphs.edges_moved
+        if edges == "launch":
+            past_gemv = [bs for bs in llm.runner.graphs.sizes if bs > gemv.max_rows()]
+            assert past_gemv and all(sum(moved[bs].values()) > 0 for bs in past_gemv), moved
+        else:
+            assert moved == {}
+        tokens[edges] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        del llm
+        gc.collect()
+    assert tokens["launch"] == tokens["capture"]
+
+
 def test_decode_graphs_that_sample_give_the_tokens_of_eager_steps(gpu_checkpoint, free_gpu):
     """On one GPU the decode graphs hold the LM head and the sampler, take the previous step's tokens from
     the device and read the seed from their input buffer. Batches of captured sizes (1 and 4 rows, so

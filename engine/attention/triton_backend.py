@@ -54,7 +54,8 @@ class TritonBackend:
 
     def decode_from_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, meta: "AttentionMetadata",
-                        num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor | None:
+                        num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                        after_gemv: bool | None = None) -> torch.Tensor | None:
         """A decode batch's attention output [B, H, D] straight from the qkv rows, K/V stored: one kernel
         (engine/kernels/fused_decode.py); None where it does not apply (then qkv_prep and forward)."""
         if not (self.fuses_decode and meta.is_decode and fused_decode.fits(head_dim)):
@@ -63,7 +64,7 @@ class TritonBackend:
             qkv, positions, rotary.cos, rotary.sin, *_qk_norm_args(q_norm, k_norm), k_cache, v_cache,
             meta.slot_mapping, meta.seqlens_k, meta.block_tables, meta.max_seqlen_k, scale, num_heads,
             num_kv_heads, self._split_counters(qkv.shape[0] * num_kv_heads, qkv.device),
-            order=self._decode_order(meta))
+            order=self._decode_order(meta), after_gemv=after_gemv)
 
     def _split_counters(self, count: int, device: torch.device) -> torch.Tensor:
         if not self._counters or self._counters[-1].numel() < count or self._counters[-1].device != device:

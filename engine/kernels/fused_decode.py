@@ -153,12 +153,15 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
                  seqlens_k: torch.Tensor, block_tables: torch.Tensor, max_seqlen_k: int, scale: float,
                  num_heads: int, num_kv_heads: int, counters: torch.Tensor, order: torch.Tensor | None = None,
                  num_splits: int | None = None, config: DecodeConfig | None = None,
-                 trace: torch.Tensor | None = None) -> torch.Tensor:
+                 trace: torch.Tensor | None = None, after_gemv: bool | None = None) -> torch.Tensor:
     """Attention output [B, H, D] of one new token per sequence, from its qkv row [B, (H + 2 Hkv) D]:
     what qkv_prep followed by paged_decode (grid schedule) computes, K/V stored the same way.
 
     counters: int32 zeros, at least B x Hkv of them, left zero again; one set per stream of launches
     (the caller keeps it). Other arguments as in qkv_prep and paged_decode.
+
+    after_gemv: whether the engine's GEMV computed qkv (it lets this kernel start early, and the kernel
+    then reads its inputs before its wait); None: taken to be so for up to REDLINE_GEMV_MAX_ROWS rows.
 
     trace: int64 [programs, TRACE_WIDTH] (programs: KV heads x sequences x splits, KV head fastest) for
     scripts/decode_chain_trace.py: each program writes the global timer at TRACE_POINTS and its SM.
@@ -185,7 +188,7 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
                                        _num_sms(qkv.device), config.grid_programs_per_sm)
     # early reads where the qkv projection is the GEMV, whose programs let this kernel start before it
     # completes (-0.024 ms a batch-1 step); after cuBLAS they gained nothing and cost 0.4-0.7% at 16-64 rows
-    early = num_seqs <= gemv_max_rows()
+    early = num_seqs <= gemv_max_rows() if after_gemv is None else after_gemv
     if num_splits > 1:
         part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=qkv.device)
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=qkv.device)

@@ -15,11 +15,14 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.tensor([])  # set by the model runner
 
     def forward(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: nn.Module,
-                q_norm: nn.Module | None = None, k_norm: nn.Module | None = None) -> torch.Tensor:
+                q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
+                after_gemv: bool | None = None) -> torch.Tensor:
+        """after_gemv: whether the qkv projection ran in the GEMV (None: not known)."""
         meta, backend = self.ctx.meta, self.ctx.backend
         if hasattr(backend, "decode_from_qkv"):  # decode: one kernel from the qkv rows, where it applies
             out = backend.decode_from_qkv(qkv, positions, rotary, q_norm, k_norm, self.k_cache, self.v_cache, meta,
-                                          self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
+                                          self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
+                                          after_gemv=after_gemv)
             if out is not None:
                 return out.flatten(1)
         if getattr(backend, "fuses_qkv_prep", False):  # one kernel instead of about seven

@@ -57,6 +57,12 @@ def _gemv_for(x: torch.Tensor, weight: torch.Tensor):
     return kernels if kernels is not None and kernels.takes(x, weight) else None
 
 
+def takes_gemv(rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a projection by `weight` of an input with rows' row count, dtype and device runs in the GEMV
+    (rows: the input, or the projection's output, which has the same rows)."""
+    return _gemv_for(rows, weight) is not None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension in float32."""
     kernels = _kernels_for(x, weight)

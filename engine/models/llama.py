@@ -13,6 +13,7 @@ from torch import nn
 from engine.attention import ForwardContext
 from engine.layers.attention import Attention
 from engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.fusion import takes_gemv
 from engine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel import TPGroup, divide
@@ -43,7 +44,8 @@ class DecoderAttention(nn.Module):
         """Attention over the packed q/k/v rows (qkv_proj's output, which the layer computes with its
         norm), then the output projection."""
         q_norm, k_norm = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
-        return self.o_proj(self.attn(qkv, positions, self.rotary_emb, q_norm, k_norm))
+        after_gemv = takes_gemv(qkv, self.qkv_proj.weight)  # the decode kernel can then start before it ends
+        return self.o_proj(self.attn(qkv, positions, self.rotary_emb, q_norm, k_norm, after_gemv))
 
 
 class MLP(nn.Module):

@@ -1,0 +1,158 @@
+"""Decode graphs whose PDL kernels are let in at the launch of a library kernel before them.
+
+A kernel launched with PDL is captured behind a programmatic edge. It may be scheduled once every block
+of the kernel before it has called launch_dependents or exited; its wait_for_previous returns when that
+kernel has completed and its writes are visible (engine/kernels/launch.py). The engine's kernels let
+their dependents in first thing. cuBLAS's GEMMs and torch's kernels never do, so a norm, SiLU·mul or
+attention kernel after a GEMM is scheduled only when the GEMM's last block exits.
+
+`open_at_launch` moves those edges (a library kernel upstream, programmatic) to the launch-order port,
+which opens once every block of the upstream kernel has begun. The dependent's blocks can then be
+placed beside the GEMM's last wave and wait there. Its wait still returns only after the GEMM has
+completed, so the results are those of stream order. Edges from the engine's own kernels keep the
+trigger each kernel chose (the one-row GEMV lets the next kernel in only after its weight loads).
+
+REDLINE_GRAPH_EDGES: "capture" (the edges as captured; the default) or "launch" (rewritten as above).
+The driver is called through ctypes (libcuda's graph API, CUDA 12.3 and later).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib
+import os
+import pkgutil
+from dataclasses import dataclass
+
+KERNEL_NODE = 0               # CU_GRAPH_NODE_TYPE_KERNEL
+PROGRAMMATIC = 1              # CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+PORT_PROGRAMMATIC = 1         # CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC: all blocks triggered or exited
+PORT_LAUNCH_ORDER = 2         # CU_GRAPH_KERNEL_NODE_PORT_LAUNCH_ORDER: all blocks begun
+SETTINGS = ("capture", "launch")
+
+
+def setting() -> str:
+    value = os.environ.get("REDLINE_GRAPH_EDGES", "capture")
+    if value not in SETTINGS:
+        raise ValueError(f"REDLINE_GRAPH_EDGES must be one of {', '.join(SETTINGS)}; got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Edge:
+    upstream: str | None  # the upstream kernel's name; None where it is no kernel or has no readable name
+    type: int
+    from_port: int
+
+
+def to_open_at_launch(edges: list[Edge], own_kernels: frozenset[str]) -> list[int]:
+    """Indices of the edges to move to the launch-order port: programmatic edges whose upstream is a named
+    kernel that is not the engine's own (the engine's kernels choose their trigger themselves)."""
+    return [i for i, e in enumerate(edges)
+            if e.type == PROGRAMMATIC and e.from_port == PORT_PROGRAMMATIC
+            and e.upstream is not None and e.upstream not in own_kernels]
+
+
+@functools.cache
+def own_kernel_names() -> frozenset[str]:
+    """The names of the Triton kernels in engine.kernels (a compiled kernel is named after its function)."""
+    import triton
+
+    import engine.kernels as package
+
+    names = set()
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        for obj in vars(module).values():
+            fn = getattr(obj, "fn", None)
+            if isinstance(obj, triton.runtime.JITFunction) and fn is not None:
+                names.add(fn.__name__)
+    return frozenset(names)
+
+
+class _EdgeData(ctypes.Structure):
+    _fields_ = [("from_port", ctypes.c_ubyte), ("to_port", ctypes.c_ubyte), ("type", ctypes.c_ubyte),
+                ("reserved", ctypes.c_ubyte * 5)]
+
+
+class _KernelNodeParams(ctypes.Structure):  # CUDA_KERNEL_NODE_PARAMS_v2
+    _fields_ = [("func", ctypes.c_void_p), ("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared_mem_bytes", ctypes.c_uint), ("kernel_params", ctypes.c_void_p),
+                ("extra", ctypes.c_void_p), ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
+
+
+@functools.cache
+def _driver() -> ctypes.CDLL:
+    lib = ctypes.CDLL("libcuda.so.1")
+    for name in ("cuGraphGetEdges_v2", "cuGraphNodeGetType", "cuGraphKernelNodeGetParams_v2", "cuFuncGetName",
+                 "cuKernelGetName", "cuGraphRemoveDependencies_v2", "cuGraphAddDependencies_v2"):
+        getattr(lib, name).restype = ctypes.c_int
+    return lib
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        raise RuntimeError(f"{what} failed with CUresult {result}")
+
+
+def _kernel_name(lib: ctypes.CDLL, node: int) -> str | None:
+    kind = ctypes.c_int(-1)
+    if lib.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)) != 0 or kind.value != KERNEL_NODE:
+        return None
+    params = _KernelNodeParams()
+    if lib.cuGraphKernelNodeGetParams_v2(ctypes.c_void_p(node), ctypes.byref(params)) != 0:
+        return None
+    name = ctypes.c_char_p()
+    if params.func and lib.cuFuncGetName(ctypes.byref(name), ctypes.c_void_p(params.func)) == 0 and name.value:
+        return name.value.decode(errors="replace")
+    if params.kern and lib.cuKernelGetName(ctypes.byref(name), ctypes.c_void_p(params.kern)) == 0 and name.value:
+        return name.value.decode(errors="replace")
+    return None
+
+
+def _edges(lib: ctypes.CDLL, graph: ctypes.c_void_p):
+    count = ctypes.c_size_t(0)
+    _check(lib.cuGraphGetEdges_v2(graph, None, None, None, ctypes.byref(count)), "cuGraphGetEdges")
+    upstream = (ctypes.c_void_p * count.value)()
+    downstream = (ctypes.c_void_p * count.value)()
+    data = (_EdgeData * count.value)()
+    _check(lib.cuGraphGetEdges_v2(graph, upstream, downstream, data, ctypes.byref(count)), "cuGraphGetEdges")
+    return upstream, downstream, data, count.value
+
+
+def open_at_launch(raw_graph: int) -> dict[str, int]:
+    """Rewrite a captured, not yet instantiated graph (torch.cuda.CUDAGraph(keep_graph=True) and its
+    raw_cuda_graph()) as the module docstring says. Returns {upstream kernel name: edges moved}."""
+    lib = _driver()
+    graph = ctypes.c_void_p(raw_graph)
+    upstream, downstream, data, count = _edges(lib, graph)
+    names: dict[int, str | None] = {}
+    edges = []
+    for i in range(count):
+        node = upstream[i] or 0
+        if node not in names:
+            names[node] = _kernel_name(lib, node) if node else None
+        edges.append(Edge(names[node], data[i].type, data[i].from_port))
+    moved: dict[str, int] = {}
+    for i in to_open_at_launch(edges, own_kernel_names()):
+        old = _EdgeData(data[i].from_port, data[i].to_port, data[i].type)
+        new = _EdgeData(PORT_LAUNCH_ORDER, 0, PROGRAMMATIC)
+        pair = (ctypes.c_void_p * 1)(upstream[i]), (ctypes.c_void_p * 1)(downstream[i])
+        _check(lib.cuGraphRemoveDependencies_v2(graph, *pair, ctypes.byref(old), 1), "cuGraphRemoveDependencies")
+        _check(lib.cuGraphAddDependencies_v2(graph, *pair, ctypes.byref(new), 1), "cuGraphAddDependencies")
+        moved[edges[i].upstream] = moved.get(edges[i].upstream, 0) + 1
+    return moved
+
+
+def census(raw_graph: int) -> dict[str, int]:
+    """Edges of a captured graph by (upstream kind, type, port), for scripts: 'own'/'library'/'other'."""
+    lib = _driver()
+    upstream, _, data, count = _edges(lib, ctypes.c_void_p(raw_graph))
+    own = own_kernel_names()
+    found: dict[str, int] = {}
+    for i in range(count):
+        name = _kernel_name(lib, upstream[i]) if upstream[i] else None
+        kind = "other" if name is None else "own" if name in own else "library"
+        key = f"{kind} type={data[i].type} port={data[i].from_port}"
+        found[key] = found.get(key, 0) + 1
+    return found

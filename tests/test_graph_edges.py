@@ -1,0 +1,41 @@
+"""Which captured edges REDLINE_GRAPH_EDGES=launch moves, and its setting (the rewrite itself runs on the GPU:
+tests/test_gpu_engine.py)."""
+from __future__ import annotations
+
+import pytest
+
+from engine import graph_edges
+from engine.graph_edges import PORT_LAUNCH_ORDER, PORT_PROGRAMMATIC, PROGRAMMATIC, Edge
+
+
+def test_only_programmatic_edges_from_library_kernels_open_at_launch():
+    own = frozenset({"_rms_norm_kernel", "_gemv_kernel"})
+    edges = [
+        Edge("nvjet_hsh_128x64_tn", PROGRAMMATIC, PORT_PROGRAMMATIC),   # GEMM → a PDL kernel: moved
+        Edge("_gemv_kernel", PROGRAMMATIC, PORT_PROGRAMMATIC),          # the engine's own trigger: kept
+        Edge("nvjet_hsh_128x64_tn", 0, 0),                               # full dependency (no PDL below): kept
+        Edge(None, PROGRAMMATIC, PORT_PROGRAMMATIC),                     # no readable name: kept
+        Edge("vectorized_elementwise_kernel", PROGRAMMATIC, PORT_PROGRAMMATIC),  # a torch kernel: moved
+        Edge("sm90_xmma_gemm", PROGRAMMATIC, PORT_LAUNCH_ORDER),         # already at launch: kept
+    ]
+    assert graph_edges.to_open_at_launch(edges, own) == [0, 4]
+
+
+def test_the_engine_kernels_that_let_dependents_in_are_known_by_name():
+    names = graph_edges.own_kernel_names()
+    # the PDL kernels of the decode chain, named as their compiled kernels are
+    for kernel in ("_rms_norm_kernel", "_silu_mul_kernel", "_gemv_kernel", "_gemv_dot_kernel",
+                   "_fused_decode_kernel", "_qkv_prep_kernel"):
+        assert kernel in names
+
+
+@pytest.mark.parametrize("value", ["capture", "launch"])
+def test_setting_takes_its_two_values(monkeypatch, value):
+    monkeypatch.setenv("REDLINE_GRAPH_EDGES", value)
+    assert graph_edges.setting() == value
+
+
+def test_bad_setting_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("REDLINE_GRAPH_EDGES", "early")
+    with pytest.raises(ValueError, match="REDLINE_GRAPH_EDGES must be one of capture, launch; got 'early'"):
+        graph_edges.setting()
