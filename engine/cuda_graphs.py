@@ -111,13 +111,13 @@ class DecodeGraphs:
     def _capture_all(self, max_model_len: int) -> None:
         ctx = self.runner.ctx
         pool = None
-        rewrite = graph_edges.setting() == "launch"
         for bs in reversed(self.sizes):  # largest first, so smaller graphs fit in its memory pool
             ctx.meta = self._meta(bs, max_model_len)
             self._step(bs)  # warm-up: compile kernels outside capture
             # fresh metadata: what the backend derived during the warm-up (a decode order) must be
             # derived again inside the capture, from the buffers each replay refills
             ctx.meta = self._meta(bs, max_model_len)
+            rewrite = graph_edges.rewrites(bs)
             graph = torch.cuda.CUDAGraph(keep_graph=rewrite)
             with torch.cuda.graph(graph, pool):
                 self.outputs[bs] = self._step(bs)

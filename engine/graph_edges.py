@@ -12,7 +12,8 @@ placed beside the GEMM's last wave and wait there. Its wait still returns only a
 completed, so the results are those of stream order. Edges from the engine's own kernels keep the
 trigger each kernel chose (the one-row GEMV lets the next kernel in only after its weight loads).
 
-REDLINE_GRAPH_EDGES: "capture" (the edges as captured; the default) or "launch" (rewritten as above).
+REDLINE_GRAPH_EDGES: "capture" (the edges as captured; the default) or "launch" (rewritten as above);
+REDLINE_GRAPH_EDGES_ROWS=N rewrites only the graphs of batches of at most N rows (default: every graph).
 The driver is called through ctypes (libcuda's graph API, CUDA 12.3 and later).
 """
 from __future__ import annotations
@@ -36,6 +37,16 @@ def setting() -> str:
     if value not in SETTINGS:
         raise ValueError(f"REDLINE_GRAPH_EDGES must be one of {', '.join(SETTINGS)}; got {value!r}")
     return value
+
+
+def rewrites(batch_rows: int) -> bool:
+    """Whether the decode graph of this batch size gets its edges rewritten."""
+    if setting() != "launch":
+        return False
+    limit = os.environ.get("REDLINE_GRAPH_EDGES_ROWS", "")
+    if limit and not limit.isdigit():
+        raise ValueError(f"REDLINE_GRAPH_EDGES_ROWS must be a number of rows; got {limit!r}")
+    return not limit or batch_rows <= int(limit)
 
 
 @dataclass(frozen=True)

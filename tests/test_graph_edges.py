@@ -39,3 +39,16 @@ def test_bad_setting_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("REDLINE_GRAPH_EDGES", "early")
     with pytest.raises(ValueError, match="REDLINE_GRAPH_EDGES must be one of capture, launch; got 'early'"):
         graph_edges.setting()
+
+
+def test_rows_limit_picks_the_graphs_rewritten(monkeypatch):
+    monkeypatch.setenv("REDLINE_GRAPH_EDGES", "launch")
+    assert graph_edges.rewrites(512)
+    monkeypatch.setenv("REDLINE_GRAPH_EDGES_ROWS", "96")
+    assert [graph_edges.rewrites(bs) for bs in (1, 96, 112)] == [True, True, False]
+    monkeypatch.setenv("REDLINE_GRAPH_EDGES", "capture")
+    assert not graph_edges.rewrites(1)
+    monkeypatch.setenv("REDLINE_GRAPH_EDGES", "launch")
+    monkeypatch.setenv("REDLINE_GRAPH_EDGES_ROWS", "many")
+    with pytest.raises(ValueError, match="REDLINE_GRAPH_EDGES_ROWS must be a number of rows; got 'many'"):
+        graph_edges.rewrites(1)
