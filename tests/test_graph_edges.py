@@ -42,13 +42,16 @@ def test_bad_setting_is_a_clear_error(monkeypatch):
 
 
 def test_rows_limit_picks_the_graphs_rewritten(monkeypatch):
-    monkeypatch.setenv("REDLINE_GRAPH_EDGES", "launch")
+    monkeypatch.delenv("REDLINE_GRAPH_EDGES", raising=False)
+    monkeypatch.delenv("REDLINE_GRAPH_EDGES_ROWS", raising=False)
+    assert [graph_edges.rewrites(bs) for bs in (1, 96, 112)] == [True, True, False]  # the defaults
+    monkeypatch.setenv("REDLINE_GRAPH_EDGES_ROWS", "all")
     assert graph_edges.rewrites(512)
-    monkeypatch.setenv("REDLINE_GRAPH_EDGES_ROWS", "96")
-    assert [graph_edges.rewrites(bs) for bs in (1, 96, 112)] == [True, True, False]
+    monkeypatch.setenv("REDLINE_GRAPH_EDGES_ROWS", "16")
+    assert [graph_edges.rewrites(bs) for bs in (8, 16, 32)] == [True, True, False]
     monkeypatch.setenv("REDLINE_GRAPH_EDGES", "capture")
     assert not graph_edges.rewrites(1)
     monkeypatch.setenv("REDLINE_GRAPH_EDGES", "launch")
     monkeypatch.setenv("REDLINE_GRAPH_EDGES_ROWS", "many")
-    with pytest.raises(ValueError, match="REDLINE_GRAPH_EDGES_ROWS must be a number of rows; got 'many'"):
+    with pytest.raises(ValueError, match="REDLINE_GRAPH_EDGES_ROWS must be a number of rows or 'all'; got 'many'"):
         graph_edges.rewrites(1)
