@@ -1,16 +1,15 @@
-"""Decode graphs whose PDL kernels are let in at the launch of a library kernel before them.
+"""Decode graphs whose PDL kernels are let in at the launch of a cuBLAS GEMM before them.
 
 A kernel launched with PDL is captured behind a programmatic edge. It may be scheduled once every block
 of the kernel before it has called launch_dependents or exited; its wait_for_previous returns when that
 kernel has completed and its writes are visible (engine/kernels/launch.py). The engine's kernels let
-their dependents in first thing. cuBLAS's GEMMs and torch's kernels never do, so a norm, SiLU·mul or
-attention kernel after a GEMM is scheduled only when the GEMM's last block exits.
+their dependents in first thing. cuBLAS's GEMMs never do, so a norm, SiLU·mul or attention kernel after
+a GEMM is scheduled only when the GEMM's last block exits.
 
-`open_at_launch` moves those edges (a library kernel upstream, programmatic) to the launch-order port,
-which opens once every block of the upstream kernel has begun. The dependent's blocks can then be
-placed beside the GEMM's last wave and wait there. Its wait still returns only after the GEMM has
-completed, so the results are those of stream order. Edges from the engine's own kernels keep the
-trigger each kernel chose (the one-row GEMV lets the next kernel in only after its weight loads).
+`open_at_launch` moves those edges (a GEMM upstream, programmatic) to the launch-order port, which opens
+once every block of the GEMM has begun. The dependent's blocks can then be placed beside the GEMM's last
+wave and wait there. Its wait still returns only after the GEMM has completed, so the results are those
+of stream order. Edges from other kernels keep their trigger.
 
 REDLINE_GRAPH_EDGES: "launch" (rewritten as above; the default) or "capture" (the edges as captured).
 REDLINE_GRAPH_EDGES_ROWS=N rewrites only the graphs of batches of at most N rows (default 96; "all"). On
@@ -22,10 +21,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib
 import logging
 import os
-import pkgutil
 from dataclasses import dataclass
 
 KERNEL_NODE = 0               # CU_GRAPH_NODE_TYPE_KERNEL
@@ -61,29 +58,21 @@ class Edge:
     from_port: int
 
 
-def to_open_at_launch(edges: list[Edge], own_kernels: frozenset[str]) -> list[int]:
-    """Indices of the edges to move to the launch-order port: programmatic edges whose upstream is a named
-    kernel that is not the engine's own (the engine's kernels choose their trigger themselves)."""
+def is_library_gemm(name: str) -> bool:
+    """Whether a kernel name is one of cuBLAS's / cuBLASLt's GEMM kernels (their split-K reduction too)."""
+    return name.startswith("nvjet") or any(part in name for part in ("cublasLt", "cutlass", "xmma", "gemm"))
+
+
+def to_open_at_launch(edges: list[Edge]) -> list[int]:
+    """Indices of the edges to move to the launch-order port: programmatic edges from a library GEMM.
+
+    Only GEMMs: what follows one in a decode graph reads before its wait only what no kernel of the step
+    writes (weights, the step's inputs). A torch kernel upstream may write what the next kernel reads
+    early: the fused decode kernel reads the decode order, which torch's sort writes, before its wait.
+    """
     return [i for i, e in enumerate(edges)
             if e.type == PROGRAMMATIC and e.from_port == PORT_PROGRAMMATIC
-            and e.upstream is not None and e.upstream not in own_kernels]
-
-
-@functools.cache
-def own_kernel_names() -> frozenset[str]:
-    """The names of the Triton kernels in engine.kernels (a compiled kernel is named after its function)."""
-    import triton
-
-    import engine.kernels as package
-
-    names = set()
-    for info in pkgutil.iter_modules(package.__path__):
-        module = importlib.import_module(f"{package.__name__}.{info.name}")
-        for obj in vars(module).values():
-            fn = getattr(obj, "fn", None)
-            if isinstance(obj, triton.runtime.JITFunction) and fn is not None:
-                names.add(fn.__name__)
-    return frozenset(names)
+            and e.upstream is not None and is_library_gemm(e.upstream)]
 
 
 class _EdgeData(ctypes.Structure):
@@ -157,7 +146,7 @@ def open_at_launch(raw_graph: int) -> dict[str, int]:
             names[node] = _kernel_name(lib, node) if node else None
         edges.append(Edge(names[node], data[i].type, data[i].from_port))
     moved: dict[str, int] = {}
-    for i in to_open_at_launch(edges, own_kernel_names()):
+    for i in to_open_at_launch(edges):
         old = _EdgeData(data[i].from_port, data[i].to_port, data[i].type)
         new = _EdgeData(PORT_LAUNCH_ORDER, 0, PROGRAMMATIC)
         pair = (ctypes.c_void_p * 1)(upstream[i]), (ctypes.c_void_p * 1)(downstream[i])
