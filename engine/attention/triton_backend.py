@@ -75,9 +75,15 @@ class TritonBackend:
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         store_kvcache(key, value, k_cache, v_cache, slot_mapping)
 
+    def prepare(self, meta: "AttentionMetadata") -> None:
+        """Before a forward pass's first kernel: sort the decode order now. The fused decode kernel reads it
+        before its wait where the GEMV precedes it, so no kernel just before it may write the order."""
+        self._decode_order(meta)
+
     def _decode_order(self, meta: "AttentionMetadata") -> torch.Tensor | None:
-        """The batch's sequences longest first, sorted on the device by the first layer of a forward pass
-        (inside a CUDA graph being captured, the sort is captured with it) and kept for the others."""
+        """The batch's sequences longest first, sorted on the device once a forward pass (by prepare, or
+        the first layer; inside a CUDA graph being captured, the sort is captured with it) and kept for
+        the others."""
         if self.orders_decode and meta.decode_order is None and meta.seqlens_k.shape[0] > 1:
             meta.decode_order = decode_order(meta.seqlens_k)
         return meta.decode_order

@@ -84,8 +84,12 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, family, tp, ctx) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp)
+        self.ctx = ctx
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        prepare = getattr(self.ctx.backend, "prepare", None)
+        if prepare is not None and self.ctx.meta is not None:  # what every layer's attention reads, first
+            prepare(self.ctx.meta)
         x, residual = self.embed_tokens(input_ids), None
         stacked = run_stack(self, x, positions)  # one sequence's decode step: every layer in one kernel
         if stacked is not None:
