@@ -14,7 +14,7 @@ of stream order. Edges from other kernels keep their trigger.
 REDLINE_GRAPH_EDGES: "launch" (rewritten as above; the default) or "capture" (the edges as captured).
 REDLINE_GRAPH_EDGES_ROWS=N rewrites only the graphs of batches of at most N rows (default 96; "all"). On
 the H100 the rewrite took 4-8% off a 0.6B decode step at 8-64 rows, 1% at 96, and cost 1-2% at 128 and 256
-(docs/kernels-notes.md, "Library kernels let PDL kernels in at their launch").
+(docs/kernels-notes.md, "cuBLAS's GEMMs let the next kernel in at their launch").
 The driver is called through ctypes (libcuda's graph API, CUDA 12.3 and later).
 """
 from __future__ import annotations
