@@ -82,7 +82,6 @@ def check_fused_decode(cases, device: str, dtype: torch.dtype = torch.bfloat16,
     left zero, and a second launch in the other read mode giving the same output (so the counters were
     reset, and reading the inputs before or after the wait changes nothing)."""
     from engine.kernels import paged_decode, qkv_prep
-    from engine.kernels.gemv import max_rows as gemv_max_rows
     from engine.kernels.fused_decode import fused_decode
     from engine.kernels.paged_decode import decode_order
 
@@ -101,13 +100,13 @@ def check_fused_decode(cases, device: str, dtype: torch.dtype = torch.bfloat16,
 
         fused = [c.clone() for c in caches]
         counters = torch.zeros(len(seqlens) * kv_heads + 5, dtype=torch.int32, device=device)
+        # inputs read after the wait (as after cuBLAS), then before it (as after the GEMV)
         out = fused_decode(qkv, positions, cos, sin, qw, kw, 1e-6, fused[0], fused[1], slots, seqlens, tables,
-                           max_len, scale, heads, kv_heads, counters, order=order, num_splits=splits)
-        # the second launch in the other mode: inputs read before the wait (as after the GEMV) or after it
-        other_mode = not qkv.shape[0] <= gemv_max_rows()
+                           max_len, scale, heads, kv_heads, counters, order=order, num_splits=splits,
+                           after_gemv=False)
         again = fused_decode(qkv, positions, cos, sin, qw, kw, 1e-6, fused[0], fused[1], slots, seqlens, tables,
                              max_len, scale, heads, kv_heads, counters, order=order, num_splits=splits,
-                             after_gemv=other_mode)
+                             after_gemv=True)
         real = len(lens)
         finite = bool(torch.isfinite(out).all().item())  # padding rows too
         results[f"{name}_out"] = (relative_error(out[:real], expected[:real]), finite)
