@@ -5,11 +5,10 @@ too (engine/cuda_graphs.py), so its time is the whole step's and the two separat
 
     PYTHONPATH=. python3 scripts/decode_graph_time.py [--batches 1,8] [--context 768] [--replays 200]
         [--gemv-slice N] [--gemv-min-programs N] [--gemv-eight-warps-above N] [--gemv-set NAME=N,...]
-        [--fused-config block_n=32,num_warps=2] [--mlp-set MAX_SLICE=12288,NUM_WARPS=4]
+        [--fused-config block_n=32,num_warps=2]
 Prints one JSON line: {batch: {"graph_ms", "lm_head_ms", "sample_ms"}} (medians of 5 rounds). The
---gemv options set engine/kernels/gemv.py's slice sizing before the graphs are captured (a sweep),
---fused-config the fused decode kernel's DecodeConfig fields and --mlp-set the fused MLP's sizing (its
-MAX_SLICE sets the intermediate columns a program owns); the registers and spills of the compiled variants follow.
+--gemv options set engine/kernels/gemv.py's slice sizing before the graphs are captured (a sweep), and
+--fused-config the fused decode kernel's DecodeConfig fields; the registers and spills of the compiled variants follow.
 """
 from __future__ import annotations
 
@@ -58,8 +57,6 @@ def main() -> None:
     parser.add_argument("--gemv-eight-warps-above", type=int, default=None, help="gemv.EIGHT_WARPS_ABOVE to try")
     parser.add_argument("--gemv-set", default="", metavar="NAME=N,...",
                         help="other engine.kernels.gemv constants to try, e.g. DOT_WIDE_K=2048,DOT_ABOVE_ROWS=4")
-    parser.add_argument("--mlp-set", default="", metavar="NAME=N,...",
-                        help="integer constants of engine.kernels.mlp to try, e.g. MAX_SLICE=12288,NUM_WARPS=4")
     parser.add_argument("--fused-config", default="", metavar="FIELD=N,...",
                         help="DecodeConfig fields for the fused decode kernel to try, e.g. block_n=32,num_warps=2")
     args = parser.parse_args()
@@ -84,12 +81,6 @@ def main() -> None:
         if not name.isupper() or not isinstance(getattr(gemv, name, None), int):
             parser.error(f"--gemv-set: {name} is not an integer constant of engine.kernels.gemv")
         setattr(gemv, name, int(value))
-    from engine.kernels import mlp
-    for item in filter(None, args.mlp_set.split(",")):
-        name, value = item.split("=")
-        if not name.isupper() or not isinstance(getattr(mlp, name, None), int):
-            parser.error(f"--mlp-set: {name} is not an integer constant of engine.kernels.mlp")
-        setattr(mlp, name, int(value))
     from engine.layers.sampler import SamplingTensors, sample
     from engine.sampling_params import SamplingParams
 
@@ -123,16 +114,13 @@ def main() -> None:
               f"{results[batch]['lm_head_ms']:.4f} ms, sampling {results[batch]['sample_ms']:.4f} ms", flush=True)
     print(json.dumps({"fused_decode_kernels": compiled_kernels("engine.kernels.fused_decode", "_fused_decode_kernel"),
                       "gemv_kernels": compiled_kernels("engine.kernels.gemv", "_gemv_kernel"),
-                      "gemv_dot_kernels": compiled_kernels("engine.kernels.gemv", "_gemv_dot_kernel"),
-                      "mlp_kernels": compiled_kernels("engine.kernels.mlp", "_mlp_kernel")}))
+                      "gemv_dot_kernels": compiled_kernels("engine.kernels.gemv", "_gemv_dot_kernel")}))
     gemv_settings = {"slice": gemv.MAX_SLICE, "min_programs": gemv.MIN_PROGRAMS,
                      "eight_warps_above": gemv.EIGHT_WARPS_ABOVE, "set": args.gemv_set}
     moved = runner.graphs.edges_moved  # REDLINE_GRAPH_EDGES=launch: edges moved per graph, by upstream kernel
     sizes = [next(s for s in runner.graphs.sizes if s >= b) for b in results]
     print(json.dumps({"graph_edges_moved": {s: moved[s] for s in sizes if s in moved}}))
-    from engine.layers.fusion import fused_mlp_rows
     print(json.dumps({"gpu": bench.gpu_name(), "commit": bench.git_commit(), "model": args.model, "gemv": gemv_settings,
-                      "fused_mlp_rows": fused_mlp_rows(), "mlp_set": args.mlp_set,
                       "graph_edges": graph_edges.setting(), "steps": results}))
     llm.shutdown()
 

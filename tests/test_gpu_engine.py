@@ -76,26 +76,18 @@ def free_gpu():
     dict(),                                                           # CUDA graphs, prefix cache
     dict(max_num_batched_tokens=256, num_kvcache_blocks=48, kvcache_block_size=16, max_model_len=768),  # chunked, preempted
     dict(max_num_seqs=2),                       # decode batches of <= 2 rows: the GEMV projections, PDL chain
-    dict(max_num_seqs=2, fused_mlp_rows=0),     # the same with the MLP's gate_up and down GEMVs unfused
     dict(max_num_seqs=16, gemv_rows=16),        # 3..16 rows: the GEMV's tensor-core kernel
     dict(max_num_seqs=1, decode_stack=True),    # one row: every layer in the persistent kernel
-], ids=["graphs", "chunked-preempted", "small-batches", "small-batches-unfused-mlp", "dot-gemv-batches",
-        "decode-stack"])
+], ids=["graphs", "chunked-preempted", "small-batches", "dot-gemv-batches", "decode-stack"])
 def test_greedy_tokens_equal_transformers_bf16_up_to_near_ties(gpu_checkpoint, hf_model, engine_kwargs, free_gpu,
                                                                monkeypatch):
     """bf16 rounding differs between any two implementations, so on a random model's flat logits two
     greedy runs part at near-ties. Most sequences must agree in full, and where one parts, the two
     tokens must be a near-tie for transformers itself on the shared prefix."""
     from engine.kernels import gemv
-    from engine.layers import fusion, stack
-    from engine.models import llama
+    from engine.layers import stack
 
     engine_kwargs = dict(engine_kwargs)
-    fused_rows = engine_kwargs.pop("fused_mlp_rows", fusion.fused_mlp_rows())
-    monkeypatch.setattr(fusion, "fused_mlp_rows", lambda: fused_rows)  # as REDLINE_FUSED_MLP_ROWS would
-    fused_calls = []
-    run_fused = llama.fused_mlp
-    monkeypatch.setattr(llama, "fused_mlp", lambda *args: fused_calls.append(1) or run_fused(*args))
     if "gemv_rows" in engine_kwargs:
         rows = engine_kwargs.pop("gemv_rows")
         monkeypatch.setattr(gemv, "max_rows", lambda: rows)  # as REDLINE_GEMV_MAX_ROWS would
@@ -111,8 +103,6 @@ def test_greedy_tokens_equal_transformers_bf16_up_to_near_ties(gpu_checkpoint, h
     if "num_kvcache_blocks" in engine_kwargs:
         assert llm.scheduler.num_preemptions > 0
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
-    if engine_kwargs.get("max_num_seqs") == 2:  # 1-2 row decode steps: the fused MLP ran unless turned off
-        assert bool(fused_calls) == (fused_rows > 0)
     if decode_stack:  # the persistent kernel took the model (else the layers ran one by one)
         built = getattr(llm.runner.model.model, "_decode_stack", None)
         assert built is not None and built[1] is not stack._UNSUPPORTED

@@ -22,7 +22,6 @@ import triton.language as tl
 
 from engine.kernels.launch import check_trace, launch_dependents, pdl_options, stamp, wait_for_previous
 from engine.kernels.paged_tiles import upcast_dot
-from engine.kernels.mlp import FIXED_STEP
 from engine.kernels.qkv_prep import _round
 from engine.kernels.skinny_gemm import _dot
 
@@ -59,7 +58,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
                  res_ptr, norm_w_ptr, res_out_ptr, stride_rm, stride_rom, eps, trace_ptr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                 ROWS: tl.constexpr, X_FIXED: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
+                 ROWS: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
     stamp(trace_ptr, 0, TRACE_SLOTS, TRACE)
     if ROWS > 1:
         launch_dependents(PDL)
@@ -87,9 +86,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
     w = w.to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     for m in tl.static_range(ROWS):  # unrolled, so every row's loads issue before the first row's sums
-        x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0).to(tl.float32)
-        if X_FIXED:  # the fused MLP's fixed-point sum, rounded where the down GEMV rounds its output
-            x = _round(x * FIXED_STEP, dtype)
+        x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         if GATED:  # x row is [gate | up]: silu(gate) * up, rounded as the SiLU·mul kernel rounds
             up = tl.load(x_ptr + m * stride_xm + K + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             x = _round(_round(x / (1.0 + tl.exp(-x)), dtype) * up, dtype)
@@ -228,7 +225,7 @@ def dot_fits(K: int, block_n: int | None = None) -> bool:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          gated: bool = False, norm: "tuple[torch.Tensor | None, torch.Tensor, float] | None" = None,
          block_n: int | None = None, num_warps: int | None = None, trace: torch.Tensor | None = None,
-         dot: bool | None = None, x_fixed: bool = False):
+         dot: bool | None = None):
     """F.linear(x, weight, bias) for x [M, K] with few rows (each costs every program a pass over its
     slice) and weight [N, K], K contiguous; output in x's dtype. gated: x is [M, 2K], packed [gate | up],
     and the product is with silu(gate) * up (the SiLU·mul kernel fused in).
@@ -242,10 +239,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     [programs, TRACE_WIDTH] (programs: cdiv(N, block_n)), written as TRACE_POINTS says.
 
     dot: the tensor-core kernel (True), the row loop on CUDA cores (False), or (None) the tensor cores above
-    DOT_ABOVE_ROWS rows where the slice fits (dot_fits) and no block_n is given.
-
-    x_fixed: x is int64 fixed point, the sums the fused MLP leaves (engine/kernels/mlp.py), read as the
-    down GEMV's output would be (row loop only, up to DOT_ABOVE_ROWS rows)."""
+    DOT_ABOVE_ROWS rows where the slice fits (dot_fits) and no block_n is given."""
     N, K = weight.shape
     if norm is not None and gated:
         raise ValueError("gemv fuses either the RMSNorm or the SiLU·mul, not both")
@@ -253,14 +247,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if x.dim() != 2 or x.shape[1] != width:
         raise ValueError(f"x must be [M, {width}] for a weight of [{N}, {K}]{' (gated)' if gated else ''}, "
                          f"got {tuple(x.shape)}")
-    if x_fixed:
-        if x.dtype != torch.int64 or gated or dot or x.shape[0] > DOT_ABOVE_ROWS:
-            raise ValueError(f"x_fixed takes int64 sums of at most {DOT_ABOVE_ROWS} rows, not gated, in the "
-                             f"row loop; got {x.dtype} x of {x.shape[0]} rows")
-        dot = False
-    elif x.dtype != weight.dtype:
-        raise ValueError("x and weight need one dtype and contiguous rows")
-    if weight.stride(1) != 1 or x.stride(1) != 1:
+    if x.dtype != weight.dtype or weight.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError("x and weight need one dtype and contiguous rows")
     if bias is not None and (bias.shape != (N,) or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous [{N}] vector, got {tuple(bias.shape)}")
@@ -270,12 +257,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     residual, norm_weight, eps = norm if norm is not None else (None, None, 0.0)
     if norm_weight is not None and (norm_weight.shape != (K,) or not norm_weight.is_contiguous()):
         raise ValueError(f"the norm weight must be a contiguous [{K}] vector, got {tuple(norm_weight.shape)}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != weight.dtype
-                                 or residual.stride(1) != 1):
-        raise ValueError(f"the residual must be [M, {K}] like x, of the weight's dtype, with contiguous rows, "
-                         f"got {residual.dtype} {tuple(residual.shape)}")
-    out = torch.empty(M, N, dtype=weight.dtype, device=x.device)
-    res_out = torch.empty_like(x, dtype=weight.dtype) if residual is not None else None
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
+        raise ValueError(f"the residual must be [M, {K}] like x with contiguous rows, got {tuple(residual.shape)}")
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(x) if residual is not None else None
     if dot is None:
         dot = M > DOT_ABOVE_ROWS and block_n is None and dot_fits(K)
     if dot and M:
@@ -294,7 +279,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             res_to.stride(0), eps, trace if trace is not None else out,
             BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % block_n == 0, EVEN_K=K == block_k,
             HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None, HAS_RESIDUAL=residual is not None,
-            ROWS=M, X_FIXED=x_fixed, TRACE=trace is not None,
+            ROWS=M, TRACE=trace is not None,
             num_warps=num_warps or (8 if block_n * block_k > EIGHT_WARPS_ABOVE else 4), **pdl_options(x))
     return out if res_out is None else (out, res_out)
 

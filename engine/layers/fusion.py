@@ -15,9 +15,6 @@ import os
 import torch
 import torch.nn.functional as F
 
-# decode rows up to which a layer's MLP is one kernel by default (REDLINE_FUSED_MLP_ROWS)
-FUSED_MLP_ROWS = 2
-
 
 def fused(fn):
     compiled = None
@@ -58,43 +55,6 @@ def _gemv_for(x: torch.Tensor, weight: torch.Tensor):
     """engine.kernels.gemv where it takes these rows (few, on CUDA), else None."""
     kernels = _kernels_for(x, weight, "gemv")
     return kernels if kernels is not None and kernels.takes(x, weight) else None
-
-
-class MLPSums:
-    """A decode layer's MLP output as the fused MLP kernel leaves it: int64 fixed-point sums [rows, hidden]
-    (engine/kernels/mlp.py), which the next layer's norm and qkv GEMV read directly."""
-
-    def __init__(self, sums: torch.Tensor, dtype: torch.dtype):
-        self.sums, self.dtype = sums, dtype
-
-    def dense(self) -> torch.Tensor:
-        return _kernel_module("mlp").from_fixed(self.sums, self.dtype)
-
-
-@functools.cache
-def fused_mlp_rows() -> int:
-    """REDLINE_FUSED_MLP_ROWS: decode rows up to which a layer's MLP runs as one kernel (0: never)."""
-    value = os.environ.get("REDLINE_FUSED_MLP_ROWS", str(FUSED_MLP_ROWS))
-    if value not in ("0", "1", "2"):
-        raise ValueError(f"REDLINE_FUSED_MLP_ROWS must be 0, 1 or 2, got {value!r}")
-    return int(value)
-
-
-def takes_fused_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor) -> bool:
-    """Whether an MLP with these weights over these rows (one rank's, no bias) runs as the fused MLP kernel:
-    decode rows the GEMV takes, up to REDLINE_FUSED_MLP_ROWS, and weights small enough (mlp.fits)."""
-    kernels = _kernels_for(x, gate_up_weight, "mlp")
-    return (kernels is not None and x.dim() == 2 and 0 < x.shape[0] <= fused_mlp_rows()
-            and down_weight.dtype == x.dtype and kernels.fits(down_weight.shape[0], down_weight.shape[1])
-            and _gemv_for(x, gate_up_weight) is not None)
-
-
-def fused_mlp(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-              gate_up_weight: torch.Tensor, down_weight: torch.Tensor, sums: torch.Tensor):
-    """(down(silu(gate) * up) of rms_norm(x + residual) x norm_weight as MLPSums in `sums` (zeros),
-    x + residual): the fused MLP kernel, where takes_fused_mlp."""
-    residual = _kernel_module("mlp").fused_mlp(x, residual, norm_weight, eps, gate_up_weight, down_weight, sums)
-    return MLPSums(sums, x.dtype), residual
 
 
 def takes_gemv(rows: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -139,13 +99,7 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
                         weight: torch.Tensor, bias: torch.Tensor | None = None):
     """(linear(rms_norm(x + residual) x norm_weight, weight, bias), x + residual); without a residual (the
     first layer), the norm of x and x itself. Where the GEMV takes the rows, the residual add and the norm
-    run in its prologue instead of a kernel of their own. x may be the fused MLP's MLPSums."""
-    if isinstance(x, MLPSums):
-        kernels = _gemv_for(residual, weight)
-        if (kernels is not None and x.sums.shape[0] <= kernels.DOT_ABOVE_ROWS and norm_weight.dtype == x.dtype
-                and norm_weight.is_contiguous()):
-            return kernels.gemv(x.sums, weight, bias, norm=(residual, norm_weight, eps), x_fixed=True)
-        x = x.dense()
+    run in its prologue instead of a kernel of their own."""
     kernels = _gemv_for(x, weight)
     if (kernels is not None and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
             and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype

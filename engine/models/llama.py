@@ -13,7 +13,7 @@ from torch import nn
 from engine.attention import ForwardContext
 from engine.layers.attention import Attention
 from engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from engine.layers.fusion import fused_mlp, takes_fused_mlp, takes_gemv
+from engine.layers.fusion import takes_gemv
 from engine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel import TPGroup, divide
@@ -60,15 +60,6 @@ class MLP(nn.Module):
         """SwiGLU of gate_up_proj's output (which the layer computes with its norm): down(silu(gate) * up)."""
         return self.down_proj.forward_silu_and_mul(gate_up)
 
-    def takes_fused(self, x: torch.Tensor) -> bool:
-        """Whether these decode rows run norm, gate/up, SiLU·mul and down as one kernel (fused_forward)."""
-        return (self.gate_up_proj.tp.size == 1 and self.gate_up_proj.bias is None and self.down_proj.bias is None
-                and takes_fused_mlp(x, self.gate_up_proj.weight, self.down_proj.weight))
-
-    def fused_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, sums: torch.Tensor):
-        """(MLP of norm(x + residual) as MLPSums added into `sums` (zeros), x + residual), in one kernel."""
-        return fused_mlp(x, residual, norm.weight, norm.eps, self.gate_up_proj.weight, self.down_proj.weight, sums)
-
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg, family: "FamilyFlags", tp: TPGroup, ctx: ForwardContext):
@@ -78,13 +69,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp)
 
-    def forward(self, positions, x, residual, mlp_sums: torch.Tensor | None = None):
+    def forward(self, positions, x, residual):
         # each norm goes with the projection after it (fused into it where the GEMV runs: decode batches);
         # the first layer has no residual yet: its norm is of x alone, and x becomes the residual
         qkv, residual = self.input_layernorm.linear(x, residual, self.self_attn.qkv_proj)
         x = self.self_attn(positions, qkv)
-        if mlp_sums is not None:  # one or two decode rows: the whole MLP in one kernel
-            return self.mlp.fused_forward(x, residual, self.post_attention_layernorm, mlp_sums)
         gate_up, residual = self.post_attention_layernorm.linear(x, residual, self.mlp.gate_up_proj)
         return self.mlp(gate_up), residual
 
@@ -106,18 +95,10 @@ class DecoderModel(nn.Module):
         if stacked is not None:
             x, residual = stacked
         else:
-            sums = self._mlp_sums(x)
-            for i, layer in enumerate(self.layers):
-                x, residual = layer(positions, x, residual, sums[i] if sums is not None and i < len(sums) else None)
+            for layer in self.layers:
+                x, residual = layer(positions, x, residual)
         x, _ = self.norm(x, residual)
         return x
-
-    def _mlp_sums(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Zeroed fixed-point sums for every layer's fused MLP but the last (whose output the final norm
-        reads), one fill a step; None where the MLP is not fused for these rows."""
-        if len(self.layers) < 2 or not self.layers[0].mlp.takes_fused(x):
-            return None
-        return torch.zeros(len(self.layers) - 1, *x.shape, dtype=torch.int64, device=x.device)
 
 
 class FamilyFlags:
