@@ -8,7 +8,7 @@ time is booked to "prefill" when the step scheduled prompt tokens, else to "deco
 scheduling a step's wall time is mostly the device time of the step launched before it, so the split is
 good to one step at each phase change. --profile runs the workload a second time under torch.profiler
 (rank 0's GPU only) and sums kernel time by kind; the profiler slows the host, so its wall time is not
-the bench's. Prints one JSON line.
+the bench's. Prints one JSON line, with the decode steps' seconds and floor by row range (decode_by_rows).
 """
 from __future__ import annotations
 
@@ -39,9 +39,36 @@ def kind_of(name: str) -> str:
     return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
 
 
-def run_steps(llm, prompts, params, trace: dict | None = None) -> dict:
+ROW_BUCKETS = (8, 32, 64, 128, 192, 256)  # decode steps booked by rows: 1-8, 9-32, ..., 193-256, more
+
+
+def by_rows(decode: list[tuple[int, int, float]], hf_config, bandwidth: float | None) -> dict:
+    """Decode steps (rows, context tokens read, seconds) summed by row range, with the floor of each range:
+    its contexts' K/V and the weights once a step, at `bandwidth`. A step's seconds are those of the call
+    after it (with async scheduling a call waits for the step launched before it)."""
+    layers = hf_config.num_hidden_layers
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    kv_bytes = layers * 2 * hf_config.num_key_value_heads * head_dim * 2
+    weight_bytes = bench.count_parameters(hf_config) * 2
+    table = {}
+    for (rows, context, _), (_, _, seconds) in zip(decode, decode[1:]):
+        top = next((b for b in ROW_BUCKETS if rows <= b), None)
+        name = f"{next((b for b in reversed(ROW_BUCKETS) if b < rows), 0) + 1}-{top}" if top else f">{ROW_BUCKETS[-1]}"
+        entry = table.setdefault(name, {"steps": 0, "seconds": 0.0, "floor_seconds": 0.0})
+        entry["steps"] += 1
+        entry["seconds"] += seconds
+        if bandwidth:
+            entry["floor_seconds"] += (context * kv_bytes + weight_bytes) / bandwidth
+    for entry in table.values():
+        entry["excess_seconds"] = entry["seconds"] - entry["floor_seconds"]
+        entry.update({k: round(v, 4) for k, v in entry.items() if isinstance(v, float)})
+    return dict(sorted(table.items(), key=lambda kv: int(kv[0].strip(">").split("-")[0])))
+
+
+def run_steps(llm, prompts, params, trace: dict | None = None, decode: list | None = None) -> dict:
     """trace: {first step: (last step, file, other ranks' file with {rank})}: Chrome traces of every rank's
-    GPU over those steps."""
+    GPU over those steps. decode: a list to append (rows, context tokens, call seconds) to for each decode
+    step (see by_rows)."""
     for p, sp in zip(prompts, params):
         llm.add_request(p, sp)
     wall = defaultdict(float)
@@ -58,6 +85,8 @@ def run_steps(llm, prompts, params, trace: dict | None = None) -> dict:
             profiler.__enter__()
             if traces_ranks:
                 llm.runner.trace_ranks(rank_file)
+        running = llm.scheduler.running if decode is not None else ()
+        rows, context = len(running), sum(len(seq) for seq in running)
         t = time.perf_counter()
         stats = llm.step(finished_only=True).stats
         if profiler is not None and index == last:
@@ -72,6 +101,8 @@ def run_steps(llm, prompts, params, trace: dict | None = None) -> dict:
         kind = "prefill" if stats.num_prefill_tokens else ("decode" if stats.batch_size else "drain")
         wall[kind] += time.perf_counter() - t
         steps[kind] += 1
+        if decode is not None and kind == "decode":
+            decode.append((rows, context, time.perf_counter() - t))
     total = time.perf_counter() - start
     return {"seconds": round(total, 3), "wall_by_kind": {k: round(v, 3) for k, v in wall.items()},
             "steps_by_kind": dict(steps)}
@@ -106,8 +137,11 @@ def main() -> None:
     llm = bench.build_llm(args)
     bench.warm_up(llm, args)
     compiles = bench.watch_compiles()
+    decode = []
     record = {"gpu": bench.gpu_name(), "commit": bench.git_commit(), "model": args.model,
-              "tp": args.tensor_parallel_size, **run_steps(llm, prompts, params)}
+              "tp": args.tensor_parallel_size, **run_steps(llm, prompts, params, decode=decode)}
+    bandwidth = args.bandwidth or bench.default_bandwidth(record["gpu"])
+    record["decode_by_rows"] = by_rows(decode, llm.config.hf_config, bandwidth)
     record["kernels_compiled_in_run"], names = compiles()
     if names:
         record["kernels_compiled"] = names
