@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.attention import AttentionMetadata, ForwardContext, get_backend
+from engine.attention import AttentionMetadata, ForwardContext, get_backend, has_decode_rows
 from engine.config import EngineConfig
 from engine.layers.attention import Attention
 from engine.layers.parallel import TPGroup
@@ -225,7 +225,8 @@ class ModelRunner:
         self.ctx.meta = AttentionMetadata(
             slot_mapping=to(inputs.slot_mapping), cu_seqlens_q=to(inputs.cu_seqlens_q),
             seqlens_k=to(inputs.seqlens_k), block_tables=to(inputs.block_tables),
-            max_seqlen_q=inputs.max_seqlen_q, max_seqlen_k=inputs.max_seqlen_k, is_decode=inputs.is_decode)
+            max_seqlen_q=inputs.max_seqlen_q, max_seqlen_k=inputs.max_seqlen_k, is_decode=inputs.is_decode,
+            has_decode_rows=inputs.is_decode or has_decode_rows(inputs.cu_seqlens_q))
         try:
             return self.model(input_ids, to(inputs.positions))
         finally:

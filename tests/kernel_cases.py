@@ -350,7 +350,7 @@ def check_plan_rewritten(device: str, dtype: torch.dtype) -> dict:
 
 def check_backend_contract(device: str, dtype: torch.dtype = torch.bfloat16) -> dict:
     """TritonBackend against the engine's TorchBackend through the AttentionMetadata contract."""
-    from engine.attention import AttentionMetadata
+    from engine.attention import AttentionMetadata, has_decode_rows
     from engine.attention.torch_backend import TorchBackend
     from engine.attention.triton_backend import TritonBackend
 
@@ -366,6 +366,17 @@ def check_backend_contract(device: str, dtype: torch.dtype = torch.bfloat16) -> 
         ref = torch_backend.forward(case.q.float(), case.k_cache.float(), case.v_cache.float(), meta, case.scale)
         results[f"backend_{name}"] = (relative_error(out, ref), not out.isnan().any().item())
         results[f"reference_agrees_{name}"] = (relative_error(reference_attention(case), ref), True)
+    # a prefill-only batch (no one-token row): the prefill kernel alone, no decode order sorted for it
+    case = make_case([9, 30], [40, 30], 8, 2, 64, 16, dtype, device, seed=8)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((case.q.shape[0],), -1, dtype=torch.int32, device=device),
+        cu_seqlens_q=case.cu_seqlens_q, seqlens_k=case.seqlens_k, block_tables=case.block_tables,
+        max_seqlen_q=case.max_seqlen_q, max_seqlen_k=case.max_seqlen_k, is_decode=False,
+        has_decode_rows=has_decode_rows(case.cu_seqlens_q.cpu()))
+    out = triton_backend.forward(case.q, case.k_cache, case.v_cache, meta, case.scale)
+    ref = torch_backend.forward(case.q.float(), case.k_cache.float(), case.v_cache.float(), meta, case.scale)
+    results["backend_prefill_only"] = (relative_error(out, ref), not out.isnan().any().item())
+    results["backend_prefill_only_sorted_no_decode_order"] = (float(meta.decode_order is not None), True)
     key = torch.randn(5, 2, 64).to(dtype).to(device)
     slots = torch.tensor([3, -1, 40, 7, 100], dtype=torch.int64, device=device)
     caches = [torch.randn(10, 16, 2, 64).to(dtype).to(device) for _ in range(2)]

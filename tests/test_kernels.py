@@ -121,3 +121,13 @@ def test_kernels_match_reference_on_gpu(shape):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_decode_padding_rows_stay_finite_on_gpu():
     assert_results(check_decode_padding("cuda"))
+
+
+def test_prefill_only_steps_are_told_apart_from_steps_with_decode_rows():
+    """has_decode_rows decides whether a step launches the decode kernels: a one-token row anywhere (a
+    decode, or a one-token chunk, which the decode kernels compute) says yes, chunks of 2+ tokens no."""
+    from engine.attention import has_decode_rows
+
+    assert not has_decode_rows(torch.tensor([0, 9, 39], dtype=torch.int32))
+    assert has_decode_rows(torch.tensor([0, 9, 10, 40], dtype=torch.int32))
+    assert has_decode_rows(torch.tensor([0, 1, 2, 3], dtype=torch.int32))

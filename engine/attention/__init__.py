@@ -25,6 +25,13 @@ class AttentionMetadata:
     # sequences longest first (grid decode schedule), or the chunk table (balanced schedule)
     decode_order: torch.Tensor | None = None
     decode_plan: object | None = None
+    # some query row is one token long (decode); False lets a prefill-only step skip the decode kernels
+    has_decode_rows: bool = True
+
+
+def has_decode_rows(cu_seqlens_q: torch.Tensor) -> bool:
+    """Whether a batch's query lengths (cu_seqlens_q, on the host) include a one-token row."""
+    return bool((cu_seqlens_q[1:] - cu_seqlens_q[:-1] == 1).any())
 
 
 class ForwardContext:

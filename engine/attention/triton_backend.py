@@ -84,7 +84,8 @@ class TritonBackend:
         """The batch's sequences longest first, sorted on the device once a forward pass (by prepare, or
         the first layer; inside a CUDA graph being captured, the sort is captured with it) and kept for
         the others."""
-        if self.orders_decode and meta.decode_order is None and meta.seqlens_k.shape[0] > 1:
+        if (self.orders_decode and meta.decode_order is None and meta.seqlens_k.shape[0] > 1
+                and meta.has_decode_rows):
             meta.decode_order = decode_order(meta.seqlens_k)
         return meta.decode_order
 
@@ -98,14 +99,17 @@ class TritonBackend:
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: "AttentionMetadata", scale: float) -> torch.Tensor:
-        order = self._decode_order(meta)
-        plan = self._decode_plan(meta, k_cache.shape[2])
         if meta.is_decode:
-            return paged_decode(q, k_cache, v_cache, meta.seqlens_k, meta.block_tables,
-                                meta.max_seqlen_k, scale, schedule=self.decode_schedule, order=order, plan=plan)
+            return paged_decode(q, k_cache, v_cache, meta.seqlens_k, meta.block_tables, meta.max_seqlen_k, scale,
+                                schedule=self.decode_schedule, order=self._decode_order(meta),
+                                plan=self._decode_plan(meta, k_cache.shape[2]))
         # chunks through the prefill kernel; one-token rows of a mixed batch through split-KV decode
         out = paged_prefill(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqlens_k,
                             meta.block_tables, meta.max_seqlen_q, scale, skip_decodes=True)
+        if not meta.has_decode_rows:  # a prefill-only step: no decode launches (their host time is the cost)
+            return out
+        order = self._decode_order(meta)
+        plan = self._decode_plan(meta, k_cache.shape[2])
         return paged_decode(q, k_cache, v_cache, meta.seqlens_k, meta.block_tables, meta.max_seqlen_k,
                             scale, out=out, cu_seqlens_q=meta.cu_seqlens_q, schedule=self.decode_schedule,
                             order=order, plan=plan)
