@@ -90,17 +90,21 @@ def floor_seconds(hf_config, prompts: list[list[int]], params, bandwidth: float,
     """Bytes that must cross device memory (each generated token's context K/V once, the weights once per
     decode step, all sequences decoding together) over the bandwidth. kv_dtype_bytes: bytes of a cached
     K/V element (default dtype_bytes; 1 for an fp8 cache)."""
-    layers = hf_config.num_hidden_layers
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    kv_bytes_per_token = layers * 2 * hf_config.num_key_value_heads * head_dim * (kv_dtype_bytes or dtype_bytes)
+    kv_bytes = kv_bytes_per_token(hf_config, kv_dtype_bytes or dtype_bytes)
     context_tokens = 0
     for prompt, sp in zip(prompts, params):
         n = sp.max_tokens
         context_tokens += n * len(prompt) + n * (n - 1) // 2
     decode_steps = max(sp.max_tokens for sp in params)
     weight_bytes = count_parameters(hf_config) * dtype_bytes
-    total = context_tokens * kv_bytes_per_token + decode_steps * weight_bytes
+    total = context_tokens * kv_bytes + decode_steps * weight_bytes
     return total / (bandwidth * tensor_parallel_size)
+
+
+def kv_bytes_per_token(hf_config, kv_dtype_bytes: int = 2) -> int:
+    """Bytes of one token's cached K and V over every layer."""
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return hf_config.num_hidden_layers * 2 * hf_config.num_key_value_heads * head_dim * kv_dtype_bytes
 
 
 def count_parameters(c) -> int:

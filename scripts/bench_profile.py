@@ -46,15 +46,13 @@ def by_rows(decode: list[tuple[int, int, float]], hf_config, bandwidth: float | 
     """Decode steps (rows, context tokens read, seconds) summed by row range, with the floor of each range:
     its contexts' K/V and the weights once a step, at `bandwidth`. A step's seconds are those of the call
     after it (with async scheduling a call waits for the step launched before it)."""
-    layers = hf_config.num_hidden_layers
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    kv_bytes = layers * 2 * hf_config.num_key_value_heads * head_dim * 2
+    kv_bytes = bench.kv_bytes_per_token(hf_config)
     weight_bytes = bench.count_parameters(hf_config) * 2
-    table = {}
+    ranges = [(low + 1, high) for low, high in zip((0,) + ROW_BUCKETS, ROW_BUCKETS)]
+    names = [f"{low}-{high}" for low, high in ranges] + [f">{ROW_BUCKETS[-1]}"]
+    table = {name: {"steps": 0, "seconds": 0.0, "floor_seconds": 0.0} for name in names}
     for (rows, context, _), (_, _, seconds) in zip(decode, decode[1:]):
-        top = next((b for b in ROW_BUCKETS if rows <= b), None)
-        name = f"{next((b for b in reversed(ROW_BUCKETS) if b < rows), 0) + 1}-{top}" if top else f">{ROW_BUCKETS[-1]}"
-        entry = table.setdefault(name, {"steps": 0, "seconds": 0.0, "floor_seconds": 0.0})
+        entry = table[next((n for n, (_, high) in zip(names, ranges) if rows <= high), names[-1])]
         entry["steps"] += 1
         entry["seconds"] += seconds
         if bandwidth:
@@ -62,7 +60,7 @@ def by_rows(decode: list[tuple[int, int, float]], hf_config, bandwidth: float | 
     for entry in table.values():
         entry["excess_seconds"] = entry["seconds"] - entry["floor_seconds"]
         entry.update({k: round(v, 4) for k, v in entry.items() if isinstance(v, float)})
-    return dict(sorted(table.items(), key=lambda kv: int(kv[0].strip(">").split("-")[0])))
+    return {name: entry for name, entry in table.items() if entry["steps"]}
 
 
 def run_steps(llm, prompts, params, trace: dict | None = None, decode: list | None = None) -> dict:
