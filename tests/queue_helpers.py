@@ -95,13 +95,18 @@ def worker_thread(url: str, queue: str, engine, metrics=None, **settings):
         assert exit_code == [0]
 
 
+# worker logs live until the test session ends, so a failing test can still print one
+_WORKER_LOGS = tempfile.TemporaryDirectory(prefix="redline-worker-logs-")
+
+
 def start_worker_process(url: str, queue: str, name: str, *extra: str) -> subprocess.Popen:
     """`python -m worker` on the tiny model, as a separate process."""
     cmd = [sys.executable, "-m", "worker", "--model", TINY_MODEL_DIR, "--load-format", "dummy", "--device", "cpu",
            "--redis-url", url, "--queue", queue, "--worker-name", name, "--log-level", "WARNING", *extra]
     # one torch thread per worker: several workers share the CI machine's few cores
     env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    log = tempfile.NamedTemporaryFile("w+", prefix=f"redline-worker-{name}-", suffix=".log", delete=False)
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"redline-worker-{name}-", suffix=".log", delete=False,
+                                      dir=_WORKER_LOGS.name)
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     proc.log_path = log.name
     return proc
