@@ -54,6 +54,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--models", default="", help="only these models of SHAPES, e.g. 8B-tp2,8B")
     parser.add_argument("--m-values", default="", help="rows to time, e.g. 32,64,128,256 (default: 1..256)")
     parser.add_argument("--sweep-max-m", type=int, default=64, help="sweep configs up to this many rows")
+    parser.add_argument("--large-splits", default="",
+                        help="past 64 rows, sweep each tile with these K splits, e.g. 1,2,4 (default: the heuristic's)")
     return parser.parse_args()
 
 
@@ -94,7 +96,8 @@ LARGE_M_SWEEP = [
     SkinnyConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st, use_dot=True, swap_ab=False)
     for bm, bn, bk, w, st in [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 4, 3), (64, 128, 128, 8, 3),
                               (128, 64, 64, 4, 4), (128, 64, 128, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 3),
-                              (64, 256, 64, 8, 3), (128, 256, 64, 8, 3), (64, 64, 256, 4, 3), (32, 128, 128, 4, 4)]
+                              (64, 256, 64, 8, 3), (128, 256, 64, 8, 3), (64, 64, 256, 4, 3), (32, 128, 128, 4, 4),
+                              (64, 128, 64, 4, 6), (128, 128, 64, 8, 5), (64, 64, 128, 4, 5)]
 ]
 REDUCE_SWEEP_MAX_M = 8
 REDUCE_MAX_TILE = 16384  # block_m * block_n * block_k of the reduce path's broadcast product
@@ -108,7 +111,10 @@ def sweep_configs(M: int, N: int, K: int, num_sms: int, heuristic: SkinnyConfig)
     if M <= REDUCE_SWEEP_MAX_M:
         m_pad = triton.next_power_of_2(M)
         tried = [c for c in REDUCE_SWEEP if m_pad * c.block_n * c.block_k <= REDUCE_MAX_TILE] + tried
-    candidates += [replace(c, split_k=choose_split_k(M, N, K, c, num_sms)) for c in tried]
+    if M > 64 and ARGS.large_splits:
+        candidates += [replace(c, split_k=int(s)) for c in tried for s in ARGS.large_splits.split(",")]
+    else:
+        candidates += [replace(c, split_k=choose_split_k(M, N, K, c, num_sms)) for c in tried]
     configs, seen = [], {heuristic.name}
     for config in candidates:
         if config.name not in seen:
