@@ -78,8 +78,10 @@ def run_steps(llm, prompts, params, trace: dict | None = None, decode: list | No
     while llm.has_unfinished():
         if trace and index in trace:
             last, file, rank_file = trace[index]
-            activity = torch.profiler.ProfilerActivity.CUDA if torch.cuda.is_available() else torch.profiler.ProfilerActivity.CPU
-            profiler = torch.profiler.profile(activities=[activity])
+            activities = [torch.profiler.ProfilerActivity.CPU]  # the host's annotated phases (annotate_host)
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            profiler = torch.profiler.profile(activities=activities)
             profiler.__enter__()
             if traces_ranks:
                 llm.runner.trace_ranks(rank_file)
@@ -104,6 +106,23 @@ def run_steps(llm, prompts, params, trace: dict | None = None, decode: list | No
     total = time.perf_counter() - start
     return {"seconds": round(total, 3), "wall_by_kind": {k: round(v, 3) for k, v in wall.items()},
             "steps_by_kind": dict(steps)}
+
+
+HOST_PHASES = (("scheduler", "schedule"), ("runner", "prepare_inputs"), ("runner", "launch"), ("", "_collect"),
+               ("", "_sampling_tensors"))
+
+
+def annotate_host(llm) -> None:
+    """Name the engine's host phases in traces: each method of HOST_PHASES runs inside a profiler range
+    ("host: schedule", ...), which trace_summary.py --gaps matches against the device's idle stretches."""
+    for owner_name, method in HOST_PHASES:
+        owner = getattr(llm, owner_name) if owner_name else llm
+        inner = getattr(owner, method)
+
+        def wrapped(*args, _inner=inner, _label=f"host: {method}", **kwargs):
+            with torch.profiler.record_function(_label):
+                return _inner(*args, **kwargs)
+        setattr(owner, method, wrapped)
 
 
 def step_ranges(text: str) -> list[tuple[int, int]]:
@@ -164,6 +183,7 @@ def main() -> None:
         tp = args.tensor_parallel_size
         trace = {a: (b, out / f"trace_tp{tp}_steps{a}-{b}.json", str(out / f"trace_tp{tp}_rank{{rank}}_steps{a}-{b}.json"))
                  for a, b in args.trace}
+        annotate_host(llm)
         record["traced_seconds"] = run_steps(llm, prompts, params, trace)["seconds"]
     print(json.dumps(record), flush=True)
     shutdown = getattr(llm, "shutdown", None)

@@ -29,6 +29,9 @@ def main() -> None:
     parser.add_argument("trace")
     parser.add_argument("--timeline", type=int, default=40, help="events of the main stream to list in order")
     parser.add_argument("--skip", type=int, default=0, help="main-stream events to skip before the listing")
+    parser.add_argument("--gaps", type=int, default=0,
+                        help="list this many of the main stream's longest idle stretches, with the host's "
+                             "annotated phases (bench_profile.annotate_host) that overlap each")
     args = parser.parse_args()
     events = gpu_events(args.trace)
     if not events:
@@ -56,11 +59,39 @@ def main() -> None:
     mains = by_stream[main_stream]
     gaps = sum(max(0.0, b["ts"] - (a["ts"] + a["dur"])) for a, b in zip(mains, mains[1:]))
     print(f"main stream idle between its events: {gaps / 1e3:.2f} ms")
+    if args.gaps:
+        print_gaps(args.trace, mains, args.gaps)
     t0 = mains[min(args.skip, len(mains) - 1)]["ts"]
     print("timeline (start us from the first listed event, duration us, stream, name):")
     listed = [e for e in events if e["ts"] >= t0][:args.timeline]
     for e in listed:
         print(f"  {e['ts'] - t0:9.1f} {e['dur']:8.1f}  s{e['args'].get('stream')}  {e['name'][:100]}")
+
+
+def print_gaps(path: str, mains: list[dict], count: int) -> None:
+    """The longest idle stretches between the main stream's events, each with the device events around it
+    and the host's annotated phases running during it (their overlap in ms)."""
+    with open(path) as f:
+        host = [e for e in json.load(f)["traceEvents"]
+                if e.get("cat") == "user_annotation" and "dur" in e and e["name"].startswith("host: ")]
+    gaps = sorted(((b["ts"] - (a["ts"] + a["dur"]), a, b) for a, b in zip(mains, mains[1:])),
+                  key=lambda g: -g[0])[:count]
+    t0 = mains[0]["ts"]
+    print(f"longest idle stretches of the main stream (ms from its first event):")
+    for idle, before, after in gaps:
+        start, end = before["ts"] + before["dur"], after["ts"]
+        overlap = defaultdict(float)
+        for e in host:
+            overlap[e["name"]] += max(0.0, min(end, e["ts"] + e["dur"]) - max(start, e["ts"]))
+        during = ", ".join(f"{name[6:]} {us / 1e3:.2f}" for name, us in sorted(overlap.items(), key=lambda kv: -kv[1])
+                           if us > 0) or "no annotated phase"
+        print(f"  at {(start - t0) / 1e3:8.2f}: {idle / 1e3:6.2f} ms idle after {label(before)} "
+              f"before {label(after)}; host: {during}")
+    total = defaultdict(float)
+    for e in host:
+        total[e["name"]] += e["dur"]
+    print("host phases in the trace: " + ", ".join(f"{name[6:]} {us / 1e3:.2f} ms" for name, us in
+                                                     sorted(total.items(), key=lambda kv: -kv[1])))
 
 
 if __name__ == "__main__":
