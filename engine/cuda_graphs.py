@@ -6,8 +6,12 @@ the graph also does what used to be launched one kernel at a time around it: the
 previous step sampled take it from the device, and after the layers it runs the LM head and samples
 (greedy or Gumbel-max, engine/kernels/sampling.py). So a decode step is one copy in, one replay and one
 copy of the tokens out. Under tensor parallelism the graphs hold the layers only, as before.
+
+On one GPU, a prefill step of one sequence of up to 2,048 tokens replays a graph too (PrefillGraphs).
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import torch
@@ -189,3 +193,107 @@ class DecodeGraphs:
         self.graphs[bs].replay()
         self._tokens_sampled = self.tokens[:n]
         return self._tokens_sampled, self.logits[bs][:n]
+
+
+PREFILL_GRAPH_TOKENS = [16, 32, 64, 128, 256, 512, 1024, 2048]
+
+
+def prefill_graph_size(num_tokens: int, sizes: list[int]) -> int | None:
+    """The smallest captured token count that holds a prefill of num_tokens, or None past the largest."""
+    return next((s for s in sizes if s >= num_tokens), None)
+
+
+def prefill_graphs_setting() -> bool:
+    """REDLINE_PREFILL_GRAPHS=0 turns the prefill graphs off (for measurements); they are on by default."""
+    value = os.environ.get("REDLINE_PREFILL_GRAPHS", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"REDLINE_PREFILL_GRAPHS must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def fill_padded_prefill(a: dict[str, np.ndarray], inputs, size: int) -> None:
+    """One sequence's prefill inputs as a graph of `size` tokens reads them: rows past its n tokens take
+    token 0, position 0 and slot -1 (nothing stored); the query lengths count the n rows only."""
+    n = len(inputs.input_ids)
+    a["input_ids"][:n] = inputs.input_ids.numpy()
+    a["positions"][:n] = inputs.positions.numpy()
+    a["slot_mapping"][:n] = inputs.slot_mapping.numpy()
+    a["input_ids"][n:size] = a["positions"][n:size] = 0
+    a["slot_mapping"][n:size] = -1
+    a["cu_seqlens_q"][:] = (0, n)
+    a["seqlens_k"][0] = int(inputs.seqlens_k[0])
+    width = inputs.block_tables.shape[1]
+    a["block_tables"][:width] = inputs.block_tables[0].numpy()
+
+
+class PrefillGraphs:
+    """CUDA graphs for a prefill step of one sequence (a lone prompt, or one chunk of it), one per padded
+    token count, replayed over static buffers.
+
+    An eager prefill launches ~12 kernels a layer from Python, ~40 µs of host time each; for a short
+    prompt that host time is the whole first token (the device needs ~2 ms of a ~15 ms prefill of 512
+    tokens). The graphs hold the layers only: the LM head and the sampler run after them as for any
+    prefill. Padding rows (fill_padded_prefill) store nothing, and no row of the real sequence reads
+    them: the attention covers the sequence's query rows only, and every other kernel works row by row.
+    """
+
+    def __init__(self, runner):
+        cfg = runner.config
+        self.runner = runner
+        limit = min(cfg.max_num_batched_tokens, cfg.max_model_len)
+        self.sizes = [s for s in PREFILL_GRAPH_TOKENS if s <= limit]
+        self.max_tokens = max_t = self.sizes[-1] if self.sizes else 0
+        self.max_blocks = cfg.max_blocks_per_seq
+        self.max_model_len = cfg.max_model_len
+        i64, i32 = torch.int64, torch.int32
+        self.buffer = StepBuffer([("input_ids", i64, max_t), ("positions", i64, max_t), ("slot_mapping", i64, max_t),
+                                  ("cu_seqlens_q", i32, 2), ("seqlens_k", i32, 1),
+                                  ("block_tables", i32, self.max_blocks)], runner.device)
+        a = self.buffer.arrays
+        self.input_ids, self.positions, self.slot_mapping = a["input_ids"], a["positions"], a["slot_mapping"]
+        self.cu_seqlens_q, self.seqlens_k = a["cu_seqlens_q"], a["seqlens_k"]
+        self.block_tables = a["block_tables"].view(1, self.max_blocks)
+        self.slot_mapping.fill_(-1)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.replays = 0
+        self._capture_all()
+
+    def _meta(self, num_tokens: int) -> AttentionMetadata:
+        return AttentionMetadata(self.slot_mapping[:num_tokens], self.cu_seqlens_q, self.seqlens_k, self.block_tables,
+                                 num_tokens, self.max_model_len, False, has_decode_rows=False)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        ctx, model = self.runner.ctx, self.runner.model
+        pool = None
+        for size in reversed(self.sizes):  # largest first, so smaller graphs fit in its memory pool
+            # warm up over a valid sequence of every row, whose slots are nowhere (nothing is stored)
+            self.cu_seqlens_q.copy_(torch.tensor([0, size], dtype=torch.int32))
+            self.seqlens_k.fill_(size)
+            ctx.meta = self._meta(size)
+            model(self.input_ids[:size], self.positions[:size])  # warm-up: compile kernels outside capture
+            ctx.meta = self._meta(size)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                self.outputs[size] = model(self.input_ids[:size], self.positions[:size])
+            pool = pool or graph.pool()
+            self.graphs[size] = graph
+            torch.cuda.synchronize()
+        ctx.meta = None
+
+    def fits(self, inputs) -> bool:
+        """One sequence's prompt tokens (more than one), no longer than the largest graph."""
+        return (len(inputs.seqlens_k) == 1 and 1 < len(inputs.input_ids) <= self.max_tokens
+                and inputs.block_tables.shape[1] <= self.max_blocks)
+
+    def replay(self, inputs, input_ids: torch.Tensor) -> torch.Tensor:
+        """Hidden states of the step's tokens; input_ids already on the device, pending tokens filled in."""
+        n = len(inputs.input_ids)
+        size = prefill_graph_size(n, self.sizes)
+        fill_padded_prefill(self.buffer.host(), inputs, size)
+        self.buffer.upload(self.buffer.offsets["block_tables"] + inputs.block_tables.shape[1] * 4)
+        self.input_ids[:n].copy_(input_ids)
+        self.graphs[size].replay()
+        self.replays += 1
+        return self.outputs[size][:n]

@@ -69,6 +69,7 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self.ctx = ForwardContext(get_backend(config.attention_backend, self.device, self.kv_dtype))
         self.graphs = None  # decode CUDA graphs, captured once the KV cache exists
+        self.prefill_graphs = None  # one sequence's prefill steps, on one GPU
         self.last_sampled = torch.empty(0, dtype=torch.int64, device=self.device)
         hf = config.hf_config
         with torch.device(self.device):
@@ -83,10 +84,13 @@ class ModelRunner:
             self.capture_graphs()
 
     def capture_graphs(self) -> None:
-        """Decode CUDA graphs, where the device and backend allow (tensor-parallel ranks call this together)."""
+        """Decode CUDA graphs, where the device and backend allow (tensor-parallel ranks call this together),
+        and on one GPU the graphs of one sequence's prefill steps."""
         if self.device.type == "cuda" and not self.config.enforce_eager and getattr(self.ctx.backend, "supports_cuda_graphs", False):
-            from engine.cuda_graphs import DecodeGraphs
+            from engine.cuda_graphs import DecodeGraphs, PrefillGraphs, prefill_graphs_setting
             self.graphs = DecodeGraphs(self)
+            if self.tp.size == 1 and prefill_graphs_setting():
+                self.prefill_graphs = PrefillGraphs(self)
 
     # ---- KV cache ---------------------------------------------------------------------------------
 
@@ -222,6 +226,8 @@ class ModelRunner:
             input_ids[to(inputs.pending_rows)] = self._pending_tokens(to(inputs.pending_src))
         if self.graphs is not None and inputs.is_decode and self.graphs.fits(inputs):
             return self.graphs.replay(inputs, input_ids)
+        if self.prefill_graphs is not None and not inputs.is_decode and self.prefill_graphs.fits(inputs):
+            return self.prefill_graphs.replay(inputs, input_ids)
         self.ctx.meta = AttentionMetadata(
             slot_mapping=to(inputs.slot_mapping), cu_seqlens_q=to(inputs.cu_seqlens_q),
             seqlens_k=to(inputs.seqlens_k), block_tables=to(inputs.block_tables),

@@ -377,6 +377,17 @@ def check_backend_contract(device: str, dtype: torch.dtype = torch.bfloat16) -> 
     ref = torch_backend.forward(case.q.float(), case.k_cache.float(), case.v_cache.float(), meta, case.scale)
     results["backend_prefill_only"] = (relative_error(out, ref), not out.isnan().any().item())
     results["backend_prefill_only_sorted_no_decode_order"] = (float(meta.decode_order is not None), True)
+    # one sequence padded as a prefill graph holds it: more query rows than the sequence has, which the
+    # kernel must neither attend for it nor let change the sequence's own rows
+    case = make_case([21], [37], 8, 2, 64, 16, dtype, device, seed=9)
+    noise = torch.randn(11, *case.q.shape[1:], generator=torch.Generator().manual_seed(9)).to(dtype).to(device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((32,), -1, dtype=torch.int32, device=device), cu_seqlens_q=case.cu_seqlens_q,
+        seqlens_k=case.seqlens_k, block_tables=case.block_tables, max_seqlen_q=32, max_seqlen_k=case.max_seqlen_k,
+        is_decode=False, has_decode_rows=False)
+    padded = triton_backend.forward(torch.cat([case.q, noise]), case.k_cache, case.v_cache, meta, case.scale)[:21]
+    ref = torch_backend.forward(case.q.float(), case.k_cache.float(), case.v_cache.float(), meta, case.scale)
+    results["backend_prefill_padded"] = (relative_error(padded, ref), not padded.isnan().any().item())
     key = torch.randn(5, 2, 64).to(dtype).to(device)
     slots = torch.tensor([3, -1, 40, 7, 100], dtype=torch.int64, device=device)
     caches = [torch.randn(10, 16, 2, 64).to(dtype).to(device) for _ in range(2)]

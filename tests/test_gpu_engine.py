@@ -192,3 +192,46 @@ def test_decode_graphs_that_sample_give_the_tokens_of_eager_steps(gpu_checkpoint
         gc.collect()
     assert results[False] == results[True]
     assert len({tuple(t) for t, _ in results[False][1]}) > 1, "four prompts sampled four times alike"
+
+
+def test_prefill_graphs_give_the_logits_of_eager_prefills(gpu_checkpoint, free_gpu):
+    """On one GPU a lone sequence's prefill replays a CUDA graph of its token count padded to a captured
+    size. Its logits match the eager prefill's on the same engine (the padded projections may round
+    differently: within bf16 noise), for whole prompts and for a prompt's tail over its cached prefix,
+    and generations of one prompt at a time take the graphs."""
+    from engine.model_runner import StepInputs
+
+    llm = LLM(str(gpu_checkpoint), device="cuda", dtype="bfloat16", max_model_len=1024, max_num_seqs=4)
+    runner = llm.runner
+    graphs = runner.prefill_graphs
+    assert graphs is not None and graphs.sizes[-1] == 1024
+    block = runner.block_size
+
+    def both(inputs):  # (graph, eager) logits of the same step
+        before = graphs.replays
+        with torch.inference_mode():
+            replayed = runner.compute_logits(runner.forward(inputs), inputs).float()
+            runner.prefill_graphs = None
+            eager = runner.compute_logits(runner.forward(inputs), inputs).float()
+            runner.prefill_graphs = graphs
+        assert graphs.replays == before + 1
+        return replayed, eager
+
+    cases = []
+    for prompt in _prompts(n=6, seed=5):
+        cases.append(both(_prefill_inputs([prompt], block, -(-len(prompt) // block))))
+        if len(prompt) > block + 1:  # the tokens past the first block, over the first block in the cache
+            whole = _prefill_inputs([prompt], block, -(-len(prompt) // block))
+            n = len(prompt) - block
+            tail = StepInputs(whole.input_ids[block:], whole.positions[block:], whole.slot_mapping[block:],
+                              torch.tensor([0, n], dtype=torch.int32), whole.seqlens_k, whole.block_tables,
+                              n, len(prompt), torch.tensor([n - 1]))
+            cases.append(both(tail))
+    errors = [float((g - e).norm() / e.norm()) for g, e in cases]
+    same = sum(int(g.argmax() == e.argmax()) for g, e in cases)
+    print("prefill graph against eager, relative error:", errors)
+    assert len(cases) >= 8 and max(errors) < 1e-2 and same >= len(cases) - 1
+    before = graphs.replays
+    outs = [llm.generate(p, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)[0]
+            for p in _prompts(n=2, seed=6)]
+    assert graphs.replays == before + 2 and all(len(o.token_ids) == MAX_NEW for o in outs)
