@@ -66,8 +66,8 @@ def _padded_forward(runner, inputs: StepInputs, size: int, max_blocks: int) -> t
 
 
 def test_a_prefill_padded_as_its_graph_holds_it_gives_the_unpadded_rows_and_stores_nothing_more(qwen3_checkpoint):
-    llm = LLM(str(qwen3_checkpoint), device="cpu", dtype="float32", kvcache_block_size=BLOCK, num_kvcache_blocks=16, max_model_len=64,
-              enforce_eager=True)
+    llm = LLM(str(qwen3_checkpoint), device="cpu", dtype="float32", kvcache_block_size=BLOCK, num_kvcache_blocks=16,
+              max_model_len=64, enforce_eager=True)
     runner = llm.runner
     # no NaN bit patterns from the allocation (unequal to themselves), and no zeros that a padding row's
     # K/V (token 0's embedding is zero in these checkpoints) would leave unchanged
