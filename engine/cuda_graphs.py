@@ -242,7 +242,9 @@ class PrefillGraphs:
         self.runner = runner
         limit = min(cfg.max_num_batched_tokens, cfg.max_model_len)
         self.sizes = [s for s in PREFILL_GRAPH_TOKENS if s <= limit]
-        self.max_tokens = max_t = self.sizes[-1] if self.sizes else 0
+        if not self.sizes:
+            raise ValueError(f"no prefill graph fits in {limit} tokens (the smallest holds {PREFILL_GRAPH_TOKENS[0]})")
+        self.max_tokens = max_t = self.sizes[-1]
         self.max_blocks = cfg.max_blocks_per_seq
         self.max_model_len = cfg.max_model_len
         i64, i32 = torch.int64, torch.int32
