@@ -54,6 +54,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--models", default="", help="only these models of SHAPES, e.g. 8B-tp2,8B")
     parser.add_argument("--m-values", default="", help="rows to time, e.g. 32,64,128,256 (default: 1..256)")
     parser.add_argument("--sweep-max-m", type=int, default=64, help="sweep configs up to this many rows")
+    parser.add_argument("--sweep-graphs", action="store_true",
+                        help="time every sweep config in a CUDA graph (as a decode step runs it) and pick the best "
+                             "by that; plain timing counts a split's second launch and its partials' allocation")
     parser.add_argument("--large-splits", default="",
                         help="past 64 rows, sweep each tile with these K splits, e.g. 1,2,4 (default: the heuristic's)")
     return parser.parse_args()
@@ -227,6 +230,15 @@ def measure_sweep(p: Problem, row: dict, num_sms: int) -> None:
     heuristic = choose_config(p.M, p.N, p.K, num_sms)
     configs = {c.name: c for c in sweep_configs(p.M, p.N, p.K, num_sms, heuristic)}
     results = [try_skinny(c, p.x, p.w, p.ref) for c in configs.values()]
+    if ARGS.sweep_graphs:  # replace each plain time by the graph time
+        for r in results:
+            if "us" in r:
+                gemm = functools.partial(skinny_linear, config=configs[r["config"]])
+                us, error = guarded(lambda: graph_us(gemm, p.x, p.weights))
+                r.pop("us")
+                r.update({"us": us} if us is not None else {"error": error})
+        if row["skinny_graph_us"] is not None:
+            row["skinny_us"] = row["skinny_graph_us"]
     row["sweep"] = {r["config"]: r.get("us", r.get("error")) for r in results}
     timed = [r for r in results if "us" in r]
     if row["skinny_us"] is not None:
