@@ -198,6 +198,12 @@ class DecodeGraphs:
 PREFILL_GRAPH_TOKENS = [16, 32, 64, 128, 256, 512, 1024, 2048]
 
 
+def prefill_graph_sizes(config) -> list[int]:
+    """The token counts to capture: those no larger than the step's token budget or the context."""
+    limit = min(config.max_num_batched_tokens, config.max_model_len)
+    return [s for s in PREFILL_GRAPH_TOKENS if s <= limit]
+
+
 def prefill_graph_size(num_tokens: int, sizes: list[int]) -> int | None:
     """The smallest captured token count that holds a prefill of num_tokens, or None past the largest."""
     return next((s for s in sizes if s >= num_tokens), None)
@@ -237,14 +243,12 @@ class PrefillGraphs:
     them: the attention covers the sequence's query rows only, and every other kernel works row by row.
     """
 
-    def __init__(self, runner):
+    def __init__(self, runner, sizes: list[int]):
+        """sizes: the token counts to capture (prefill_graph_sizes), at least one."""
         cfg = runner.config
         self.runner = runner
-        limit = min(cfg.max_num_batched_tokens, cfg.max_model_len)
-        self.sizes = [s for s in PREFILL_GRAPH_TOKENS if s <= limit]
-        if not self.sizes:
-            raise ValueError(f"no prefill graph fits in {limit} tokens (the smallest holds {PREFILL_GRAPH_TOKENS[0]})")
-        self.max_tokens = max_t = self.sizes[-1]
+        self.sizes = sizes
+        self.max_tokens = max_t = sizes[-1]
         self.max_blocks = cfg.max_blocks_per_seq
         self.max_model_len = cfg.max_model_len
         i64, i32 = torch.int64, torch.int32

@@ -87,11 +87,11 @@ class ModelRunner:
         """Decode CUDA graphs, where the device and backend allow (tensor-parallel ranks call this together),
         and on one GPU the graphs of one sequence's prefill steps."""
         if self.device.type == "cuda" and not self.config.enforce_eager and getattr(self.ctx.backend, "supports_cuda_graphs", False):
-            from engine.cuda_graphs import PREFILL_GRAPH_TOKENS, DecodeGraphs, PrefillGraphs, prefill_graphs_setting
+            from engine.cuda_graphs import DecodeGraphs, PrefillGraphs, prefill_graph_sizes, prefill_graphs_setting
             self.graphs = DecodeGraphs(self)
-            smallest = min(self.config.max_num_batched_tokens, self.config.max_model_len) >= PREFILL_GRAPH_TOKENS[0]
-            if self.tp.size == 1 and smallest and prefill_graphs_setting():
-                self.prefill_graphs = PrefillGraphs(self)
+            sizes = prefill_graph_sizes(self.config)
+            if self.tp.size == 1 and sizes and prefill_graphs_setting():
+                self.prefill_graphs = PrefillGraphs(self, sizes)
 
     # ---- KV cache ---------------------------------------------------------------------------------
 

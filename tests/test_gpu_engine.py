@@ -124,6 +124,25 @@ def test_greedy_tokens_equal_transformers_bf16_up_to_near_ties(gpu_checkpoint, h
     assert all(g < 0.1 for g in gaps), f"a divergence that is no near-tie: gaps {sorted(gaps)}"
 
 
+def _tokens_under_each(gpu_checkpoint, monkeypatch, variable: str, values: tuple[str, ...], prompts,
+                       check=None, **engine_kwargs) -> dict[str, list[list[int]]]:
+    """Tokens of sampled (seeded) and greedy requests, alternating, from an engine with CUDA graphs built
+    under each value of an environment variable; check(llm, value) runs on each engine first."""
+    params = [SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=MAX_NEW)
+              for i in range(len(prompts))]
+    tokens = {}
+    for value in values:
+        monkeypatch.setenv(variable, value)
+        llm = LLM(str(gpu_checkpoint), device="cuda", dtype="bfloat16", max_model_len=1024, **engine_kwargs)
+        assert llm.runner.graphs is not None
+        if check is not None:
+            check(llm, value)
+        tokens[value] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        del llm
+        gc.collect()
+    return tokens
+
+
 def test_programmatic_dependent_launch_keeps_every_token(gpu_checkpoint, monkeypatch, free_gpu):
     """REDLINE_PDL changes when the decode kernels start, never what they compute: with CUDA graphs and
     small batches (GEMV projections, here up to 8 rows), sampled (seeded) and greedy tokens equal those
@@ -131,16 +150,8 @@ def test_programmatic_dependent_launch_keeps_every_token(gpu_checkpoint, monkeyp
     from engine.kernels import gemv
 
     monkeypatch.setattr(gemv, "max_rows", lambda: 8)  # as REDLINE_GEMV_MAX_ROWS=8 would
-    prompts = _prompts(n=24, seed=5)
-    params = [SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=MAX_NEW) for i in range(len(prompts))]
-    tokens = {}
-    for pdl in ("0", "1"):
-        monkeypatch.setenv("REDLINE_PDL", pdl)
-        llm = LLM(str(gpu_checkpoint), device="cuda", dtype="bfloat16", max_model_len=1024, max_num_seqs=8)
-        assert llm.runner.graphs is not None
-        tokens[pdl] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        del llm
-        gc.collect()
+    tokens = _tokens_under_each(gpu_checkpoint, monkeypatch, "REDLINE_PDL", ("0", "1"), _prompts(n=24, seed=5),
+                                max_num_seqs=8)
     assert tokens["1"] == tokens["0"]
 
 
@@ -150,21 +161,16 @@ def test_graph_edges_opened_at_launch_keep_every_token(gpu_checkpoint, monkeypat
     of batches past the GEMV's rows had edges moved (from the GEMMs)."""
     from engine.kernels import gemv
 
-    prompts = _prompts(n=32, seed=11)
-    params = [SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=MAX_NEW) for i in range(len(prompts))]
-    tokens = {}
-    for edges in ("capture", "launch"):
-        monkeypatch.setenv("REDLINE_GRAPH_EDGES", edges)
-        llm = LLM(str(gpu_checkpoint), device="cuda", dtype="bfloat16", max_model_len=1024, max_num_seqs=32)
+    def check(llm, edges):
         moved = llm.runner.graphs.edges_moved
         if edges == "launch":
             past_gemv = [bs for bs in llm.runner.graphs.sizes if bs > gemv.max_rows()]
             assert past_gemv and all(sum(moved[bs].values()) > 0 for bs in past_gemv), moved
         else:
             assert moved == {}
-        tokens[edges] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        del llm
-        gc.collect()
+
+    tokens = _tokens_under_each(gpu_checkpoint, monkeypatch, "REDLINE_GRAPH_EDGES", ("capture", "launch"),
+                                _prompts(n=32, seed=11), check=check, max_num_seqs=32)
     assert tokens["launch"] == tokens["capture"]
 
 

@@ -6,13 +6,16 @@ stores nothing for the padding.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
 from engine import LLM
 from engine.attention import AttentionMetadata
-from engine.cuda_graphs import PREFILL_GRAPH_TOKENS, fill_padded_prefill, prefill_graph_size, prefill_graphs_setting
+from engine.cuda_graphs import (PREFILL_GRAPH_TOKENS, fill_padded_prefill, prefill_graph_size, prefill_graph_sizes,
+                                prefill_graphs_setting)
 from engine.model_runner import StepInputs
 
 BLOCK = 8
@@ -24,6 +27,15 @@ def test_a_prefill_takes_the_smallest_graph_that_holds_it():
     assert prefill_graph_size(17, PREFILL_GRAPH_TOKENS) == 32
     assert prefill_graph_size(2048, PREFILL_GRAPH_TOKENS) == 2048
     assert prefill_graph_size(2049, PREFILL_GRAPH_TOKENS) is None
+
+
+def test_the_graphs_captured_are_those_within_the_token_budget_and_the_context():
+    def sizes(budget, context):
+        return prefill_graph_sizes(SimpleNamespace(max_num_batched_tokens=budget, max_model_len=context))
+    assert sizes(16384, 4096) == PREFILL_GRAPH_TOKENS
+    assert sizes(16384, 64) == [16, 32, 64]
+    assert sizes(100, 4096) == [16, 32, 64]
+    assert sizes(8, 4096) == []  # no graph: the runner keeps every prefill eager
 
 
 def test_prefill_graphs_setting_rejects_what_is_not_0_or_1(monkeypatch):
