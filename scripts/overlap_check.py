@@ -16,6 +16,10 @@ blocks) and with the projections through engine/kernels/skinny_gemm.py (less sha
   green<N>   pingpong with both halves' attention on a stream of a CUDA green context of N SMs, so the
              other SMs stay free for the projections (on ordinary streams); --green lists the Ns;
              attention_green<N> is the attention alone there; *_eager the same launched without a graph.
+  rest_half_green<M>  a half batch's projections alone on a green context of M SMs (the SMs a pingpong
+             leaves them when the attention has the rest).
+--trace DIR profiles one replay of the first batch's pingpong graphs (plain and green) and prints how much
+of the projections' kernel time runs beside an attention kernel, and the kernels of two middle layers.
 Prints a table and one JSON line of ms per step (median of 5 rounds of 20 replays).
 """
 from __future__ import annotations
@@ -154,11 +158,12 @@ def step_pingpong(layers, kv, xs, ress, bs, cos, sin, streams, attn_streams):
     return xs, ress
 
 
-def green_stream(num_sms: int):
+def green_stream(num_sms: int, workqueue_scope: str | None = None):
     """(context, stream): a stream whose kernels run on num_sms SMs only (keep the context alive)."""
     from torch.cuda import green_contexts
 
-    ctx = green_contexts.GreenContext.create(num_sms=num_sms)
+    kwargs = {"workqueue_scope": workqueue_scope} if workqueue_scope else {}
+    ctx = green_contexts.GreenContext.create(num_sms=num_sms, **kwargs)
     if hasattr(ctx, "Stream"):
         return ctx, ctx.Stream()
     ctx.set_context()  # older API: the context's stream becomes the current stream
@@ -210,6 +215,73 @@ def graph_ms(fn) -> float:
     return statistics.median(rounds)
 
 
+def captured(fn) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph
+
+
+def union_us(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def intersection_us(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
+    total = 0.0
+    for a, b in xs:
+        for c, d in ys:
+            total += max(0.0, min(b, d) - max(a, c))
+    return total
+
+
+def trace_replay(fn, path: str, label: str, layers: int) -> dict:
+    """Profile one replay of fn's graph; how much projection time runs beside attention, and two layers."""
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = captured(fn)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    os.makedirs(path, exist_ok=True)
+    out = os.path.join(path, f"{label}.json")
+    prof.export_chrome_trace(out)
+    with open(out) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+    events.sort(key=lambda e: e["ts"])
+    t0 = events[0]["ts"]
+    attn = [(e["ts"] - t0, e["ts"] - t0 + e["dur"]) for e in events if "fused_decode" in e["name"]]
+    rest = [(e["ts"] - t0, e["ts"] - t0 + e["dur"]) for e in events if "fused_decode" not in e["name"]]
+    attn_u, rest_u = union_us(attn), union_us(rest)
+    span = events[-1]["ts"] + events[-1]["dur"] - t0
+    summary = {"span_us": round(span, 1), "attention_busy_us": round(sum(b - a for a, b in attn_u), 1),
+               "rest_busy_us": round(sum(b - a for a, b in rest_u), 1),
+               "rest_beside_attention_us": round(intersection_us(rest_u, attn_u), 1),
+               "kernels": len(events)}
+    print(label, summary, flush=True)
+    per_layer = len(events) // layers
+    mid = layers // 2 * per_layer
+    for e in events[mid:mid + 2 * per_layer]:
+        print(f"  {label} stream {e['args'].get('stream')} {e['ts'] - t0:10.1f} +{e['dur']:7.1f}  {e['name'][:60]}")
+    del graph
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", default="256,128")
@@ -218,9 +290,13 @@ def main() -> None:
     parser.add_argument("--max-context", type=int, default=1500)
     parser.add_argument("--green", default="", help="SM counts of the attention's green context, e.g. 112,120")
     parser.add_argument("--only-green", action="store_true", help="skip the variants that take no green context")
+    parser.add_argument("--workqueue-scope", default=None, help="the green contexts' workqueue_scope, e.g. balanced")
+    parser.add_argument("--trace", default="", metavar="DIR", help="profile the first batch's pingpong replays")
     args = parser.parse_args()
     greens = [int(v) for v in args.green.split(",") if v]
-    contexts = {n: green_stream(n) for n in greens}
+    contexts = {n: green_stream(n, args.workqueue_scope) for n in greens}
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    rest_contexts = {sm_count - n: green_stream(sm_count - n, args.workqueue_scope) for n in greens}
     for n, (ctx, _) in contexts.items():
         print(f"green context of {n} SMs: {ctx!r}", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -255,6 +331,17 @@ def main() -> None:
             row[f"green{n}"] = attempt(graph_ms, lambda: step_pingpong(layers, kv, xs, ress, bs, cos, sin, s, greens2))
             row[f"green{n}_eager"] = attempt(eager_ms,
                                              lambda: step_pingpong(layers, kv, xs, ress, bs, cos, sin, s, greens2))
+        att_half = torch.randn(half, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for m, (_, green) in rest_contexts.items():
+            row[f"rest_half_green{m}"] = attempt(graph_ms, lambda: on_stream(
+                green, lambda: [(pre(l, xs[0], ress[0]), post(l, att_half, ress[0])) for l in layers]))
+        row["rest_half"] = graph_ms(lambda: [(pre(l, xs[0], ress[0]), post(l, att_half, ress[0])) for l in layers])
+        if args.trace and not results:
+            trace_replay(lambda: step_pingpong(layers, kv, xs, ress, bs, cos, sin, s, s), args.trace,
+                         f"pingpong{batch}", len(layers))
+            for n, (_, green) in contexts.items():
+                attempt(lambda fn: trace_replay(fn, args.trace, f"green{n}_{batch}", len(layers)),
+                        lambda: step_pingpong(layers, kv, xs, ress, bs, cos, sin, s, [green, green]))
         if contexts:
             row["attention_only"] = graph_ms(attention_only)
             row["whole_eager"] = eager_ms(lambda: step_whole(layers, kv, x, res, whole, cos, sin))
