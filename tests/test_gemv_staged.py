@@ -55,11 +55,12 @@ def test_staged_gemv_is_never_taken_for_cpu_tensors(setting):
     assert not gemv_staged.takes(torch.zeros(1, 1024, dtype=torch.bfloat16), torch.zeros(6144, 1024, dtype=torch.bfloat16))
 
 
-@pytest.mark.parametrize("N,K,rows", [(6144, 1024, 32), (1024, 3072, 8), (1024, 2048, 16), (4096, 256, 128),
+@pytest.mark.parametrize("N,K,rows", [(6144, 1024, 32), (1024, 3072, 8), (1024, 2048, 8), (4096, 256, 32),
                                       (3, 1024, 4)])
 def test_slices_fit_the_shared_memory_budget(N, K, rows):
     assert gemv_staged.slice_rows(N, K) == rows
     assert rows * K <= gemv_staged.MAX_SLICE or rows == gemv_staged.NUM_WARPS
+    assert -(-N // rows) >= gemv_staged.MIN_PROGRAMS or rows == gemv_staged.NUM_WARPS
 
 
 @pytest.mark.gpu

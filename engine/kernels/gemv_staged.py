@@ -36,6 +36,7 @@ from engine.kernels.launch import pdl_options
 
 PART = 256           # columns of the slice a pass covers: 32 threads x 8 elements (16-byte copies)
 MAX_SLICE = 32768    # weight elements a program stages (64 KB in bf16)
+MIN_PROGRAMS = 128   # narrow the slices until N gives about this many programs
 MAX_N = 65536        # larger weights (the LM head) stay on the register GEMV: nothing runs ahead of them
 NUM_WARPS = 4
 
@@ -78,9 +79,10 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def slice_rows(N: int, K: int) -> int:
-    """BLOCK_N: the largest power of two of rows whose slice fits in MAX_SLICE, at least NUM_WARPS."""
+    """BLOCK_N: the largest power of two of rows whose slice fits in MAX_SLICE and leaves about MIN_PROGRAMS
+    programs where N allows, at least NUM_WARPS."""
     rows = NUM_WARPS
-    while rows * 2 * K <= MAX_SLICE and rows < N:
+    while rows * 2 * K <= MAX_SLICE and rows < N and triton.cdiv(N, rows * 2) >= MIN_PROGRAMS:
         rows *= 2
     return rows
 
@@ -109,14 +111,16 @@ if gluon is not None:
             return x.to(dtype).to(gl.float32)
 
     @gluon.jit
-    def _x_part(x_ptr, res_ptr, cols, K, GATED: gl.constexpr, HAS_RESIDUAL: gl.constexpr, dtype: gl.constexpr):
-        """x's columns `cols` in float32: silu(gate) * up for a gated x, x + residual where there is one."""
-        x = gl.load(x_ptr + cols).to(gl.float32)
+    def _x_part(xs, us, rs, p, layout: gl.constexpr, GATED: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
+                dtype: gl.constexpr):
+        """Part p of x from shared memory in float32: silu(gate) * up for a gated x, x + residual where there
+        is one (rounded as the SiLU·mul and RMSNorm kernels round)."""
+        x = xs.index(p).load(layout).to(gl.float32)
         if GATED:
-            up = gl.load(x_ptr + K + cols).to(gl.float32)
+            up = us.index(p).load(layout).to(gl.float32)
             x = _round(_round(x / (1.0 + gl.exp(-x)), dtype) * up, dtype)
         if HAS_RESIDUAL:
-            x = _round(x + gl.load(res_ptr + cols).to(gl.float32), dtype)
+            x = _round(x + rs.index(p).load(layout).to(gl.float32), dtype)
         return x
 
     @gluon.jit
@@ -124,11 +128,20 @@ if gluon is not None:
                             eps, BLOCK_N: gl.constexpr, PARTS: gl.constexpr, EVEN_N: gl.constexpr,
                             HAS_BIAS: gl.constexpr, GATED: gl.constexpr, NORM: gl.constexpr,
                             HAS_RESIDUAL: gl.constexpr, PDL: gl.constexpr):
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+        WARPS: gl.constexpr = gl.num_warps()
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
         cols_layout: gl.constexpr = gl.SliceLayout(0, layout)
         rows_layout: gl.constexpr = gl.SliceLayout(1, layout)
-        smem = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [PARTS, BLOCK_N, 256],
-                                         gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        # vectors of 256 are copied by every thread once, without repeats
+        copy_layout: gl.constexpr = gl.BlockedLayout([256 // (32 * WARPS)], [32], [WARPS], [0])
+        shared: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        vector: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        dtype: gl.constexpr = out_ptr.dtype.element_ty
+        ws = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [PARTS, BLOCK_N, 256], shared)
+        xs = gl.allocate_shared_memory(dtype, [PARTS, 256], vector)
+        us = gl.allocate_shared_memory(dtype, [PARTS if GATED else 1, 256], vector)
+        rs = gl.allocate_shared_memory(dtype, [PARTS if HAS_RESIDUAL else 1, 256], vector)
+        ns = gl.allocate_shared_memory(dtype, [PARTS if NORM else 1, 256], vector)
         offs_n = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=rows_layout)
         n_mask = offs_n < N
         if not EVEN_N:  # rows past N copy row N-1 and are not stored
@@ -136,31 +149,40 @@ if gluon is not None:
         offs_k = gl.arange(0, 256, layout=cols_layout)
         w_ptrs = w_ptr + offs_n[:, None].to(gl.int64) * stride_wn + offs_k[None, :]
         for p in gl.static_range(PARTS):
-            async_copy.async_copy_global_to_shared(smem.index(p), w_ptrs + p * 256)
+            async_copy.async_copy_global_to_shared(ws.index(p), w_ptrs + p * 256)
+        offs_c = gl.arange(0, 256, layout=copy_layout)
+        if NORM:
+            for p in gl.static_range(PARTS):
+                async_copy.async_copy_global_to_shared(ns.index(p), norm_w_ptr + p * 256 + offs_c)
         async_copy.commit_group()
         if HAS_BIAS:
             bias = gl.load(bias_ptr + offs_n).to(gl.float32)
         _pdl_launch(PDL)
         _pdl_wait(PDL)  # x (and the residual) are written by an earlier kernel; the weights never are
-        dtype: gl.constexpr = out_ptr.dtype.element_ty
+        for p in gl.static_range(PARTS):  # x in one round trip: copied to shared memory, then read part by part
+            async_copy.async_copy_global_to_shared(xs.index(p), x_ptr + p * 256 + offs_c)
+            if GATED:
+                async_copy.async_copy_global_to_shared(us.index(p), x_ptr + K + p * 256 + offs_c)
+            if HAS_RESIDUAL:
+                async_copy.async_copy_global_to_shared(rs.index(p), res_ptr + p * 256 + offs_c)
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        gl.thread_barrier()  # every thread's copies are in shared memory
         if NORM:
             sq = gl.zeros([256], gl.float32, cols_layout)
             for p in gl.static_range(PARTS):
-                x = _x_part(x_ptr, res_ptr, p * 256 + offs_k, K, GATED, HAS_RESIDUAL, dtype)
+                x = _x_part(xs, us, rs, p, cols_layout, GATED, HAS_RESIDUAL, dtype)
                 sq += x * x
             inv = gl.rsqrt(gl.sum(sq, axis=0) / K + eps)
-        async_copy.wait_group(0)
-        gl.thread_barrier()  # every thread's copies are in shared memory
         y = gl.zeros([BLOCK_N], gl.float32, rows_layout)
         for p in gl.static_range(PARTS):
-            cols = p * 256 + offs_k
-            x = _x_part(x_ptr, res_ptr, cols, K, GATED, HAS_RESIDUAL, dtype)
+            x = _x_part(xs, us, rs, p, cols_layout, GATED, HAS_RESIDUAL, dtype)
             if NORM:
                 if HAS_RESIDUAL:
                     if gl.program_id(0) == 0:  # every program adds the residual; one writes the sum
-                        gl.store(res_out_ptr + cols, x.to(dtype))
-                x = _round(gl.load(norm_w_ptr + cols).to(gl.float32) * _round(x * inv, dtype), dtype)
-            w = smem.index(p).load(layout).to(gl.float32)
+                        gl.store(res_out_ptr + p * 256 + offs_k, x.to(dtype))
+                x = _round(ns.index(p).load(cols_layout).to(gl.float32) * _round(x * inv, dtype), dtype)
+            w = ws.index(p).load(layout).to(gl.float32)
             y += gl.sum(w * x[None, :], axis=1)
         if HAS_BIAS:
             y += bias
