@@ -138,6 +138,18 @@ def main() -> None:
                 statistics.median(events_ms(g.replay, 100) for _ in range(3)), 4)
         del graphs
     gemv_staged.MAX_SLICE = 32768
+    w = layers[0]
+    a = torch.randn(1, HEADS * HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+    g2 = torch.randn(1, 2 * w.down.shape[1], device="cuda", dtype=torch.bfloat16, generator=gen)
+    calls = {"qkv": lambda: gemv(x, w.qkv, norm=(res, w.norm1, EPS)), "o": lambda: gemv(a, w.o),
+             "gate_up": lambda: gemv(x, w.gate_up, norm=(res, w.norm2, EPS)),
+             "down": lambda: gemv(g2, w.down, gated=True)}
+    for name, call in calls.items():
+        for label in ("registers", "staged"):
+            set_staged(settings[label])
+            g = graph_of(lambda: [call() for _ in range(20)])
+            results["alone_us"][f"{name} {label}"] = round(statistics.median(events_ms(g.replay, 50) for _ in range(3))
+                                                           * 1e3 / 20, 2)
     for carveout in (None, 100):
         if carveout is not None:
             results["carveout_set_on"] = set_carveout(carveout)
@@ -156,18 +168,6 @@ def main() -> None:
             for label in ("registers", "staged"):
                 results["kernels_us"][label] = kernel_means(graphs[label])
         del graphs
-    w = layers[0]
-    a = torch.randn(1, HEADS * HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
-    g2 = torch.randn(1, 2 * w.down.shape[1], device="cuda", dtype=torch.bfloat16, generator=gen)
-    calls = {"qkv": lambda: gemv(x, w.qkv, norm=(res, w.norm1, EPS)), "o": lambda: gemv(a, w.o),
-             "gate_up": lambda: gemv(x, w.gate_up, norm=(res, w.norm2, EPS)),
-             "down": lambda: gemv(g2, w.down, gated=True)}
-    for name, call in calls.items():
-        for label in ("registers", "staged"):
-            set_staged(settings[label])
-            g = graph_of(lambda: [call() for _ in range(20)])
-            results["alone_us"][f"{name} {label}"] = round(statistics.median(events_ms(g.replay, 50) for _ in range(3))
-                                                           * 1e3 / 20, 2)
     results["compiled"] = describe()
     for key in ("alone_us", "kernels_us", "compiled"):
         print(key, json.dumps(results[key]), flush=True)
