@@ -94,6 +94,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=768)
     parser.add_argument("--layers", type=int, default=28)
     parser.add_argument("--max-seqlen-k", type=int, default=4096)
+    parser.add_argument("--skip-chains", action="store_true", help="time the projections alone only")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     layers = [Layer(gen) for _ in range(args.layers)]
@@ -127,7 +128,7 @@ def main() -> None:
     settings = {"registers": "0", "staged": "1", "staged_mlp": "6144x1024+1024x3072",
                 "staged_qkv_mlp": "4096x1024+6144x1024+1024x3072", "staged_gate_up": "6144x1024"}
     results = {"chain_ms": {}, "alone_us": {}, "kernels_us": {}}
-    for slice_elements in (16384, 65536):  # the slices' size (MIN_PROGRAMS still applies)
+    for slice_elements in (16384, 65536) if not args.skip_chains else ():  # the slices' size (MIN_PROGRAMS still applies)
         gemv_staged.MAX_SLICE = slice_elements
         graphs = {}
         for label in ("registers", "staged", "staged_mlp"):
@@ -144,13 +145,23 @@ def main() -> None:
     calls = {"qkv": lambda: gemv(x, w.qkv, norm=(res, w.norm1, EPS)), "o": lambda: gemv(a, w.o),
              "gate_up": lambda: gemv(x, w.gate_up, norm=(res, w.norm2, EPS)),
              "down": lambda: gemv(g2, w.down, gated=True)}
+    for pdl in ("1", "0"):  # without PDL each call's weight reads start after the call before it ends
+        os.environ["REDLINE_PDL"] = pdl
+        for name, call in calls.items():
+            for label in ("registers", "staged"):
+                set_staged(settings[label])
+                g = graph_of(lambda: [call() for _ in range(20)])
+                results["alone_us"][f"{name} {label}{'' if pdl == '1' else ' no PDL'}"] = round(
+                    statistics.median(events_ms(g.replay, 50) for _ in range(3)) * 1e3 / 20, 2)
+    os.environ["REDLINE_PDL"] = "1"
+    gemv_staged.NUM_WARPS = 8
+    set_staged("1")
     for name, call in calls.items():
-        for label in ("registers", "staged"):
-            set_staged(settings[label])
-            g = graph_of(lambda: [call() for _ in range(20)])
-            results["alone_us"][f"{name} {label}"] = round(statistics.median(events_ms(g.replay, 50) for _ in range(3))
-                                                           * 1e3 / 20, 2)
-    for carveout in (None, 100):
+        g = graph_of(lambda: [call() for _ in range(20)])
+        results["alone_us"][f"{name} staged 8 warps"] = round(
+            statistics.median(events_ms(g.replay, 50) for _ in range(3)) * 1e3 / 20, 2)
+    gemv_staged.NUM_WARPS = 4
+    for carveout in (None, 100) if not args.skip_chains else ():
         if carveout is not None:
             results["carveout_set_on"] = set_carveout(carveout)
         graphs = {}
