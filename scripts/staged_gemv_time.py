@@ -154,13 +154,6 @@ def main() -> None:
                 results["alone_us"][f"{name} {label}{'' if pdl == '1' else ' no PDL'}"] = round(
                     statistics.median(events_ms(g.replay, 50) for _ in range(3)) * 1e3 / 20, 2)
     os.environ["REDLINE_PDL"] = "1"
-    gemv_staged.NUM_WARPS = 8
-    set_staged("1")
-    for name, call in calls.items():
-        g = graph_of(lambda: [call() for _ in range(20)])
-        results["alone_us"][f"{name} staged 8 warps"] = round(
-            statistics.median(events_ms(g.replay, 50) for _ in range(3)) * 1e3 / 20, 2)
-    gemv_staged.NUM_WARPS = 4
     for carveout in (None, 100) if not args.skip_chains else ():
         if carveout is not None:
             results["carveout_set_on"] = set_carveout(carveout)

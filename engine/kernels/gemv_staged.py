@@ -207,6 +207,8 @@ def gemv_staged(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError(f"the weight needs x's dtype, contiguous rows and K a multiple of {PART}, got "
                          f"{tuple(weight.shape)} {weight.dtype}")
     num_warps = num_warps or NUM_WARPS
+    if num_warps not in (1, 2, 4):  # x's copies are 256 // (32 * warps) elements a thread, at least 4 bytes
+        raise ValueError(f"num_warps must be 1, 2 or 4, got {num_warps}")
     block_n = block_n or slice_rows(N, K)
     if block_n < num_warps or block_n & (block_n - 1) or block_n * K * x.element_size() > 200 * 1024:
         raise ValueError(f"block_n must be a power of two of at least {num_warps} rows whose slice fits in 200 KB, "
