@@ -20,7 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import gemv_staged
 from engine.kernels.launch import check_trace, launch_dependents, pdl_options, stamp, wait_for_previous
 from engine.kernels.paged_tiles import upcast_dot
 from engine.kernels.qkv_prep import _round
@@ -253,10 +252,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if bias is not None and (bias.shape != (N,) or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous [{N}] vector, got {tuple(bias.shape)}")
     M = x.shape[0]
-    if M == 1 and block_n is None and num_warps is None and trace is None and dot is None \
-            and gemv_staged.takes(x, weight) and x.is_contiguous() \
-            and (norm is None or norm[0] is None or norm[0].is_contiguous()):
-        return gemv_staged.gemv_staged(x, weight, bias, gated=gated, norm=norm)
     if M > ROW_LIMIT:
         raise ValueError(f"gemv takes at most {ROW_LIMIT} rows of x, got {M}; use F.linear for more")
     residual, norm_weight, eps = norm if norm is not None else (None, None, 0.0)
