@@ -198,24 +198,8 @@ def eager_ms(fn) -> float:
     return statistics.median(events_ms(fn, 5) for _ in range(5))
 
 
-def graph_ms(fn) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    rounds = [events_ms(graph.replay, 20) for _ in range(5)]
-    del graph
-    return statistics.median(rounds)
-
-
 def captured(fn) -> torch.cuda.CUDAGraph:
+    """fn captured in a CUDA graph (warmed up on a side stream first) and replayed once."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -228,6 +212,13 @@ def captured(fn) -> torch.cuda.CUDAGraph:
     graph.replay()
     torch.cuda.synchronize()
     return graph
+
+
+def graph_ms(fn) -> float:
+    graph = captured(fn)
+    rounds = [events_ms(graph.replay, 20) for _ in range(5)]
+    del graph
+    return statistics.median(rounds)
 
 
 def union_us(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
