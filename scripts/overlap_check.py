@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 
 from dataclasses import replace
@@ -38,6 +39,7 @@ from engine.kernels.norm_act import rms_norm, silu_and_mul
 from engine.kernels.skinny_gemm import skinny_linear
 
 from decode_graph_time import events_ms  # run as a script, this folder is on sys.path
+from trace_summary import gpu_events
 
 LINEAR = {"linear": F.linear}  # what the projections run: cuBLAS, or the skinny Triton GEMM
 ATTENTION = {"programs_per_sm": None}  # the fused decode's grid_programs_per_sm (None: its default)
@@ -222,6 +224,7 @@ def graph_ms(fn) -> float:
 
 
 def union_us(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The intervals merged where they overlap, in order."""
     merged: list[list[float]] = []
     for a, b in sorted(intervals):
         if merged and a <= merged[-1][1]:
@@ -232,6 +235,7 @@ def union_us(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def intersection_us(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
+    """Time covered by both of two lists of disjoint intervals."""
     total = 0.0
     for a, b in xs:
         for c, d in ys:
@@ -241,8 +245,6 @@ def intersection_us(xs: list[tuple[float, float]], ys: list[tuple[float, float]]
 
 def trace_replay(fn, path: str, label: str, layers: int) -> dict:
     """Profile one replay of fn's graph; how much projection time runs beside attention, and two layers."""
-    import os
-
     from torch.profiler import ProfilerActivity, profile
 
     graph = captured(fn)
@@ -252,9 +254,7 @@ def trace_replay(fn, path: str, label: str, layers: int) -> dict:
     os.makedirs(path, exist_ok=True)
     out = os.path.join(path, f"{label}.json")
     prof.export_chrome_trace(out)
-    with open(out) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
-    events.sort(key=lambda e: e["ts"])
+    events = [e for e in gpu_events(out) if e["cat"] == "kernel"]
     t0 = events[0]["ts"]
     attn = [(e["ts"] - t0, e["ts"] - t0 + e["dur"]) for e in events if "fused_decode" in e["name"]]
     rest = [(e["ts"] - t0, e["ts"] - t0 + e["dur"]) for e in events if "fused_decode" not in e["name"]]

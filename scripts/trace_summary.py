@@ -77,7 +77,7 @@ def print_gaps(path: str, mains: list[dict], count: int) -> None:
     gaps = sorted(((b["ts"] - (a["ts"] + a["dur"]), a, b) for a, b in zip(mains, mains[1:])),
                   key=lambda g: -g[0])[:count]
     t0 = mains[0]["ts"]
-    print(f"longest idle stretches of the main stream (ms from its first event):")
+    print("longest idle stretches of the main stream (ms from its first event):")
     for idle, before, after in gaps:
         start, end = before["ts"] + before["dur"], after["ts"]
         overlap = defaultdict(float)
