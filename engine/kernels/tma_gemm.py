@@ -1,0 +1,230 @@
+"""y = x @ weight.T for decode batches of tens to hundreds of rows: bulk tensor copies and warpgroup MMAs
+(a Gluon kernel; Hopper only).
+
+cuBLAS spends 6-9 µs on each decode projection of the 0.6B shape at any row count from 16 to 256, where a
+layer's weights take 10 µs at 3 TB/s for all four (docs/kernels-notes.md). Its kernels cannot start on
+their weights before the kernel that writes x has finished. Here each program owns a [BLOCK_M, BLOCK_N]
+tile of y. Its weight tiles come through a ring of STAGES shared-memory buffers, filled by the copy engine
+(TMA), and the first STAGES of them are requested before the program waits for the kernel that writes x
+(programmatic dependent launch): the weights are on their way while that kernel runs. x's tiles follow
+through their own ring, and a warpgroup MMA per K tile accumulates in float32 registers. With SPLIT > 1 the
+K tiles are shared among SPLIT programs; each stores its float32 partial, and the program that takes the
+last ticket of the tile sums the partials in split order (so the result does not depend on which finishes
+first), stores y and resets the ticket.
+
+CUDA-graph safe. `TmaConfig` holds the tile shape; `default_config` picks one from the shape.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                   warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # a Triton without Gluon's Hopper module: the kernel is never used
+    gluon = gl = None
+
+from engine.kernels.launch import pdl_options
+
+
+@dataclass(frozen=True)
+class TmaConfig:
+    block_m: int = 64     # 64 (4 warps, one warpgroup) or 128 (8 warps)
+    block_n: int = 64     # a multiple of 8, at most 256
+    block_k: int = 64     # 64 bf16 elements: the 128-byte swizzle's row
+    stages: int = 4
+    split: int = 1        # programs sharing one tile's K tiles
+
+    @property
+    def num_warps(self) -> int:
+        return self.block_m // 16
+
+
+@functools.cache
+def _device_ok(device_index: int) -> bool:
+    if gl is None or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+def available(x: torch.Tensor) -> bool:
+    """Whether the kernel can run on x's device (a Hopper GPU, Triton with Gluon)."""
+    if not x.is_cuda:
+        return False
+    return _device_ok(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
+def default_config(M: int, N: int, K: int, num_sms: int = 132) -> TmaConfig:
+    """A tile of 64 rows (128 past 64) and the widest of 128/64/32 columns that still gives the grid about
+    one program an SM (at least three quarters of the SMs); K split where the tiles alone leave the grid under
+    half the SMs."""
+    block_m = 64 if M <= 64 else 128
+    m_tiles = triton.cdiv(M, block_m)
+    block_n = 128
+    while block_n > 32 and triton.cdiv(N, block_n) * m_tiles < num_sms * 3 // 4:
+        block_n //= 2
+    tiles = triton.cdiv(N, block_n) * m_tiles
+    k_tiles = triton.cdiv(K, 64)
+    split = 1
+    while tiles * split * 2 <= num_sms and k_tiles % (split * 2) == 0 and k_tiles // (split * 2) >= 4:
+        split *= 2
+    stages = max(2, min(8, k_tiles // split, (160 << 10) // ((block_m + block_n) * 64 * 2)))
+    return TmaConfig(block_m, block_n, 64, stages, split)
+
+
+if gl is not None:
+    @gluon.jit
+    def _pdl_launch(PDL: gl.constexpr):
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+
+    @gluon.jit
+    def _pdl_wait(PDL: gl.constexpr):
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+
+    @gluon.jit
+    def _copy_tile(desc, row, col, bar, dest, ok):
+        mbarrier.expect(bar, desc.block_type.nbytes, pred=ok)
+        tma.async_copy_global_to_shared(desc, [row, col], bar, dest, pred=ok)
+
+    @gluon.jit
+    def _tma_gemm_kernel(x_desc, w_desc, out_desc, out_ptr, part_ptr, counters_ptr, M, N, K, stride_om,
+                         STAGES: gl.constexpr, SPLIT: gl.constexpr, PDL: gl.constexpr):
+        BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+        WARPS: gl.constexpr = gl.num_warps()
+        dtype: gl.constexpr = x_desc.dtype
+        off_n = gl.program_id(0) * BLOCK_N
+        off_m = gl.program_id(1) * BLOCK_M
+        split = gl.program_id(2)
+        tiles = gl.cdiv(K, BLOCK_K) // SPLIT
+        first = split * tiles
+
+        xs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+        ws = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+        x_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        w_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(x_bar.index(i), count=1)
+            mbarrier.init(w_bar.index(i), count=1)
+        # the weights' first tiles before the wait: no kernel of the step writes them
+        for i in gl.static_range(STAGES):
+            _copy_tile(w_desc, off_n, (first + i) * BLOCK_K, w_bar.index(i), ws.index(i), i < tiles)
+        _pdl_launch(PDL)
+        _pdl_wait(PDL)
+        for i in gl.static_range(STAGES):
+            _copy_tile(x_desc, off_m, (first + i) * BLOCK_K, x_bar.index(i), xs.index(i), i < tiles)
+
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                             instr_shape=[16, BLOCK_N, 16])
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+        for t in range(tiles):
+            s = t % STAGES
+            phase = (t // STAGES) & 1
+            mbarrier.wait(w_bar.index(s), phase)
+            mbarrier.wait(x_bar.index(s), phase)
+            acc = warpgroup_mma(xs.index(s), ws.index(s).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            # tile t-1's MMA is complete: its stage takes tile t-1+STAGES
+            refill = t - 1 + STAGES
+            ok = (t > 0) & (refill < tiles)
+            p = (t + STAGES - 1) % STAGES
+            _copy_tile(w_desc, off_n, (first + refill) * BLOCK_K, w_bar.index(p), ws.index(p), ok)
+            _copy_tile(x_desc, off_m, (first + refill) * BLOCK_K, x_bar.index(p), xs.index(p), ok)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(x_bar.index(i))
+            mbarrier.invalidate(w_bar.index(i))
+
+        if SPLIT == 1:
+            out_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], out_desc.layout)
+            out_smem.store(acc.to(dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(out_desc, [off_m, off_n], out_smem)
+            tma.store_wait(pendings=0)
+        else:
+            rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+            cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+            # partials [SPLIT, M_tiles * BLOCK_M, N] in float32
+            m_pad = gl.num_programs(1) * BLOCK_M
+            offs = rows[:, None].to(gl.int64) * N + cols[None, :]
+            mask = (cols < N)[None, :] & (rows >= 0)[:, None]
+            gl.store(part_ptr + split.to(gl.int64) * m_pad * N + offs, acc, mask=mask)
+            gl.thread_barrier()  # every thread's partial stored before the ticket releases them
+            counter = counters_ptr + gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
+            ticket = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if ticket == SPLIT - 1:
+                total = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+                for i in gl.static_range(SPLIT):
+                    total += gl.load(part_ptr + i * m_pad * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                out_mask = (rows < M)[:, None] & (cols < N)[None, :]
+                gl.store(out_ptr + rows[:, None].to(gl.int64) * stride_om + cols[None, :], total.to(dtype),
+                         mask=out_mask)
+                gl.store(counter, 0)
+
+
+def _gl_dtype(dtype: torch.dtype):
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+
+
+_workspaces: dict = {}
+
+
+def _workspace(device: torch.device, parts: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 partials of at least `parts` elements and `tiles` int32 tickets (zero; each tile's last program
+    sets its ticket back to zero), grown as needed and kept per device."""
+    key = device
+    part, counters = _workspaces.get(key, (None, None))
+    if part is None or part.numel() < parts:
+        part = torch.empty(max(parts, 1), device=device, dtype=torch.float32)
+    if counters is None or counters.numel() < tiles:
+        counters = torch.zeros(max(tiles, 1), device=device, dtype=torch.int32)
+    _workspaces[key] = (part, counters)
+    return part, counters
+
+
+def tma_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+               config: TmaConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T -> [M, N] in x's dtype (bf16 or fp16; rows of x, weight and out 16-byte
+    aligned). Hopper GPUs only (`available`)."""
+    if gl is None:
+        raise RuntimeError("tma_linear needs Triton with Gluon's Hopper module")
+    M, K = x.shape
+    N = weight.shape[0]
+    if weight.shape[1] != K or x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"tma_linear: x {tuple(x.shape)} {x.dtype} against weight {tuple(weight.shape)} "
+                         f"{weight.dtype}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("tma_linear: x and weight need contiguous rows")
+    config = config or default_config(M, N, K)
+    if out is None:
+        out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    dtype = _gl_dtype(x.dtype)
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    x_desc = TensorDescriptor.from_tensor(x, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], dtype))
+    w_desc = TensorDescriptor.from_tensor(weight, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], dtype))
+    out_desc = TensorDescriptor.from_tensor(out, [bm, bn], gl.NVMMASharedLayout.get_default_for([bm, bn], dtype))
+    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), config.split)
+    if config.split > 1:
+        if triton.cdiv(K, bk) % config.split:
+            raise ValueError(f"tma_linear: {triton.cdiv(K, bk)} K tiles do not split {config.split} ways")
+        part, counters = _workspace(x.device, config.split * grid[1] * bm * N, grid[0] * grid[1])
+    else:
+        part = counters = out
+    pdl = pdl_options(x)
+    _tma_gemm_kernel[grid](x_desc, w_desc, out_desc, out, part, counters, M, N, K, out.stride(0),
+                           STAGES=config.stages, SPLIT=config.split, PDL=pdl["PDL"],
+                           num_warps=config.num_warps, **({"launch_pdl": True} if pdl["PDL"] else {}))
+    return out
