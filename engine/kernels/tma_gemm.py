@@ -63,21 +63,45 @@ def available(x: torch.Tensor) -> bool:
 
 
 def default_config(M: int, N: int, K: int, num_sms: int = 132) -> TmaConfig:
-    """A tile of 64 rows (128 past 64) and the widest of 128/64/32 columns that still gives the grid about
-    one program an SM (at least three quarters of the SMs); K split where the tiles alone leave the grid under
-    half the SMs."""
-    block_m = 64 if M <= 64 else 128
-    m_tiles = triton.cdiv(M, block_m)
-    block_n = 128
-    while block_n > 32 and triton.cdiv(N, block_n) * m_tiles < num_sms * 3 // 4:
-        block_n //= 2
-    tiles = triton.cdiv(N, block_n) * m_tiles
+    """The tiles that timed best at up to 64 rows on the 0.6B shapes (scripts/tma_gemm_time.py): 64 rows by
+    64 columns, or for N of at most 2,048 (o, down) 16 columns with K split 4 ways; 8 stages. Past 64 rows
+    (where cuBLAS was faster at every shape) 128 rows by the widest of 128/64/32 columns that keeps three
+    quarters of the SMs busy."""
     k_tiles = triton.cdiv(K, 64)
-    split = 1
-    while tiles * split * 2 <= num_sms and k_tiles % (split * 2) == 0 and k_tiles // (split * 2) >= 4:
-        split *= 2
-    stages = max(2, min(8, k_tiles // split, (160 << 10) // ((block_m + block_n) * 64 * 2)))
-    return TmaConfig(block_m, block_n, 64, stages, split)
+    if M <= 64:
+        if N <= 2048 and k_tiles % 4 == 0:
+            return TmaConfig(64, 16, 64, max(2, min(8, k_tiles // 4)), 4)
+        return TmaConfig(64, 64, 64, max(2, min(8, k_tiles)), 1)
+    block_n = 128
+    while block_n > 32 and triton.cdiv(N, block_n) * triton.cdiv(M, 128) < num_sms * 3 // 4:
+        block_n //= 2
+    return TmaConfig(128, block_n, 64, max(2, min(6, k_tiles)), 1)
+
+
+MAX_N = 65536  # larger weights (the LM head) stay on cuBLAS
+
+
+def max_rows_setting() -> int:
+    """REDLINE_TMA_GEMM_MAX_ROWS: decode projections of up to this many rows (and more than the GEMV takes)
+    run in this kernel on Hopper GPUs; 0, the default, leaves them all to cuBLAS."""
+    value = os.environ.get("REDLINE_TMA_GEMM_MAX_ROWS", "0")
+    try:
+        rows = int(value)
+    except ValueError:
+        rows = -1
+    if rows < 0:
+        raise ValueError(f"REDLINE_TMA_GEMM_MAX_ROWS must be a row count (0 for off), got {value!r}")
+    return rows
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the layers run x @ weight.T here: at most REDLINE_TMA_GEMM_MAX_ROWS rows on a Hopper GPU,
+    bf16 or fp16 operands with rows the copy engine can address (16-byte aligned), N at most MAX_N."""
+    if x.dim() != 2 or x.shape[0] > max_rows_setting() or not available(x):
+        return False
+    if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float16) or weight.shape[0] > MAX_N:
+        return False
+    return all(t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0 for t in (x, weight))
 
 
 if gl is not None:
@@ -180,18 +204,19 @@ def _gl_dtype(dtype: torch.dtype):
 
 
 _workspaces: dict = {}
+_retired: list = []  # outgrown workspaces: a CUDA graph captured with one may still use it
 
 
 def _workspace(device: torch.device, parts: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 partials of at least `parts` elements and `tiles` int32 tickets (zero; each tile's last program
     sets its ticket back to zero), grown as needed and kept per device."""
-    key = device
-    part, counters = _workspaces.get(key, (None, None))
-    if part is None or part.numel() < parts:
-        part = torch.empty(max(parts, 1), device=device, dtype=torch.float32)
-    if counters is None or counters.numel() < tiles:
-        counters = torch.zeros(max(tiles, 1), device=device, dtype=torch.int32)
-    _workspaces[key] = (part, counters)
+    part, counters = _workspaces.get(device, (None, None))
+    if part is None or part.numel() < parts or counters.numel() < tiles:
+        if part is not None:
+            _retired.append((part, counters))
+        part = torch.empty(max(parts, 1 << 20), device=device, dtype=torch.float32)
+        counters = torch.zeros(max(tiles, 4096), device=device, dtype=torch.int32)
+        _workspaces[device] = (part, counters)
     return part, counters
 
 

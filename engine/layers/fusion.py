@@ -92,6 +92,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     kernels = _gemv_for(x, weight)
     if kernels is not None:
         return kernels.gemv(x, weight, bias)
+    if bias is None:
+        tma = _kernels_for(x, weight, "tma_gemm")
+        if tma is not None and tma.takes(x, weight):
+            return tma.tma_linear(x, weight)
     return F.linear(x, weight, bias)
 
 
