@@ -81,23 +81,34 @@ def default_config(M: int, N: int, K: int, num_sms: int = 132) -> TmaConfig:
 MAX_N = 65536  # larger weights (the LM head) stay on cuBLAS
 
 
-def max_rows_setting() -> int:
-    """REDLINE_TMA_GEMM_MAX_ROWS: decode projections of up to this many rows (and more than the GEMV takes)
-    run in this kernel on Hopper GPUs; 0, the default, leaves them all to cuBLAS."""
-    value = os.environ.get("REDLINE_TMA_GEMM_MAX_ROWS", "0")
+DEFAULT_ROWS = "0"
+
+
+@functools.cache
+def _parse_rows(value: str) -> tuple[int, int]:
+    if value == "0":
+        return (1, 0)
     try:
-        rows = int(value)
+        low, high = (int(v) for v in value.split("-"))
     except ValueError:
-        rows = -1
-    if rows < 0:
-        raise ValueError(f"REDLINE_TMA_GEMM_MAX_ROWS must be a row count (0 for off), got {value!r}")
-    return rows
+        low, high = 0, -1
+    if not 1 <= low <= high:
+        raise ValueError(f"REDLINE_TMA_GEMM_ROWS must be a row range LOW-HIGH such as 33-64, or 0 for off; "
+                         f"got {value!r}")
+    return low, high
+
+
+def rows_setting() -> tuple[int, int]:
+    """REDLINE_TMA_GEMM_ROWS, "LOW-HIGH": decode projections of LOW to HIGH rows (that the GEMV does not
+    take) run in this kernel on Hopper GPUs, the others in cuBLAS; "0" leaves them all to cuBLAS."""
+    return _parse_rows(os.environ.get("REDLINE_TMA_GEMM_ROWS", DEFAULT_ROWS))
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the layers run x @ weight.T here: at most REDLINE_TMA_GEMM_MAX_ROWS rows on a Hopper GPU,
-    bf16 or fp16 operands with rows the copy engine can address (16-byte aligned), N at most MAX_N."""
-    if x.dim() != 2 or x.shape[0] > max_rows_setting() or not available(x):
+    """Whether the layers run x @ weight.T here: a row count in REDLINE_TMA_GEMM_ROWS on a Hopper GPU, bf16
+    or fp16 operands with rows the copy engine can address (16-byte aligned), N at most MAX_N."""
+    low, high = rows_setting()
+    if x.dim() != 2 or not low <= x.shape[0] <= high or not available(x):
         return False
     if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float16) or weight.shape[0] > MAX_N:
         return False
@@ -123,7 +134,7 @@ if gl is not None:
         tma.async_copy_global_to_shared(desc, [row, col], bar, dest, pred=ok)
 
     @gluon.jit
-    def _tma_gemm_kernel(x_desc, w_desc, out_desc, out_ptr, part_ptr, counters_ptr, M, N, K, stride_om,
+    def _tma_matmul_kernel(x_desc, w_desc, out_desc, out_ptr, part_ptr, counters_ptr, M, N, K, stride_om,
                          STAGES: gl.constexpr, SPLIT: gl.constexpr, PDL: gl.constexpr):
         BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
@@ -249,7 +260,7 @@ def tma_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None =
     else:
         part = counters = out
     pdl = pdl_options(x)
-    _tma_gemm_kernel[grid](x_desc, w_desc, out_desc, out, part, counters, M, N, K, out.stride(0),
+    _tma_matmul_kernel[grid](x_desc, w_desc, out_desc, out, part, counters, M, N, K, out.stride(0),
                            STAGES=config.stages, SPLIT=config.split, PDL=pdl["PDL"],
                            num_warps=config.num_warps, **({"launch_pdl": True} if pdl["PDL"] else {}))
     return out
