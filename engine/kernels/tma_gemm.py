@@ -12,6 +12,10 @@ K tiles are shared among SPLIT programs; each stores its float32 partial, and th
 last ticket of the tile sums the partials in split order (so the result does not depend on which finishes
 first), stores y and resets the ticket.
 
+It matches cuBLAS call for call rather than beating it (~6 µs a projection either way, scripts/tma_gemm_time.py);
+in the engine's decode graphs it gains where its early weight requests overlap the kernels between the
+projections: 1-6% a step at 24-64 rows, which is where the layers take it (REDLINE_TMA_GEMM_ROWS).
+
 CUDA-graph safe. `TmaConfig` holds the tile shape; `default_config` picks one from the shape.
 """
 from __future__ import annotations
@@ -78,10 +82,15 @@ def default_config(M: int, N: int, K: int, num_sms: int = 132) -> TmaConfig:
     return TmaConfig(128, block_n, 64, max(2, min(6, k_tiles)), 1)
 
 
-MAX_N = 65536  # larger weights (the LM head) stay on cuBLAS
+# Weights it takes: at most MAX_N rows (the LM head stays on cuBLAS) and MAX_K columns. Only the 0.6B shape's
+# projections (K of 1,024-3,072) have been timed against cuBLAS; the larger models' stay there until they are.
+MAX_N = 65536
+MAX_K = 3072
 
 
-DEFAULT_ROWS = "0"
+# Decode graphs of the 0.6B shape on the H100, against cuBLAS: 24-64 rows 1-6% faster, 8 rows 4% slower,
+# 128-256 rows 12-16% slower (docs/kernels-notes.md).
+DEFAULT_ROWS = "24-64"
 
 
 @functools.cache
@@ -100,17 +109,20 @@ def _parse_rows(value: str) -> tuple[int, int]:
 
 def rows_setting() -> tuple[int, int]:
     """REDLINE_TMA_GEMM_ROWS, "LOW-HIGH": decode projections of LOW to HIGH rows (that the GEMV does not
-    take) run in this kernel on Hopper GPUs, the others in cuBLAS; "0" leaves them all to cuBLAS."""
+    take) run in this kernel on Hopper GPUs, the others in cuBLAS (default DEFAULT_ROWS); "0" leaves them all
+    to cuBLAS."""
     return _parse_rows(os.environ.get("REDLINE_TMA_GEMM_ROWS", DEFAULT_ROWS))
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the layers run x @ weight.T here: a row count in REDLINE_TMA_GEMM_ROWS on a Hopper GPU, bf16
-    or fp16 operands with rows the copy engine can address (16-byte aligned), N at most MAX_N."""
+    or fp16 operands with rows the copy engine can address (16-byte aligned), a weight within MAX_N x MAX_K."""
     low, high = rows_setting()
     if x.dim() != 2 or not low <= x.shape[0] <= high or not available(x):
         return False
-    if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float16) or weight.shape[0] > MAX_N:
+    if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if weight.shape[0] > MAX_N or weight.shape[1] > MAX_K:
         return False
     return all(t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0 for t in (x, weight))
 
