@@ -78,7 +78,8 @@ def free_gpu():
     dict(max_num_seqs=2),                       # decode batches of <= 2 rows: the GEMV projections, PDL chain
     dict(max_num_seqs=16, gemv_rows=16),        # 3..16 rows: the GEMV's tensor-core kernel
     dict(max_num_seqs=1, decode_stack=True),    # one row: every layer in the persistent kernel
-], ids=["graphs", "chunked-preempted", "small-batches", "dot-gemv-batches", "decode-stack"])
+    dict(tma_rows="1-64"),                      # past the GEMV's rows, the TMA GEMM (Hopper) instead of cuBLAS
+], ids=["graphs", "chunked-preempted", "small-batches", "dot-gemv-batches", "decode-stack", "tma-gemm-batches"])
 def test_greedy_tokens_equal_transformers_bf16_up_to_near_ties(gpu_checkpoint, hf_model, engine_kwargs, free_gpu,
                                                                monkeypatch):
     """bf16 rounding differs between any two implementations, so on a random model's flat logits two
@@ -91,6 +92,8 @@ def test_greedy_tokens_equal_transformers_bf16_up_to_near_ties(gpu_checkpoint, h
     if "gemv_rows" in engine_kwargs:
         rows = engine_kwargs.pop("gemv_rows")
         monkeypatch.setattr(gemv, "max_rows", lambda: rows)  # as REDLINE_GEMV_MAX_ROWS would
+    if "tma_rows" in engine_kwargs:
+        monkeypatch.setenv("REDLINE_TMA_GEMM_ROWS", engine_kwargs.pop("tma_rows"))
     decode_stack = engine_kwargs.pop("decode_stack", False)
     if decode_stack:
         monkeypatch.setattr(stack, "stack_setting", lambda: True)  # as REDLINE_DECODE_STACK=1 would
