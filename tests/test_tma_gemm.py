@@ -95,3 +95,30 @@ def test_tma_linear_replays_in_a_cuda_graph_with_new_inputs(monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert relative_error(out, F.linear(x.float(), w.float())) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not hopper(), reason="needs a Hopper GPU and Triton with Gluon")
+@pytest.mark.parametrize("M", [1, 24, 64, 100])
+@pytest.mark.parametrize("N, K", [(6144, 1024), (200, 96)])
+def test_gated_tma_linear_gives_silu_and_mul_of_the_product(M, N, K):
+    from engine.kernels.norm_act import silu_and_mul
+    gen = torch.Generator(device="cuda").manual_seed(M + N)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) / K ** 0.5
+    ref = silu_and_mul(F.linear(x, w))
+    for block_n in (16, 32, 64, 128):
+        out = torch.full((M, N // 2), float("nan"), device="cuda", dtype=torch.bfloat16)
+        tma_linear(x, w, out, TmaConfig(64 if M <= 64 else 128, block_n, 64, 2), gated=True)
+        torch.cuda.synchronize()
+        assert not torch.isnan(out).any(), block_n
+        assert relative_error(out, ref) < 1e-2, block_n
+    assert torch.equal(tma_linear(x, w, gated=True), tma_linear(x, w, gated=True))
+
+
+def test_gated_tma_linear_refuses_an_odd_weight():
+    if not hopper():
+        pytest.skip("the shape check follows the Hopper-only import")
+    x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="even"):
+        tma_linear(x, torch.randn(33, 64, device="cuda", dtype=torch.bfloat16), gated=True)

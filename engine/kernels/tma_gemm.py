@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -66,15 +66,19 @@ def available(x: torch.Tensor) -> bool:
     return _device_ok(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
 
+SMALL_TILE_ROWS = 64  # up to this many rows, tiles of 64 rows
+
+
 def default_config(M: int, N: int, K: int, num_sms: int = 132) -> TmaConfig:
     """The tiles that timed best at up to 64 rows on the 0.6B shapes (scripts/tma_gemm_time.py): 64 rows by
     64 columns, or for N of at most 2,048 (o, down) 16 columns with K split 4 ways; 8 stages. Past 64 rows
     (where cuBLAS was faster at every shape) 128 rows by the widest of 128/64/32 columns that keeps three
     quarters of the SMs busy."""
     k_tiles = triton.cdiv(K, 64)
-    if M <= 64:
-        if N <= 2048 and k_tiles % 4 == 0:
-            return TmaConfig(64, 16, 64, max(2, min(8, k_tiles // 4)), 4)
+    if M <= SMALL_TILE_ROWS:
+        split = 4 if M <= 64 else 2
+        if N <= 2048 and k_tiles % split == 0:
+            return TmaConfig(64, 16, 64, max(2, min(8, k_tiles // split)), split)
         return TmaConfig(64, 64, 64, max(2, min(8, k_tiles)), 1)
     block_n = 128
     while block_n > 32 and triton.cdiv(N, block_n) * triton.cdiv(M, 128) < num_sms * 3 // 4:
@@ -146,21 +150,45 @@ if gl is not None:
         tma.async_copy_global_to_shared(desc, [row, col], bar, dest, pred=ok)
 
     @gluon.jit
+    def _copy_weights(desc, row, col, half_rows, bar, dest, ok, GATED: gl.constexpr):
+        """A stage's weight tile; gated, its first half from the gate rows at `row`, its second from the up
+        rows half_rows further on."""
+        if GATED:
+            HALF: gl.constexpr = desc.block_type.shape[0]
+            mbarrier.expect(bar, 2 * desc.block_type.nbytes, pred=ok)
+            tma.async_copy_global_to_shared(desc, [row, col], bar, dest.slice(0, HALF), pred=ok)
+            tma.async_copy_global_to_shared(desc, [half_rows + row, col], bar, dest.slice(HALF, HALF), pred=ok)
+        else:
+            _copy_tile(desc, row, col, bar, dest, ok)
+
+    @gluon.jit
+    def _round(x, dtype: gl.constexpr):
+        """x rounded to dtype and back to float32 (engine/kernels/qkv_prep.py's _round: bf16 by its bits,
+        since the compiler folds a to(bf16).to(fp32) pair away)."""
+        if dtype == gl.bfloat16:
+            bits = x.to(gl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            return bits.to(gl.float32, bitcast=True)
+        else:
+            return x.to(dtype).to(gl.float32)
+
+    @gluon.jit
     def _tma_matmul_kernel(x_desc, w_desc, out_desc, out_ptr, part_ptr, counters_ptr, M, N, K, stride_om,
-                         STAGES: gl.constexpr, SPLIT: gl.constexpr, PDL: gl.constexpr):
+                           STAGES: gl.constexpr, SPLIT: gl.constexpr, GATED: gl.constexpr, PDL: gl.constexpr):
         BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
-        BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+        # gated: the weight is [gate | up] rows, N of each; a program's tile holds BLOCK_N // 2 of each
+        BLOCK_N: gl.constexpr = w_desc.block_type.shape[0] * (2 if GATED else 1)
         WARPS: gl.constexpr = gl.num_warps()
         dtype: gl.constexpr = x_desc.dtype
-        off_n = gl.program_id(0) * BLOCK_N
+        off_n = gl.program_id(0) * w_desc.block_type.shape[0]
         off_m = gl.program_id(1) * BLOCK_M
         split = gl.program_id(2)
         tiles = gl.cdiv(K, BLOCK_K) // SPLIT
         first = split * tiles
 
         xs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
-        ws = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+        ws = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)  # one swizzle either way
         x_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         w_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -168,7 +196,7 @@ if gl is not None:
             mbarrier.init(w_bar.index(i), count=1)
         # the weights' first tiles before the wait: no kernel of the step writes them
         for i in gl.static_range(STAGES):
-            _copy_tile(w_desc, off_n, (first + i) * BLOCK_K, w_bar.index(i), ws.index(i), i < tiles)
+            _copy_weights(w_desc, off_n, (first + i) * BLOCK_K, N, w_bar.index(i), ws.index(i), i < tiles, GATED)
         _pdl_launch(PDL)
         _pdl_wait(PDL)
         for i in gl.static_range(STAGES):
@@ -188,14 +216,28 @@ if gl is not None:
             refill = t - 1 + STAGES
             ok = (t > 0) & (refill < tiles)
             p = (t + STAGES - 1) % STAGES
-            _copy_tile(w_desc, off_n, (first + refill) * BLOCK_K, w_bar.index(p), ws.index(p), ok)
+            _copy_weights(w_desc, off_n, (first + refill) * BLOCK_K, N, w_bar.index(p), ws.index(p), ok, GATED)
             _copy_tile(x_desc, off_m, (first + refill) * BLOCK_K, x_bar.index(p), xs.index(p), ok)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(x_bar.index(i))
             mbarrier.invalidate(w_bar.index(i))
 
-        if SPLIT == 1:
+        if GATED:  # silu(gate) * up of the bf16 products, rounded as the SiLU·mul kernel rounds
+            HALF: gl.constexpr = BLOCK_N // 2
+            tile = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+            tile.store(acc.to(dtype))
+            gl.thread_barrier()
+            layout: gl.constexpr = gl.BlockedLayout([1, 1], [32 // HALF if HALF < 32 else 1,
+                                                             HALF if HALF < 32 else 32], [WARPS, 1], [1, 0])
+            gate = tile.slice(0, HALF, dim=1).load(layout).to(gl.float32)
+            up = tile.slice(HALF, HALF, dim=1).load(layout).to(gl.float32)
+            act = _round(_round(gate / (1.0 + gl.exp(-gate)), dtype) * up, dtype)
+            rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+            cols = off_n + gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
+            gl.store(out_ptr + rows[:, None].to(gl.int64) * stride_om + cols[None, :], act.to(dtype),
+                     mask=(rows < M)[:, None] & (cols < N)[None, :])
+        elif SPLIT == 1:
             out_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], out_desc.layout)
             out_smem.store(acc.to(dtype))
             fence_async_shared()
@@ -244,27 +286,36 @@ def _workspace(device: torch.device, parts: int, tiles: int) -> tuple[torch.Tens
 
 
 def tma_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
-               config: TmaConfig | None = None) -> torch.Tensor:
+               config: TmaConfig | None = None, gated: bool = False) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T -> [M, N] in x's dtype (bf16 or fp16; rows of x, weight and out 16-byte
-    aligned). Hopper GPUs only (`available`)."""
+    aligned). gated: the weight is [gate | up] (N an even count of rows), and the result is the SiLU·mul of
+    the product's halves, [M, N / 2], as engine.kernels.norm_act.silu_and_mul of the product would give
+    (no split K). Hopper GPUs only (`available`)."""
     if gl is None:
         raise RuntimeError("tma_linear needs Triton with Gluon's Hopper module")
     M, K = x.shape
-    N = weight.shape[0]
+    N = weight.shape[0] // 2 if gated else weight.shape[0]
     if weight.shape[1] != K or x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"tma_linear: x {tuple(x.shape)} {x.dtype} against weight {tuple(weight.shape)} "
                          f"{weight.dtype}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("tma_linear: x and weight need contiguous rows")
-    config = config or default_config(M, N, K)
+    if gated and weight.shape[0] % 2:
+        raise ValueError(f"tma_linear: a gated weight has [gate | up] rows, an even count; got {weight.shape[0]}")
+    config = config or default_config(M, weight.shape[0], K)
+    if gated and (config.split != 1 or config.block_n % 16):
+        config = replace(config, split=1, block_n=max(16, config.block_n - config.block_n % 16))
     if out is None:
         out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     dtype = _gl_dtype(x.dtype)
     bm, bn, bk = config.block_m, config.block_n, config.block_k
+    w_rows = bn // 2 if gated else bn  # a gated tile's weight comes as two copies of half its rows
     x_desc = TensorDescriptor.from_tensor(x, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], dtype))
-    w_desc = TensorDescriptor.from_tensor(weight, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], dtype))
-    out_desc = TensorDescriptor.from_tensor(out, [bm, bn], gl.NVMMASharedLayout.get_default_for([bm, bn], dtype))
-    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), config.split)
+    w_desc = TensorDescriptor.from_tensor(weight, [w_rows, bk],
+                                          gl.NVMMASharedLayout.get_default_for([w_rows, bk], dtype))
+    out_desc = TensorDescriptor.from_tensor(out, [bm, w_rows],
+                                            gl.NVMMASharedLayout.get_default_for([bm, w_rows], dtype))
+    grid = (triton.cdiv(N, w_rows), triton.cdiv(M, bm), config.split)
     if config.split > 1:
         if triton.cdiv(K, bk) % config.split:
             raise ValueError(f"tma_linear: {triton.cdiv(K, bk)} K tiles do not split {config.split} ways")
@@ -273,6 +324,6 @@ def tma_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None =
         part = counters = out
     pdl = pdl_options(x)
     _tma_matmul_kernel[grid](x_desc, w_desc, out_desc, out, part, counters, M, N, K, out.stride(0),
-                           STAGES=config.stages, SPLIT=config.split, PDL=pdl["PDL"],
+                           STAGES=config.stages, SPLIT=config.split, GATED=gated, PDL=pdl["PDL"],
                            num_warps=config.num_warps, **({"launch_pdl": True} if pdl["PDL"] else {}))
     return out

@@ -93,17 +93,39 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if kernels is not None:
         return kernels.gemv(x, weight, bias)
     if bias is None:
-        tma = _kernels_for(x, weight, "tma_gemm")
-        if tma is not None and tma.takes(x, weight):
+        tma = _tma_for(x, weight)
+        if tma is not None:
             return tma.tma_linear(x, weight)
     return F.linear(x, weight, bias)
 
 
+def _tma_for(x: torch.Tensor, weight: torch.Tensor):
+    """engine.kernels.tma_gemm where it takes these rows (a decode batch in REDLINE_TMA_GEMM_ROWS on a Hopper
+    GPU), else None."""
+    kernels = _kernels_for(x, weight, "tma_gemm")
+    return kernels if kernels is not None and kernels.takes(x, weight) else None
+
+
+def takes_gated_tma(rows: torch.Tensor, gate_up_weight: torch.Tensor) -> bool:
+    """Whether the gate/up projection of an input with rows' row count, dtype and device runs in the TMA GEMM,
+    which then gives silu(gate) * up itself (add_rms_norm_linear(..., gated=True))."""
+    return _tma_for(rows, gate_up_weight) is not None
+
+
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                        weight: torch.Tensor, bias: torch.Tensor | None = None):
+                        weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False):
     """(linear(rms_norm(x + residual) x norm_weight, weight, bias), x + residual); without a residual (the
     first layer), the norm of x and x itself. Where the GEMV takes the rows, the residual add and the norm
-    run in its prologue instead of a kernel of their own."""
+    run in its prologue instead of a kernel of their own. gated (where takes_gated_tma): the weight is
+    [gate | up], and the first result is silu(gate) * up, computed in the TMA GEMM's epilogue."""
+    if gated:
+        if bias is not None or _tma_for(x, weight) is None:
+            raise ValueError("add_rms_norm_linear(gated=True) needs rows the TMA GEMM takes, and no bias")
+        if residual is None:
+            normed, residual = rms_norm(x, norm_weight, eps), x
+        else:
+            normed, residual = add_rms_norm(x, residual, norm_weight, eps)
+        return _kernel_module("tma_gemm").tma_linear(normed, weight, gated=True), residual
     kernels = _gemv_for(x, weight)
     if (kernels is not None and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
             and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype

@@ -23,12 +23,16 @@ class RMSNorm(nn.Module):
             return rms_norm(x, self.weight, self.eps)
         return self.tp.all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
 
-    def linear(self, x: torch.Tensor, residual: torch.Tensor | None, proj) -> tuple[torch.Tensor, torch.Tensor]:
+    def linear(self, x: torch.Tensor, residual: torch.Tensor | None, proj,
+               gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(proj(norm of x + residual), x + residual), or without a residual (proj(norm of x), x). On one
         rank, for the rows the GEMV takes (decode), the add and the norm run in the projection's prologue:
-        one kernel less."""
+        one kernel less. gated (one rank, rows the TMA GEMM takes: fusion.takes_gated_tma): proj is the
+        [gate | up] projection and the first result silu(gate) * up, from the GEMM's epilogue."""
         if self.tp.size == 1 and proj.tp.size == 1:
-            return add_rms_norm_linear(x, residual, self.weight, self.eps, proj.weight, proj.bias)
+            return add_rms_norm_linear(x, residual, self.weight, self.eps, proj.weight, proj.bias, gated=gated)
+        if gated:
+            raise ValueError("RMSNorm.linear(gated=True) runs on one rank only")
         if residual is None:
             return proj(self(x)), x
         x, residual = self(x, residual)

@@ -13,7 +13,7 @@ from torch import nn
 from engine.attention import ForwardContext
 from engine.layers.attention import Attention
 from engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from engine.layers.fusion import takes_gemv
+from engine.layers.fusion import takes_gated_tma, takes_gemv
 from engine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel import TPGroup, divide
@@ -60,6 +60,11 @@ class MLP(nn.Module):
         """SwiGLU of gate_up_proj's output (which the layer computes with its norm): down(silu(gate) * up)."""
         return self.down_proj.forward_silu_and_mul(gate_up)
 
+    def activates_in_gate_up(self, x: torch.Tensor) -> bool:
+        """Whether, for x's rows, gate_up_proj's GEMM gives silu(gate) * up itself (one rank, the TMA GEMM's
+        rows): the layer then calls down_proj on that."""
+        return self.gate_up_proj.tp.size == 1 and takes_gated_tma(x, self.gate_up_proj.weight)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg, family: "FamilyFlags", tp: TPGroup, ctx: ForwardContext):
@@ -74,6 +79,9 @@ class DecoderLayer(nn.Module):
         # the first layer has no residual yet: its norm is of x alone, and x becomes the residual
         qkv, residual = self.input_layernorm.linear(x, residual, self.self_attn.qkv_proj)
         x = self.self_attn(positions, qkv)
+        if self.mlp.activates_in_gate_up(x):  # SiLU·mul in the gate/up GEMM's epilogue: one kernel less
+            act, residual = self.post_attention_layernorm.linear(x, residual, self.mlp.gate_up_proj, gated=True)
+            return self.mlp.down_proj(act), residual
         gate_up, residual = self.post_attention_layernorm.linear(x, residual, self.mlp.gate_up_proj)
         return self.mlp(gate_up), residual
 
