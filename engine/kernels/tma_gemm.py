@@ -128,6 +128,8 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if weight.shape[0] > MAX_N or weight.shape[1] > MAX_K:
         return False
+    if weight.shape[0] % 8:  # the output's rows, stored by the copy engine, must be 16-byte aligned
+        return False
     return all(t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0 for t in (x, weight))
 
 
@@ -313,8 +315,12 @@ def tma_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None =
     x_desc = TensorDescriptor.from_tensor(x, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], dtype))
     w_desc = TensorDescriptor.from_tensor(weight, [w_rows, bk],
                                           gl.NVMMASharedLayout.get_default_for([w_rows, bk], dtype))
-    out_desc = TensorDescriptor.from_tensor(out, [bm, w_rows],
-                                            gl.NVMMASharedLayout.get_default_for([bm, w_rows], dtype))
+    if gated:  # the epilogue stores through pointers; the descriptor argument is a stand-in
+        out_desc = x_desc
+    else:
+        if out.stride(1) != 1 or (out.stride(0) * out.element_size()) % 16 or out.data_ptr() % 16:
+            raise ValueError(f"tma_linear: out needs contiguous, 16-byte aligned rows, got strides {out.stride()}")
+        out_desc = TensorDescriptor.from_tensor(out, [bm, bn], gl.NVMMASharedLayout.get_default_for([bm, bn], dtype))
     grid = (triton.cdiv(N, w_rows), triton.cdiv(M, bm), config.split)
     if config.split > 1:
         if triton.cdiv(K, bk) % config.split:
