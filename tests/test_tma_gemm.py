@@ -122,3 +122,12 @@ def test_gated_tma_linear_refuses_an_odd_weight():
     x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="even"):
         tma_linear(x, torch.randn(33, 64, device="cuda", dtype=torch.bfloat16), gated=True)
+
+
+@pytest.mark.skipif(tma_gemm.gl is None, reason="needs Triton with Gluon's Hopper module")
+def test_tma_linear_refuses_an_output_of_another_shape():
+    x, w = torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(32, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"out must be \[4, 32\]"):
+        tma_linear(x, w, out=torch.empty(4, 16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"out must be \[4, 16\]"):  # gated: half the weight's rows
+        tma_linear(x, w, out=torch.empty(4, 32, dtype=torch.bfloat16), gated=True)

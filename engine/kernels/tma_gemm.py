@@ -1,5 +1,5 @@
-"""y = x @ weight.T for decode batches of tens to hundreds of rows: bulk tensor copies and warpgroup MMAs
-(a Gluon kernel; Hopper only).
+"""y = x @ weight.T for decode batches of tens of rows: bulk tensor copies and warpgroup MMAs (a Gluon
+kernel; Hopper only).
 
 cuBLAS spends 6-9 µs on each decode projection of the 0.6B shape at any row count from 16 to 256, where a
 layer's weights take 10 µs at 3 TB/s for all four (docs/kernels-notes.md). Its kernels cannot start on
@@ -12,9 +12,10 @@ K tiles are shared among SPLIT programs; each stores its float32 partial, and th
 last ticket of the tile sums the partials in split order (so the result does not depend on which finishes
 first), stores y and resets the ticket.
 
-It matches cuBLAS call for call rather than beating it (~6 µs a projection either way, scripts/tma_gemm_time.py);
-in the engine's decode graphs it gains where its early weight requests overlap the kernels between the
-projections: 1-6% a step at 24-64 rows, which is where the layers take it (REDLINE_TMA_GEMM_ROWS).
+It matches cuBLAS call for call rather than beating it (~6 µs a projection either way,
+scripts/tma_gemm_time.py). In the engine's decode graphs it gains where its early weight requests overlap
+the kernels between the projections, and where its gated epilogue (silu(gate) * up) replaces the SiLU·mul
+kernel: 3-9% a step at 24-64 rows, which is where the layers take it (REDLINE_TMA_GEMM_ROWS).
 
 CUDA-graph safe. `TmaConfig` holds the tile shape; `default_config` picks one from the shape.
 """
@@ -66,19 +67,15 @@ def available(x: torch.Tensor) -> bool:
     return _device_ok(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
 
-SMALL_TILE_ROWS = 64  # up to this many rows, tiles of 64 rows
-
-
 def default_config(M: int, N: int, K: int, num_sms: int = 132) -> TmaConfig:
     """The tiles that timed best at up to 64 rows on the 0.6B shapes (scripts/tma_gemm_time.py): 64 rows by
     64 columns, or for N of at most 2,048 (o, down) 16 columns with K split 4 ways; 8 stages. Past 64 rows
     (where cuBLAS was faster at every shape) 128 rows by the widest of 128/64/32 columns that keeps three
     quarters of the SMs busy."""
     k_tiles = triton.cdiv(K, 64)
-    if M <= SMALL_TILE_ROWS:
-        split = 4 if M <= 64 else 2
-        if N <= 2048 and k_tiles % split == 0:
-            return TmaConfig(64, 16, 64, max(2, min(8, k_tiles // split)), split)
+    if M <= 64:
+        if N <= 2048 and k_tiles % 4 == 0:
+            return TmaConfig(64, 16, 64, max(2, min(8, k_tiles // 4)), 4)
         return TmaConfig(64, 64, 64, max(2, min(8, k_tiles)), 1)
     block_n = 128
     while block_n > 32 and triton.cdiv(N, block_n) * triton.cdiv(M, 128) < num_sms * 3 // 4:
@@ -92,8 +89,8 @@ MAX_N = 65536
 MAX_K = 3072
 
 
-# Decode graphs of the 0.6B shape on the H100, against cuBLAS: 24-64 rows 1-6% faster, 8 rows 4% slower,
-# 128-256 rows 12-16% slower (docs/kernels-notes.md).
+# Decode graphs of the 0.6B shape on the H100, against cuBLAS: 24-64 rows 1-9% faster, 8 rows 4% slower,
+# 80-256 rows 0.5-19% slower (docs/kernels-notes.md).
 DEFAULT_ROWS = "24-64"
 
 
@@ -309,6 +306,9 @@ def tma_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None =
         config = replace(config, split=1, block_n=max(16, config.block_n - config.block_n % 16))
     if out is None:
         out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    elif out.shape != (M, N) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"tma_linear: out must be [{M}, {N}] {x.dtype} with contiguous rows, got "
+                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
     dtype = _gl_dtype(x.dtype)
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     w_rows = bn // 2 if gated else bn  # a gated tile's weight comes as two copies of half its rows
@@ -318,8 +318,8 @@ def tma_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None =
     if gated:  # the epilogue stores through pointers; the descriptor argument is a stand-in
         out_desc = x_desc
     else:
-        if out.stride(1) != 1 or (out.stride(0) * out.element_size()) % 16 or out.data_ptr() % 16:
-            raise ValueError(f"tma_linear: out needs contiguous, 16-byte aligned rows, got strides {out.stride()}")
+        if (out.stride(0) * out.element_size()) % 16 or out.data_ptr() % 16:
+            raise ValueError(f"tma_linear: out needs 16-byte aligned rows, got strides {out.stride()}")
         out_desc = TensorDescriptor.from_tensor(out, [bm, bn], gl.NVMMASharedLayout.get_default_for([bm, bn], dtype))
     grid = (triton.cdiv(N, w_rows), triton.cdiv(M, bm), config.split)
     if config.split > 1:
@@ -328,8 +328,7 @@ def tma_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None =
         part, counters = _workspace(x.device, config.split * grid[1] * bm * N, grid[0] * grid[1])
     else:
         part = counters = out
-    pdl = pdl_options(x)
     _tma_matmul_kernel[grid](x_desc, w_desc, out_desc, out, part, counters, M, N, K, out.stride(0),
-                           STAGES=config.stages, SPLIT=config.split, GATED=gated, PDL=pdl["PDL"],
-                           num_warps=config.num_warps, **({"launch_pdl": True} if pdl["PDL"] else {}))
+                             STAGES=config.stages, SPLIT=config.split, GATED=gated, num_warps=config.num_warps,
+                             **pdl_options(x))
     return out
