@@ -63,6 +63,33 @@ class StepBuffer:
         self.slot = (self.slot + 1) % self.RING
 
 
+@torch.inference_mode()
+def capture_largest_first(ctx, sizes: list[int], meta, step, graphs: dict, outputs: dict,
+                          edges_moved: dict | None = None) -> None:
+    """One CUDA graph of step(size) per size into graphs[size] (what it returns into outputs[size]), largest
+    first so that the smaller graphs fit in the first one's memory pool. For each size, ctx.meta = meta(size)
+    and a warm-up run outside the capture (kernels compile there); then fresh metadata, since what the backend
+    derived during the warm-up (a decode order) must be derived again inside the capture, from the buffers
+    each replay refills. With edges_moved, the graphs of sizes graph_edges.rewrites have their edges from
+    GEMMs opened at launch, recorded there per size."""
+    pool = None
+    for size in reversed(sizes):
+        ctx.meta = meta(size)
+        step(size)
+        ctx.meta = meta(size)
+        rewrite = edges_moved is not None and graph_edges.rewrites(size)
+        graph = torch.cuda.CUDAGraph(keep_graph=rewrite)
+        with torch.cuda.graph(graph, pool):
+            outputs[size] = step(size)
+        if rewrite:
+            edges_moved[size] = graph_edges.open_at_launch(graph.raw_cuda_graph())
+            graph.instantiate()
+        pool = pool or graph.pool()
+        graphs[size] = graph
+        torch.cuda.synchronize()
+    ctx.meta = None
+
+
 class DecodeGraphs:
     def __init__(self, runner):
         cfg = runner.config
@@ -111,27 +138,9 @@ class DecodeGraphs:
             _gumbel_kernels().gumbel_argmax(logits, self.temperatures[:bs], self.seed, out=self.tokens[:bs])
         return hidden
 
-    @torch.inference_mode()
     def _capture_all(self, max_model_len: int) -> None:
-        ctx = self.runner.ctx
-        pool = None
-        for bs in reversed(self.sizes):  # largest first, so smaller graphs fit in its memory pool
-            ctx.meta = self._meta(bs, max_model_len)
-            self._step(bs)  # warm-up: compile kernels outside capture
-            # fresh metadata: what the backend derived during the warm-up (a decode order) must be
-            # derived again inside the capture, from the buffers each replay refills
-            ctx.meta = self._meta(bs, max_model_len)
-            rewrite = graph_edges.rewrites(bs)
-            graph = torch.cuda.CUDAGraph(keep_graph=rewrite)
-            with torch.cuda.graph(graph, pool):
-                self.outputs[bs] = self._step(bs)
-            if rewrite:
-                self.edges_moved[bs] = graph_edges.open_at_launch(graph.raw_cuda_graph())
-                graph.instantiate()
-            pool = pool or graph.pool()
-            self.graphs[bs] = graph
-            torch.cuda.synchronize()
-        ctx.meta = None
+        capture_largest_first(self.runner.ctx, self.sizes, lambda bs: self._meta(bs, max_model_len), self._step,
+                              self.graphs, self.outputs, self.edges_moved)
 
     def fits(self, inputs) -> bool:
         return len(inputs.input_ids) <= self.max_bs and inputs.block_tables.shape[1] <= self.max_blocks
@@ -269,24 +278,19 @@ class PrefillGraphs:
         return AttentionMetadata(self.slot_mapping[:num_tokens], self.cu_seqlens_q, self.seqlens_k, self.block_tables,
                                  num_tokens, self.max_model_len, False, has_decode_rows=False)
 
-    @torch.inference_mode()
     def _capture_all(self) -> None:
-        ctx, model = self.runner.ctx, self.runner.model
-        pool = None
-        for size in reversed(self.sizes):  # largest first, so smaller graphs fit in its memory pool
-            # warm up over a valid sequence of every row, whose slots are nowhere (nothing is stored)
+        model = self.runner.model
+
+        def meta(size: int) -> AttentionMetadata:
+            """A valid sequence of every row to warm up and capture over; its slots are nowhere (nothing
+            is stored)."""
             self.cu_seqlens_q.copy_(torch.tensor([0, size], dtype=torch.int32))
             self.seqlens_k.fill_(size)
-            ctx.meta = self._meta(size)
-            model(self.input_ids[:size], self.positions[:size])  # warm-up: compile kernels outside capture
-            ctx.meta = self._meta(size)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                self.outputs[size] = model(self.input_ids[:size], self.positions[:size])
-            pool = pool or graph.pool()
-            self.graphs[size] = graph
-            torch.cuda.synchronize()
-        ctx.meta = None
+            return self._meta(size)
+
+        capture_largest_first(self.runner.ctx, self.sizes, meta,
+                              lambda size: model(self.input_ids[:size], self.positions[:size]),
+                              self.graphs, self.outputs)
 
     def fits(self, inputs) -> bool:
         """One sequence's prompt tokens (more than one), no longer than the largest graph."""

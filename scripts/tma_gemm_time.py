@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import triton
 
 from engine.kernels.tma_gemm import TmaConfig, default_config, tma_linear
+from overlap_check import captured
 
 SHAPES = [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072)]
 LAYERS = 28
@@ -47,19 +48,7 @@ def median_us(fn, reps: int = 30) -> float:
 
 def graph_us(calls_fn, calls: int) -> float:
     """µs per call of a CUDA graph of `calls` back-to-back calls_fn(i)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(2):
-            calls_fn(i)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            calls_fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
+    graph = captured(lambda: [calls_fn(i) for i in range(calls)])
     us = median_us(graph.replay) / calls
     del graph
     return us

@@ -119,14 +119,10 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
     run in its prologue instead of a kernel of their own. gated (where takes_gated_tma): the weight is
     [gate | up], and the first result is silu(gate) * up, computed in the TMA GEMM's epilogue."""
     if gated:
-        if bias is not None or _tma_for(x, weight) is None:
+        tma = _tma_for(x, weight) if bias is None else None
+        if tma is None:
             raise ValueError("add_rms_norm_linear(gated=True) needs rows the TMA GEMM takes, and no bias")
-        if residual is None:
-            normed, residual = rms_norm(x, norm_weight, eps), x
-        else:
-            normed, residual = add_rms_norm(x, residual, norm_weight, eps)
-        return _kernel_module("tma_gemm").tma_linear(normed, weight, gated=True), residual
-    kernels = _gemv_for(x, weight)
+    kernels = None if gated else _gemv_for(x, weight)
     if (kernels is not None and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
             and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
                                       and residual.stride(1) == 1))):
@@ -137,6 +133,8 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
         normed, residual = rms_norm(x, norm_weight, eps), x
     else:
         normed, residual = add_rms_norm(x, residual, norm_weight, eps)
+    if gated:
+        return tma.tma_linear(normed, weight, gated=True), residual
     return linear(normed, weight, bias), residual
 
 
