@@ -1,0 +1,188 @@
+"""nano-bench's decode attention, step by step: the fused decode kernel on the batches the bench's steps
+hold, against the time to read their K/V once.
+
+    PYTHONPATH=. python3 scripts/attention_replay.py [--every 50] [--variants engine,splits2,...]
+
+The profile of a bench run gives the attention's total only (docs/kernels-notes.md). This rebuilds the
+workload of engine/bench.py (seed 0, 256 sequences), and for every `--every`-th decode step builds the
+step's batch: the sequences still generating, each with its prompt and the tokens so far in a paged cache
+laid out as the engine lays it (256-position pages, pages in random order). It times one layer's fused
+decode kernel as the engine's decode graph launches it (splits chosen for max_model_len, longest
+sequence first, q/k norm) and the variants asked for, each in a CUDA graph, by the profiler's kernel
+time, and sets each against the K/V bytes at --read-bw. The whole run's attention is then estimated by
+interpolating between the sampled steps, times the layer count: the figure the profile's total is set
+against. --layers launches that many layers, each on its own cache as the engine lays them out, in one
+graph; each variant's wall time per kernel (`NAME_wall`) is printed beside the profiler's, which counts
+twice what PDL lets consecutive kernels overlap. Prints a line per step and one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from collections import defaultdict
+
+import torch
+import triton
+
+from engine.kernels import fused_decode as fd
+from engine.kernels.paged_decode import DecodeConfig, _num_sms, choose_num_splits, decode_order
+
+HEADS, KV_HEADS, HEAD_DIM, LAYERS, PAGE = 16, 8, 128, 28, 256
+
+
+def workload(num_seqs: int = 256) -> tuple[list[int], list[int]]:
+    """Prompt lengths and output lengths of engine/bench.py's workload."""
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(num_seqs)]
+    outs = [random.randint(100, 1024) for _ in range(num_seqs)]
+    return [len(p) for p in prompts], outs
+
+
+def kernel_us(fn, replays: int = 10) -> tuple[float, float]:
+    """(GPU microseconds of fn's kernels by the profiler, wall microseconds) per call, replayed in a CUDA
+    graph. With PDL a kernel's programs may start inside the one before and wait there, so the profiler's
+    sum over a chain counts that overlap twice; the wall time does not."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    wall = start.elapsed_time(end) * 1e3 / replays
+    total = 0.0
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            total += getattr(event, "device_time", None) or event.cuda_time
+    return total / replays, wall
+
+
+VARIANTS = {
+    # name: (DecodeConfig changes, how the split count is chosen)
+    "engine": ({}, "engine"),
+    "splits2x": ({}, "double"),
+    "per_sm8": ({"grid_programs_per_sm": 8}, "engine"),
+    "per_sm16": ({"grid_programs_per_sm": 16}, "engine"),
+    "actual_len": ({}, "actual"),
+    "warps8": ({"num_warps": 8}, "engine"),
+    "stages2": ({"num_stages": 2}, "engine"),
+    "stages4": ({"num_stages": 4}, "engine"),
+    "block32": ({"block_n": 32}, "engine"),
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--every", type=int, default=50)
+    parser.add_argument("--variants", default="engine,splits2x,per_sm8,actual_len,warps8,stages4")
+    parser.add_argument("--read-bw", type=float, default=3.07e12)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=1,
+                        help="layers, each with its own cache, launched one after another in the graph (as the engine)")
+    parser.add_argument("--blocks", type=int, default=0,
+                        help="pages in each layer's cache (0: just the workload's); the engine sizes it from free memory")
+    parser.add_argument("--scatter", action="store_true",
+                        help="the workload's pages drawn from all --blocks pages, not the first ones")
+    parser.add_argument("--steps", default="", help="steps to sample, comma-separated (default: every --every)")
+    args = parser.parse_args()
+    names = args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    ins, outs = workload()
+    pages_of = [triton.cdiv(i + o, PAGE) for i, o in zip(ins, outs)]
+    blocks = max(args.blocks, sum(pages_of))
+    perm = torch.randperm(blocks if args.scatter else sum(pages_of)).tolist()
+    tables, at = [], 0
+    for n in pages_of:
+        tables.append(perm[at:at + n])
+        at += n
+    width = max(pages_of)
+    # the engine's layout: [K/V, layer, page, position, KV head, D]
+    cache = torch.empty(2, args.layers, blocks, PAGE, KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+    for layer in range(args.layers):
+        cache[:, layer].normal_()
+    half = HEAD_DIM // 2
+    inv = 1.0 / (1e6 ** (torch.arange(0, half, device=dev, dtype=torch.float32) / half))
+    freqs = torch.outer(torch.arange(args.max_model_len, device=dev, dtype=torch.float32), inv)
+    cos, sin = freqs.cos(), freqs.sin()
+    q_w = torch.ones(HEAD_DIM, device=dev, dtype=torch.bfloat16)
+    k_w = torch.ones_like(q_w)
+    kv_bytes = KV_HEADS * HEAD_DIM * 2 * 2  # one position of one layer, K and V
+    sms = _num_sms(dev)
+    steps = ([int(v) for v in args.steps.split(",")] if args.steps
+             else list(range(0, max(outs), args.every)) + [max(outs) - 1])
+    rows, per_variant = [], defaultdict(dict)
+    for s in steps:
+        live = [i for i, o in enumerate(outs) if o > s]
+        lens = [ins[i] + s + 1 for i in live]
+        B = len(live)
+        seqlens = torch.tensor(lens, device=dev, dtype=torch.int32)
+        bt = torch.tensor([tables[i] + [0] * (width - len(tables[i])) for i in live], device=dev, dtype=torch.int32)
+        slots = torch.tensor([tables[i][(n - 1) // PAGE] * PAGE + (n - 1) % PAGE for i, n in zip(live, lens)],
+                             device=dev, dtype=torch.int64)
+        positions = (seqlens - 1).to(torch.int64)
+        qkv = torch.randn(B, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=dev, dtype=torch.bfloat16)
+        counters = torch.zeros(B * KV_HEADS, device=dev, dtype=torch.int32)
+        order = decode_order(seqlens)
+        floor_us = sum(lens) * kv_bytes / args.read_bw * 1e6
+        row = {"step": s, "rows": B, "kv_mb": round(sum(lens) * kv_bytes / 1e6, 1), "floor_us": round(floor_us, 1)}
+        for name in names:
+            changes, split_rule = VARIANTS[name]
+            config = DecodeConfig(**changes)
+            max_len = max(lens) if split_rule == "actual" else args.max_model_len
+            splits = choose_num_splits(B, KV_HEADS, max_len, config.block_n, sms, config.grid_programs_per_sm)
+            if split_rule == "double":
+                splits = min(64, max(2, 2 * splits))
+            def step():
+                for layer in range(args.layers):
+                    fd.fused_decode(qkv, positions, cos, sin, q_w, k_w, 1e-6, cache[0, layer], cache[1, layer], slots,
+                                    seqlens, bt, max_len, HEAD_DIM ** -0.5, HEADS, KV_HEADS, counters, order=order,
+                                    num_splits=splits, config=config, after_gemv=False)
+            kernel, wall = kernel_us(step)
+            us = kernel / args.layers
+            row[name] = round(us, 1)
+            row[f"{name}_wall"] = round(wall / args.layers, 1)
+            row[f"{name}_splits"] = splits
+            per_variant[name][s] = us
+        rows.append(row)
+        print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+    # the whole run: every decode step, interpolated between the sampled ones, times the layers
+    all_steps = range(max(outs))
+    floor_total = sum(sum(ins[i] + s + 1 for i, o in enumerate(outs) if o > s) for s in all_steps) * kv_bytes
+    estimate = {}
+    for name, by_step in per_variant.items():
+        xs = sorted(by_step)
+        total = 0.0
+        for s in all_steps:
+            j = max(k for k in range(len(xs)) if xs[k] <= s)
+            if j + 1 < len(xs):
+                a, b = xs[j], xs[j + 1]
+                total += by_step[a] + (by_step[b] - by_step[a]) * (s - a) / (b - a)
+            else:
+                total += by_step[xs[j]]
+        estimate[name] = round(total * LAYERS / 1e6, 3)
+    print(json.dumps({"gpu": torch.cuda.get_device_name(), "read_bw": args.read_bw, "layers": args.layers,
+                      "blocks": blocks,
+                      "floor_s": round(floor_total * LAYERS / args.read_bw, 3), "run_attention_s": estimate,
+                      "steps": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
