@@ -93,7 +93,7 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=1,
                         help="layers, each with its own cache, launched one after another in the graph (as the engine)")
     parser.add_argument("--blocks", type=int, default=0,
-                        help="pages in each layer's cache (0: just the workload's); the engine sizes it from free memory")
+                        help="pages in each layer's cache (0: the workload's); the engine sizes it from free memory")
     parser.add_argument("--scatter", action="store_true",
                         help="the workload's pages drawn from all --blocks pages, not the first ones")
     parser.add_argument("--steps", default="", help="steps to sample, comma-separated (default: every --every)")
