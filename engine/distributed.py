@@ -133,8 +133,10 @@ class TPDriver:
         self._workers.send(("trace", path))
 
     def shutdown(self) -> None:
-        """Tell the other ranks to exit, end any that do not, release the process group. Idempotent."""
+        """Tell the other ranks to exit, end any that do not, release the process group and rank 0's device
+        memory (to this process's allocator: see ModelRunner.shutdown). Idempotent."""
         self._finalizer()
+        self.runner.shutdown(return_to_driver=False)
 
 
 class TPStep:

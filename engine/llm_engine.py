@@ -37,6 +37,7 @@ class LLMEngine:
         self.async_scheduling = bool(config.async_scheduling)
         self._inflight: _InFlight | None = None
         self._sampling_cache = None
+        self._shut_down = False
 
     def _make_runner(self, config: EngineConfig):
         if config.tensor_parallel_size > 1:
@@ -120,6 +121,8 @@ class LLMEngine:
 
         With async scheduling the step launches its forward pass, then collects the tokens of the previous
         step's launch, so the host prepares step N+1 while the device runs step N."""
+        if self._shut_down:
+            raise RuntimeError("the engine was shut down; create a new one")
         start = time.perf_counter()
         bm, sched = self.block_manager, self.scheduler
         queries, hits, preemptions = bm.num_cache_queries, bm.num_cache_hits, sched.num_preemptions
@@ -329,9 +332,12 @@ class LLMEngine:
         return [results[rid] for rid in ids]
 
     def shutdown(self) -> None:
-        shutdown = getattr(self.runner, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        """Release the engine's devices: the KV cache, CUDA graphs and weights are freed at once (the memory
+        is free for another engine when this returns) and tensor-parallel ranks end. Requests still running
+        are dropped; a step after this raises. Idempotent."""
+        self._inflight = None
+        self._shut_down = True
+        self.runner.shutdown()
 
 
 class _InFlight:

@@ -1,6 +1,7 @@
 """Turns a scheduled batch into tensors, runs the model on one device (one tensor-parallel rank), samples."""
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -92,6 +93,28 @@ class ModelRunner:
             sizes = prefill_graph_sizes(self.config)
             if self.tp.size == 1 and sizes and prefill_graphs_setting():
                 self.prefill_graphs = PrefillGraphs(self, sizes)
+
+    def shutdown(self, return_to_driver: bool = True) -> None:
+        """Give the device memory back now: the CUDA graphs, the KV cache and the weights are dropped and
+        collected at once (they sit in reference cycles, which would otherwise wait for the garbage
+        collector) and are free for the next engine in this process. return_to_driver: also wait for the
+        device and hand the allocator's cached blocks back to the driver (for other processes); a
+        tensor-parallel rank 0 does not, since work of a failed step may wait forever on a dead peer.
+        Idempotent; no step after it."""
+        if self.model is None:
+            return
+        release = return_to_driver and self.device.type == "cuda"
+        if release:
+            torch.cuda.synchronize(self.device)
+        self.graphs = self.prefill_graphs = None
+        for layer in self.attn_layers:
+            layer.k_cache = layer.v_cache = torch.tensor([])
+        self.attn_layers = []
+        self.kv_cache = self.model = None
+        self.last_sampled = torch.empty(0, dtype=torch.int64, device=self.device)
+        gc.collect()  # the modules are in cycles (each parameter's weight_loader is bound to its module)
+        if release:
+            torch.cuda.empty_cache()
 
     # ---- KV cache ---------------------------------------------------------------------------------
 

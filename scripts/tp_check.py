@@ -157,10 +157,10 @@ def run_size(tp: int, args: argparse.Namespace, prompts) -> dict:
         result["build_seconds"] = round(time.perf_counter() - t0, 1)
         result["num_kvcache_blocks"] = llm.block_manager.num_blocks
         rank0 = getattr(llm.runner, "runner", llm.runner)  # TP>1: the TPDriver's own ModelRunner
-        graphs = getattr(rank0, "graphs", None)
-        result["graph_batch_sizes"] = len(graphs.sizes) if graphs is not None else 0
+        result["graph_batch_sizes"] = len(rank0.graphs.sizes) if rank0.graphs is not None else 0
         log(f"TP={tp}: engine built in {result['build_seconds']} s, {result['num_kvcache_blocks']} KV blocks, "
             f"backend {rank0.ctx.backend.name}, CUDA graphs for {result['graph_batch_sizes']} batch sizes")
+        del rank0  # nothing here may keep the engine's graphs alive past its shutdown
         t0 = time.perf_counter()
         result["greedy"] = greedy_tokens(llm, prompts, args.max_new)
         log(f"TP={tp}: greedy check in {time.perf_counter() - t0:.1f} s")

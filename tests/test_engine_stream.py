@@ -46,3 +46,27 @@ def test_abort_midway_reports_abort_and_frees_every_block(llm):
     assert -1 not in finals[rid].token_ids
     assert finals[other].finish_reason == "length" and len(finals[other].token_ids) == 5
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_shutdown_frees_the_cache_and_weights_at_once_and_refuses_later_steps(qwen3_checkpoint, async_scheduling):
+    import gc
+    import weakref
+
+    engine = LLM(str(qwen3_checkpoint), device="cpu", kvcache_block_size=8, async_scheduling=async_scheduling)
+    engine.add_request([3, 4, 5], SamplingParams(temperature=0, max_tokens=20))
+    engine.step()
+    engine.step()  # a request still running, and with async scheduling a step in flight
+    cache, weight = weakref.ref(engine.runner.kv_cache), weakref.ref(next(engine.runner.model.parameters()))
+    gc.collect()
+    gc.disable()  # freed by shutdown itself, not by a later collection
+    try:
+        engine.shutdown()
+        assert cache() is None and weight() is None
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.step()
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)
+    engine.shutdown()  # idempotent
