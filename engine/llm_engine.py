@@ -50,6 +50,7 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | dict | None = None,
                     request_id: str | None = None) -> str:
         """Queue one request; returns its id. Raises ValueError for bad input, leaving the engine as it was."""
+        self._check_open()
         params = _as_params(sampling_params)
         token_ids = self._encode(prompt)
         if request_id is None:
@@ -121,8 +122,7 @@ class LLMEngine:
 
         With async scheduling the step launches its forward pass, then collects the tokens of the previous
         step's launch, so the host prepares step N+1 while the device runs step N."""
-        if self._shut_down:
-            raise RuntimeError("the engine was shut down; create a new one")
+        self._check_open()
         start = time.perf_counter()
         bm, sched = self.block_manager, self.scheduler
         queries, hits, preemptions = bm.num_cache_queries, bm.num_cache_hits, sched.num_preemptions
@@ -330,6 +330,10 @@ class LLMEngine:
                                 refresh=False)
         bar.close()
         return [results[rid] for rid in ids]
+
+    def _check_open(self) -> None:
+        if self._shut_down:
+            raise RuntimeError("the engine was shut down; create a new one")
 
     def shutdown(self) -> None:
         """Release the engine's devices: the KV cache, CUDA graphs and weights are freed at once (the memory

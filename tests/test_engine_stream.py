@@ -68,5 +68,7 @@ def test_shutdown_frees_the_cache_and_weights_at_once_and_refuses_later_steps(qw
     with pytest.raises(RuntimeError, match="shut down"):
         engine.step()
     with pytest.raises(RuntimeError, match="shut down"):
+        engine.add_request([1, 2], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="shut down"):
         engine.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)
     engine.shutdown()  # idempotent
