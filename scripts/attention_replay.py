@@ -29,7 +29,11 @@ import triton
 from engine.kernels import fused_decode as fd
 from engine.kernels.paged_decode import DecodeConfig, _num_sms, choose_num_splits, decode_order
 
-HEADS, KV_HEADS, HEAD_DIM, LAYERS, PAGE = 16, 8, 128, 28, 256
+from decode_graph_time import events_ms  # run as a script, this folder is on sys.path
+from decode_kernel_times import kernel_times
+from overlap_check import EPS, HEAD_DIM, HEADS, KV_HEADS, PAGE, captured, rotary_tables
+
+LAYERS = 28
 
 
 def workload(num_seqs: int = 256) -> tuple[list[int], list[int]]:
@@ -44,30 +48,8 @@ def kernel_us(fn, replays: int = 10) -> tuple[float, float]:
     """(GPU microseconds of fn's kernels by the profiler, wall microseconds) per call, replayed in a CUDA
     graph. With PDL a kernel's programs may start inside the one before and wait there, so the profiler's
     sum over a chain counts that overlap twice; the wall time does not."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    wall = start.elapsed_time(end) * 1e3 / replays
-    total = 0.0
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
-        torch.cuda.synchronize()
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            total += getattr(event, "device_time", None) or event.cuda_time
-    return total / replays, wall
+    profiled = sum(kernel_times(fn, replays).values())
+    return profiled, events_ms(captured(fn).replay, replays) * 1e3
 
 
 VARIANTS = {
@@ -117,10 +99,7 @@ def main() -> int:
     cache = torch.empty(2, args.layers, blocks, PAGE, KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
     for layer in range(args.layers):
         cache[:, layer].normal_()
-    half = HEAD_DIM // 2
-    inv = 1.0 / (1e6 ** (torch.arange(0, half, device=dev, dtype=torch.float32) / half))
-    freqs = torch.outer(torch.arange(args.max_model_len, device=dev, dtype=torch.float32), inv)
-    cos, sin = freqs.cos(), freqs.sin()
+    cos, sin = rotary_tables(args.max_model_len)
     q_w = torch.ones(HEAD_DIM, device=dev, dtype=torch.bfloat16)
     k_w = torch.ones_like(q_w)
     kv_bytes = KV_HEADS * HEAD_DIM * 2 * 2  # one position of one layer, K and V
@@ -151,7 +130,7 @@ def main() -> int:
                 splits = min(64, max(2, 2 * splits))
             def step():
                 for layer in range(args.layers):
-                    fd.fused_decode(qkv, positions, cos, sin, q_w, k_w, 1e-6, cache[0, layer], cache[1, layer], slots,
+                    fd.fused_decode(qkv, positions, cos, sin, q_w, k_w, EPS, cache[0, layer], cache[1, layer], slots,
                                     seqlens, bt, max_len, HEAD_DIM ** -0.5, HEADS, KV_HEADS, counters, order=order,
                                     num_splits=splits, config=config, after_gemv=False)
             kernel, wall = kernel_us(step)

@@ -6,8 +6,8 @@ The decode attention's floor in docs/kernels-notes.md is its K/V bytes at the ra
 (~3.06 TB/s on the H100). This asks whether another way of reading reaches more: a Triton kernel of plain
 vector loads (grid sizes, block sizes, warps, cache hints), and a Gluon kernel whose tiles arrive by bulk
 tensor copies (TMA) into a ring of shared-memory stages, with and without the tiles then read into
-registers. Every variant reads the same buffer, which L2 cannot hold; each is timed in a CUDA graph of
-back-to-back launches. Prints a table and one JSON line of TB/s by variant.
+registers. Every variant reads the same buffer, which L2 cannot hold; each is captured in a CUDA graph
+whose replays are timed back to back. Prints a table and one JSON line of TB/s by variant.
 """
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import json
 import torch
 import triton
 import triton.language as tl
+
+from overlap_check import graph_ms  # run as a script, this folder is on sys.path
 
 try:
     from triton.experimental import gluon
@@ -73,22 +75,6 @@ if gluon is not None:
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
         gl.store(out_ptr + gl.program_id(0), gl.sum(gl.sum(acc, axis=1), axis=0))
-
-
-def graph_ms(fn, reps: int = 20) -> float:
-    """Median ms of one call, from a CUDA graph of `reps` back-to-back calls."""
-    fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    return triton.testing.do_bench(graph.replay, warmup=5, rep=200, return_mode="median") / reps
 
 
 def main() -> None:
