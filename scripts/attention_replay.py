@@ -63,6 +63,12 @@ VARIANTS = {
     "stages2": ({"num_stages": 2}, "engine"),
     "stages4": ({"num_stages": 4}, "engine"),
     "block32": ({"block_n": 32}, "engine"),
+    "tma": ({"tma": True}, "engine"),
+    "tma_stages2": ({"tma": True, "num_stages": 2}, "engine"),
+    "tma_stages4": ({"tma": True, "num_stages": 4}, "engine"),
+    "tma_warps8": ({"tma": True, "num_warps": 8}, "engine"),
+    "tma_block128": ({"tma": True, "block_n": 128, "num_stages": 2}, "engine"),
+    "tma_per_sm8": ({"tma": True, "grid_programs_per_sm": 8}, "engine"),
 }
 
 
