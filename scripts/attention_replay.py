@@ -63,12 +63,11 @@ VARIANTS = {
     "stages2": ({"num_stages": 2}, "engine"),
     "stages4": ({"num_stages": 4}, "engine"),
     "block32": ({"block_n": 32}, "engine"),
-    "tma": ({"tma": True}, "engine"),
-    "tma_stages2": ({"tma": True, "num_stages": 2}, "engine"),
-    "tma_stages4": ({"tma": True, "num_stages": 4}, "engine"),
-    "tma_warps8": ({"tma": True, "num_warps": 8}, "engine"),
-    "tma_block128": ({"tma": True, "block_n": 128, "num_stages": 2}, "engine"),
-    "tma_per_sm8": ({"tma": True, "grid_programs_per_sm": 8}, "engine"),
+    # the cache laid out head-major ([page, KV head, position, D], seen through strides as the engine's
+    # [page, position, KV head, D]): a KV head's tile is one contiguous run instead of 256 bytes in 2 KB
+    "head_major": ({}, "engine", "head_major"),
+    "head_major_block128": ({"block_n": 128, "num_stages": 2}, "engine", "head_major"),
+    "head_major_stages2": ({"num_stages": 2}, "engine", "head_major"),
 }
 
 
@@ -102,9 +101,16 @@ def main() -> int:
         at += n
     width = max(pages_of)
     # the engine's layout: [K/V, layer, page, position, KV head, D]
-    cache = torch.empty(2, args.layers, blocks, PAGE, KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
-    for layer in range(args.layers):
-        cache[:, layer].normal_()
+    caches = {}
+    for layout in {VARIANTS[n][2] if len(VARIANTS[n]) > 2 else "engine" for n in names}:
+        if layout == "engine":
+            cache = torch.empty(2, args.layers, blocks, PAGE, KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+        else:
+            cache = torch.empty(2, args.layers, blocks, KV_HEADS, PAGE, HEAD_DIM, device=dev,
+                                dtype=torch.bfloat16).transpose(3, 4)
+        for layer in range(args.layers):
+            cache[:, layer].normal_()
+        caches[layout] = cache
     cos, sin = rotary_tables(args.max_model_len)
     q_w = torch.ones(HEAD_DIM, device=dev, dtype=torch.bfloat16)
     k_w = torch.ones_like(q_w)
@@ -128,7 +134,8 @@ def main() -> int:
         floor_us = sum(lens) * kv_bytes / args.read_bw * 1e6
         row = {"step": s, "rows": B, "kv_mb": round(sum(lens) * kv_bytes / 1e6, 1), "floor_us": round(floor_us, 1)}
         for name in names:
-            changes, split_rule = VARIANTS[name]
+            changes, split_rule = VARIANTS[name][:2]
+            cache = caches[VARIANTS[name][2] if len(VARIANTS[name]) > 2 else "engine"]
             config = DecodeConfig(**changes)
             max_len = max(lens) if split_rule == "actual" else args.max_model_len
             splits = choose_num_splits(B, KV_HEADS, max_len, config.block_n, sms, config.grid_programs_per_sm)

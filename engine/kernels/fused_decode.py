@@ -16,20 +16,13 @@ instead of three. Prefill, mixed batches and the balanced schedule keep the sepa
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-try:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # a Triton without host tensor descriptors: per-thread loads only
-    TensorDescriptor = None
-
 from engine.kernels.gemv import max_rows as gemv_max_rows
 from engine.kernels.launch import check_trace, launch_dependents, pdl_options, stamp, wait_for_previous
-from engine.kernels.paged_decode import (MAX_GRID_SEQS, DecodeConfig, _attend_range, _attend_range_tma, _num_sms,
+from engine.kernels.paged_decode import (MAX_GRID_SEQS, DecodeConfig, _attend_range, _num_sms,
                                          choose_num_splits, default_decode_config, grid_program, split_range)
 from engine.kernels.paged_tiles import LOG2E, check_paged_inputs, group_pad, to_cache, upcast_dot
 from engine.kernels.qkv_prep import _norm_rope, _round
@@ -44,14 +37,14 @@ TRACE_SLOTS = tl.constexpr(TRACE_WIDTH)
 @triton.jit
 def _fused_decode_kernel(
     qkv_ptr, positions_ptr, slot_mapping_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr,
-    k_cache_ptr, v_cache_ptr, k_desc, v_desc, out_ptr, seqlens_k_ptr, block_tables_ptr,
+    k_cache_ptr, v_cache_ptr, out_ptr, seqlens_k_ptr, block_tables_ptr,
     part_out_ptr, part_lse_ptr, counters_ptr, order_ptr, trace_ptr,
     stride_t, stride_cos, stride_ot, stride_oh, stride_page, stride_slot, stride_khead, stride_bt,
     qk_scale, eps, num_heads, num_kv_heads, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
     UPCAST: tl.constexpr, HAS_NORM: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr,
-    EARLY: tl.constexpr, TMA: tl.constexpr, FENCE: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
     stamp(trace_ptr, 0, TRACE_SLOTS, TRACE)
     launch_dependents(PDL)
@@ -100,19 +93,13 @@ def _fused_decode_kernel(
         tl.store(k_cache_ptr + dst + HALF, to_cache(k2.to(dtype), cache_dtype))
         tl.store(v_cache_ptr + dst, to_cache(tl.load(v_lo), cache_dtype))
         tl.store(v_cache_ptr + dst + HALF, to_cache(tl.load(v_lo + HALF), cache_dtype))
-        if TMA and FENCE:  # ordered before the bulk copies that read them back (another memory proxy)
-            _fence_proxy_async()
     tl.debug_barrier()  # the program's own stores are visible to all its threads' cache reads below
     stamp(trace_ptr, 3, TRACE_SLOTS, TRACE)
 
     offs_d = tl.arange(0, HEAD_DIM)
-    if TMA:
-        out, lse = _attend_range_tma(q, k_desc, v_desc, block_table_row, kv_head * HEAD_DIM, start, end, qk_scale,
-                                     GROUP_PAD, HEAD_DIM, PAGE_SIZE, BLOCK_N, UPCAST)
-    else:
-        out, lse = _attend_range(q, k_cache_ptr, v_cache_ptr, block_table_row,
-                                 kv_head * stride_khead, offs_d, start, end, qk_scale, stride_page, stride_slot,
-                                 GROUP_PAD, HEAD_DIM, HEAD_DIM, PAGE_SIZE, BLOCK_N, UPCAST)
+    out, lse = _attend_range(q, k_cache_ptr, v_cache_ptr, block_table_row,
+                             kv_head * stride_khead, offs_d, start, end, qk_scale, stride_page, stride_slot,
+                             GROUP_PAD, HEAD_DIM, HEAD_DIM, PAGE_SIZE, BLOCK_N, UPCAST)
     stamp(trace_ptr, 4, TRACE_SLOTS, TRACE)
     if SPLITS_PAD == 1:
         o_ptrs = out_ptr + seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
@@ -131,13 +118,6 @@ def _fused_decode_kernel(
             _merge_group(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_heads, num_splits,
                          stride_ot, stride_oh, GROUP, HEAD_DIM, SPLITS_PAD)
             stamp(trace_ptr, 6, TRACE_SLOTS, TRACE)
-
-
-@triton.jit
-def _fence_proxy_async():
-    """This thread's global stores ordered before later bulk tensor copies (the async proxy) read them."""
-    tl.inline_asm_elementwise("fence.proxy.async.global; // dummy $0", "=r", [], dtype=tl.int32, is_pure=False,
-                              pack=1)
 
 
 @triton.jit
@@ -196,7 +176,7 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
     assert (q_weight is None) == (k_weight is None)
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     heads, kv_heads, group = check_paged_inputs(out, k_cache, v_cache)
-    assert (heads, kv_heads) == (num_heads, num_kv_heads) and k_cache.stride(2) == head_dim
+    assert (heads, kv_heads) == (num_heads, num_kv_heads)
     if num_seqs == 0:
         return out
     if num_seqs > MAX_GRID_SEQS:
@@ -219,12 +199,9 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
         assert order.shape == (num_seqs,) and order.device == qkv.device, "order: one index per sequence"
     programs = num_kv_heads * num_seqs * num_splits
     check_trace(trace, programs, TRACE_WIDTH)
-    tma = config.tma and takes_tma(k_cache, config.block_n)
-    k_desc, v_desc = (_tile_descriptor(k_cache, config.block_n), _tile_descriptor(v_cache, config.block_n)) if tma \
-        else (k_cache, v_cache)
     _fused_decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         qkv, positions, slot_mapping, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos,
-        k_cache, v_cache, k_desc, v_desc, out, seqlens_k, block_tables, part_out, part_lse, counters,
+        k_cache, v_cache, out, seqlens_k, block_tables, part_out, part_lse, counters,
         seqlens_k if order is None else order, trace if trace is not None else counters,
         qkv.stride(0), cos.stride(0), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -232,28 +209,9 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
         GROUP=group, GROUP_PAD=max(16, group_pad(group)), HEAD_DIM=head_dim, HALF=head_dim // 2,
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=config.block_n, SPLITS_PAD=triton.next_power_of_2(num_splits),
         UPCAST=upcast_dot(qkv), HAS_NORM=has_norm, ORDERED=order is not None, TRACE=trace is not None,
-        EARLY=early, TMA=tma, FENCE=tma and qkv.is_cuda, num_warps=config.num_warps, num_stages=loop_stages(config, early),
+        EARLY=early, num_warps=config.num_warps, num_stages=loop_stages(config, early),
         **pdl_options(qkv))
     return out
-
-
-def takes_tma(k_cache: torch.Tensor, block_n: int) -> bool:
-    """Whether K/V tiles of block_n positions can come by bulk tensor copies from this cache: a CUDA device
-    of compute capability 9.0 or later (or the Triton interpreter, which reads the tiles plainly), 2-byte
-    elements, each layer's cache contiguous and its pages holding whole tiles."""
-    if TensorDescriptor is None:
-        return False
-    if os.environ.get("TRITON_INTERPRET") != "1" and not (
-            k_cache.is_cuda and torch.cuda.get_device_capability(k_cache.device)[0] >= 9):
-        return False
-    return k_cache.element_size() == 2 and k_cache.is_contiguous() and k_cache.shape[1] % block_n == 0
-
-
-def _tile_descriptor(cache: torch.Tensor, block_n: int):
-    """A layer's cache [pages, PAGE_SIZE, KV heads, D] as rows of positions, copied in [block_n, D] tiles."""
-    pages, page_size, kv_heads, head_dim = cache.shape
-    rows = cache.view(pages * page_size, kv_heads * head_dim)
-    return TensorDescriptor(rows, list(rows.shape), [kv_heads * head_dim, 1], [block_n, head_dim])
 
 
 def loop_stages(config: DecodeConfig, early: bool) -> int:

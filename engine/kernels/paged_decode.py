@@ -49,9 +49,6 @@ class DecodeConfig:
     # num_stages holds elsewhere. 1: the batch-1 decode graph measured 1.6-1.8% faster than with 3, batch 2
     # the same (docs/kernels-notes.md, "Empty KV ranges, and the K/V loop's pipeline stages")
     stages_after_gemv: int = 1
-    # the fused decode kernel reads K/V tiles by bulk tensor copies (TMA) instead of per-thread loads: Hopper
-    # and later, a cache of 2-byte elements whose pages hold whole tiles (fused_decode.takes_tma)
-    tma: bool = False
 
 
 @triton.jit
@@ -79,38 +76,6 @@ def _attend_range(q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset, off
         acc = acc * alpha[:, None] + mma(p.to(q.dtype), v, UPCAST)
         m_i = m_new
     has_keys = l_i > 0.0  # false for an empty range or a zero-length padding sequence
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-    return out, lse
-
-
-@triton.jit
-def _attend_range_tma(q, k_desc, v_desc, block_table_row, col, start, end, qk_scale,
-                      GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                      BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
-    """_attend_range with each K and V tile one bulk tensor copy: k_desc and v_desc view a layer's cache
-    as [pages x PAGE_SIZE, KV heads x D] in tiles of [BLOCK_N, D] (PAGE_SIZE a multiple of BLOCK_N), and
-    col is the KV head's first column. Positions past `end` in the last tile are not masked by the copy:
-    their scores are set to -inf and their V rows to zero, so whatever the cache holds there (even NaN)
-    does not reach the output."""
-    m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        page = tl.load(block_table_row + n0 // PAGE_SIZE)
-        r = page * PAGE_SIZE + n0 % PAGE_SIZE
-        valid_n = n0 + tl.arange(0, BLOCK_N) < end
-        k = k_desc.load([r, col])
-        s = mma(q, tl.trans(k), UPCAST) * qk_scale
-        s = tl.where(valid_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.where(valid_n[:, None], v_desc.load([r, col]), 0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + mma(p.to(q.dtype), v, UPCAST)
-        m_i = m_new
-    has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     return out, lse
@@ -392,17 +357,13 @@ def default_decode_config(t: torch.Tensor) -> DecodeConfig:
 
 @functools.cache
 def _cuda_decode_config() -> DecodeConfig:
-    """REDLINE_DECODE_PROGRAMS_PER_SM sets the grid schedule's programs per SM, REDLINE_DECODE_TMA=1 the
-    fused decode kernel's K/V tiles by bulk tensor copies (both for measurements)."""
+    """REDLINE_DECODE_PROGRAMS_PER_SM sets the grid schedule's programs per SM (for measurements)."""
     value = os.environ.get("REDLINE_DECODE_PROGRAMS_PER_SM", "")
-    tma = os.environ.get("REDLINE_DECODE_TMA", "0")
-    if tma not in ("0", "1"):
-        raise ValueError(f"REDLINE_DECODE_TMA must be 0 or 1, got {tma!r}")
     if not value:
-        return DecodeConfig(tma=tma == "1")
+        return DecodeConfig()
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"REDLINE_DECODE_PROGRAMS_PER_SM must be a positive integer, got {value!r}")
-    return DecodeConfig(grid_programs_per_sm=int(value), tma=tma == "1")
+    return DecodeConfig(grid_programs_per_sm=int(value))
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
