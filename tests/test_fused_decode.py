@@ -81,3 +81,20 @@ def test_fused_decode_trace_stamps_every_program_in_order_and_leaves_the_output_
     assert (stamps[merged, -1] >= stamps[merged, ticket]).all()
     sms = trace[:, -1]
     assert ((sms >= 0) & (sms < torch.cuda.get_device_properties(0).multi_processor_count)).all()
+
+
+@needs_triton
+def test_first_page_is_read_early_for_one_sequence_after_the_gemv_only(monkeypatch):
+    from engine.kernels.fused_decode import early_page_applies
+    from engine.kernels.paged_decode import DecodeConfig
+
+    config, cache = DecodeConfig(block_n=64), torch.zeros(4, 256, 1, 16)
+    assert early_page_applies(True, 1, cache, config)
+    assert not early_page_applies(True, 2, cache, config)          # two rows measured slower
+    assert not early_page_applies(False, 1, cache, config)         # after cuBLAS: nothing read early
+    assert not early_page_applies(True, 1, torch.zeros(4, 32, 1, 16), config)  # a tile spans pages
+    monkeypatch.setenv("REDLINE_EARLY_PAGE", "0")
+    assert not early_page_applies(True, 1, cache, config)
+    monkeypatch.setenv("REDLINE_EARLY_PAGE", "yes")
+    with pytest.raises(ValueError, match="REDLINE_EARLY_PAGE"):
+        early_page_applies(True, 1, cache, config)

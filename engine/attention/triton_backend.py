@@ -42,8 +42,9 @@ class TritonBackend:
         # fused decode's split counters, zero between launches; earlier, smaller sets stay alive for the
         # CUDA graphs that captured them
         self._counters: list[torch.Tensor] = []
-        # REDLINE_PDL, REDLINE_GEMV_MAX_ROWS and REDLINE_DECODE_STACK: bad values fail here, not mid-step
-        pdl_setting(), gemv.max_rows(), stack_setting()
+        # REDLINE_PDL, REDLINE_GEMV_MAX_ROWS, REDLINE_DECODE_STACK and REDLINE_EARLY_PAGE: bad values fail
+        # here, not mid-step
+        pdl_setting(), gemv.max_rows(), stack_setting(), fused_decode.early_page()
 
     def qkv_prep(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,

@@ -16,6 +16,8 @@ instead of three. Prefill, mixed batches and the balanced schedule keep the sepa
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -44,7 +46,7 @@ def _fused_decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
     UPCAST: tl.constexpr, HAS_NORM: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr,
-    EARLY: tl.constexpr,
+    EARLY: tl.constexpr, EARLY_PAGE: tl.constexpr,
 ):
     stamp(trace_ptr, 0, TRACE_SLOTS, TRACE)
     launch_dependents(PDL)
@@ -63,6 +65,9 @@ def _fused_decode_kernel(
     sin = _round(tl.load(sin_ptr + pos * stride_cos + offs_half), dtype)
     slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    first_page = 0
+    if EARLY_PAGE:  # the range's first page (an input too), so the first tile's loads need nothing after the wait
+        first_page = tl.load(block_table_row + start // PAGE_SIZE, mask=start < end, other=0).to(tl.int64)
     if EARLY:
         wait_for_previous(PDL)
     stamp(trace_ptr, 1, TRACE_SLOTS, TRACE)
@@ -99,7 +104,7 @@ def _fused_decode_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     out, lse = _attend_range(q, k_cache_ptr, v_cache_ptr, block_table_row,
                              kv_head * stride_khead, offs_d, start, end, qk_scale, stride_page, stride_slot,
-                             GROUP_PAD, HEAD_DIM, HEAD_DIM, PAGE_SIZE, BLOCK_N, UPCAST)
+                             first_page, GROUP_PAD, HEAD_DIM, HEAD_DIM, PAGE_SIZE, BLOCK_N, UPCAST, EARLY_PAGE)
     stamp(trace_ptr, 4, TRACE_SLOTS, TRACE)
     if SPLITS_PAD == 1:
         o_ptrs = out_ptr + seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
@@ -209,9 +214,26 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
         GROUP=group, GROUP_PAD=max(16, group_pad(group)), HEAD_DIM=head_dim, HALF=head_dim // 2,
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=config.block_n, SPLITS_PAD=triton.next_power_of_2(num_splits),
         UPCAST=upcast_dot(qkv), HAS_NORM=has_norm, ORDERED=order is not None, TRACE=trace is not None,
-        EARLY=early, num_warps=config.num_warps, num_stages=loop_stages(config, early),
+        EARLY=early, EARLY_PAGE=early_page_applies(early, num_seqs, k_cache, config),
+        num_warps=config.num_warps, num_stages=loop_stages(config, early),
         **pdl_options(qkv))
     return out
+
+
+def early_page_applies(early: bool, num_seqs: int, k_cache: torch.Tensor, config: DecodeConfig) -> bool:
+    """Whether a program reads its range's first page before its wait: where it reads its other inputs
+    early (after the GEMV), for one sequence (the batch-1 decode graph measured 2.4% faster, two rows 2.3%
+    slower: docs/kernels-notes.md), pages holding whole tiles, and REDLINE_EARLY_PAGE not 0."""
+    return early and num_seqs == 1 and k_cache.shape[1] % config.block_n == 0 and early_page()
+
+
+def early_page() -> bool:
+    """REDLINE_EARLY_PAGE: "1" (the default) reads the first page of a program's range before its wait
+    where early_page_applies; "0" after the wait, in the K/V loop."""
+    value = os.environ.get("REDLINE_EARLY_PAGE", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"REDLINE_EARLY_PAGE must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def loop_stages(config: DecodeConfig, early: bool) -> int:

@@ -52,29 +52,48 @@ class DecodeConfig:
 
 
 @triton.jit
+def _attend_tile(q, k_cache_ptr, v_cache_ptr, offs, mask, valid_n, qk_scale, m_i, l_i, acc, UPCAST: tl.constexpr):
+    """One tile of _attend_range's online softmax: (m_i, l_i, acc) after the positions at offs."""
+    k = tl.load(k_cache_ptr + offs, mask=mask, other=0.0).to(q.dtype)  # an fp8 cache widens here (to fp16)
+    s = mma(q, tl.trans(k), UPCAST) * qk_scale
+    s = tl.where(valid_n[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_cache_ptr + offs, mask=mask, other=0.0).to(q.dtype)
+    acc = acc * alpha[:, None] + mma(p.to(q.dtype), v, UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attend_range(q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset, offs_d, start, end, qk_scale,
-                  stride_page, stride_slot, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+                  stride_page, stride_slot, first_page, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+                  FIRST_PAGE: tl.constexpr):
     """Online softmax of q [GROUP_PAD, BLOCK_D] over KV positions start..end-1 (start a multiple of
-    BLOCK_N): the normalised output, and its log2-domain log-sum-exp (-inf where there are no keys)."""
+    BLOCK_N): the normalised output, and its log2-domain log-sum-exp (-inf where there are no keys).
+    FIRST_PAGE: first_page is the page of the first tile, read by the caller (early, off the chain of
+    dependent loads); pages then hold whole tiles and BLOCK_D is HEAD_DIM."""
     m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
     q = query_for_cache(q, k_cache_ptr.dtype.element_ty)
-    for n0 in range(start, end, BLOCK_N):
+    loop_start = start
+    if FIRST_PAGE:
+        tl.static_assert(PAGE_SIZE % BLOCK_N == 0 and BLOCK_D == HEAD_DIM)
+        offs_n = start + tl.arange(0, BLOCK_N)
+        valid_n = offs_n < end
+        offs = (first_page * stride_page + (offs_n % PAGE_SIZE) * stride_slot)[:, None] + head_offset + offs_d[None, :]
+        m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, offs, valid_n[:, None], valid_n, qk_scale,
+                                     m_i, l_i, acc, UPCAST)
+        loop_start = start + BLOCK_N
+    for n0 in range(loop_start, end, BLOCK_N):
         offs, mask, valid_n = kv_tile_offsets(block_table_row, n0, end, head_offset, offs_d,
                                               stride_page, stride_slot, PAGE_SIZE, BLOCK_N,
                                               HEAD_DIM, BLOCK_D, True)
-        k = tl.load(k_cache_ptr + offs, mask=mask, other=0.0).to(q.dtype)  # an fp8 cache widens here (to fp16)
-        s = mma(q, tl.trans(k), UPCAST) * qk_scale
-        s = tl.where(valid_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + offs, mask=mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + mma(p.to(q.dtype), v, UPCAST)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, offs, mask, valid_n, qk_scale, m_i, l_i, acc,
+                                     UPCAST)
     has_keys = l_i > 0.0  # false for an empty range or a zero-length padding sequence
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
@@ -128,8 +147,8 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + token.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     out, lse = _attend_range(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
-                             kv_head * stride_khead, offs_d, start, end, qk_scale, stride_page, stride_slot,
-                             GROUP_PAD, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, UPCAST)
+                             kv_head * stride_khead, offs_d, start, end, qk_scale, stride_page, stride_slot, 0,
+                             GROUP_PAD, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, UPCAST, False)
     if DIRECT:
         o_ptrs = out_ptr + token.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
@@ -212,8 +231,8 @@ def _decode_chunk_kernel(
     q = tl.load(q_ptr + token.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     out, lse = _attend_range(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
-                             kv_head * stride_khead, offs_d, start, end, qk_scale, stride_page, stride_slot,
-                             GROUP_PAD, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, UPCAST)
+                             kv_head * stride_khead, offs_d, start, end, qk_scale, stride_page, stride_slot, 0,
+                             GROUP_PAD, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, UPCAST, False)
     if seq_chunks == 1:
         o_ptrs = out_ptr + token.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
