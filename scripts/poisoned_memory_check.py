@@ -7,7 +7,8 @@ earlier tensors filled. A read of a buffer before anything wrote it gives the sa
 process (the driver zeroes new memory) and different ones after other work. For each byte value
 (`random`: random bytes), this fills and frees GPU memory, builds an engine (eager, then CUDA graphs) on a
 tiny random checkpoint, and compares its tokens, sampled and greedy, with those of the clean eager engine.
-Prints one line per run and where the first difference is.
+Prints one line per run and where the first difference is. The engine's KV sizing returns the allocator's
+cache to the driver before it allocates, so the poisoned pages may not all come back to it.
 """
 from __future__ import annotations
 
