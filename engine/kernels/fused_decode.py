@@ -222,7 +222,7 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
 
 def early_page_applies(early: bool, num_seqs: int, k_cache: torch.Tensor, config: DecodeConfig) -> bool:
     """Whether a program reads its range's first page before its wait: where it reads its other inputs
-    early (after the GEMV), for one sequence (the batch-1 decode graph measured 2.4% faster, two rows 2.3%
+    early (after the GEMV), for one sequence (the batch-1 decode graph measured 2.3-2.9% faster, two rows 2.3%
     slower: docs/kernels-notes.md), pages holding whole tiles, and REDLINE_EARLY_PAGE not 0."""
     return early and num_seqs == 1 and k_cache.shape[1] % config.block_n == 0 and early_page()
 
