@@ -53,16 +53,16 @@ def kernel_us(fn, replays: int = 10) -> tuple[float, float]:
 
 
 VARIANTS = {
-    # name: (DecodeConfig changes, how the split count is chosen)
-    "engine": ({}, "engine"),
-    "splits2x": ({}, "double"),
-    "per_sm8": ({"grid_programs_per_sm": 8}, "engine"),
-    "per_sm16": ({"grid_programs_per_sm": 16}, "engine"),
-    "actual_len": ({}, "actual"),
-    "warps8": ({"num_warps": 8}, "engine"),
-    "stages2": ({"num_stages": 2}, "engine"),
-    "stages4": ({"num_stages": 4}, "engine"),
-    "block32": ({"block_n": 32}, "engine"),
+    # name: (DecodeConfig changes, how the split count is chosen, cache layout)
+    "engine": ({}, "engine", "engine"),
+    "splits2x": ({}, "double", "engine"),
+    "per_sm8": ({"grid_programs_per_sm": 8}, "engine", "engine"),
+    "per_sm16": ({"grid_programs_per_sm": 16}, "engine", "engine"),
+    "actual_len": ({}, "actual", "engine"),
+    "warps8": ({"num_warps": 8}, "engine", "engine"),
+    "stages2": ({"num_stages": 2}, "engine", "engine"),
+    "stages4": ({"num_stages": 4}, "engine", "engine"),
+    "block32": ({"block_n": 32}, "engine", "engine"),
     # the cache laid out head-major ([page, KV head, position, D], seen through strides as the engine's
     # [page, position, KV head, D]): a KV head's tile is one contiguous run instead of 256 bytes in 2 KB
     "head_major": ({}, "engine", "head_major"),
@@ -102,7 +102,7 @@ def main() -> int:
     width = max(pages_of)
     # the engine's layout: [K/V, layer, page, position, KV head, D]
     caches = {}
-    for layout in {VARIANTS[n][2] if len(VARIANTS[n]) > 2 else "engine" for n in names}:
+    for layout in {VARIANTS[n][2] for n in names}:
         if layout == "engine":
             cache = torch.empty(2, args.layers, blocks, PAGE, KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
         else:
@@ -134,8 +134,8 @@ def main() -> int:
         floor_us = sum(lens) * kv_bytes / args.read_bw * 1e6
         row = {"step": s, "rows": B, "kv_mb": round(sum(lens) * kv_bytes / 1e6, 1), "floor_us": round(floor_us, 1)}
         for name in names:
-            changes, split_rule = VARIANTS[name][:2]
-            cache = caches[VARIANTS[name][2] if len(VARIANTS[name]) > 2 else "engine"]
+            changes, split_rule, layout = VARIANTS[name]
+            cache = caches[layout]
             config = DecodeConfig(**changes)
             max_len = max(lens) if split_rule == "actual" else args.max_model_len
             splits = choose_num_splits(B, KV_HEADS, max_len, config.block_n, sms, config.grid_programs_per_sm)

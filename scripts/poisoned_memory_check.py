@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import random
 import sys
 import tempfile
 from pathlib import Path
@@ -24,12 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine import LLM, SamplingParams  # noqa: E402
 from tests.conftest import make_checkpoint  # noqa: E402
-
-
-def prompts(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    shared = [rng.randrange(3, 500) for _ in range(300)]
-    return [(shared if i % 2 else []) + [rng.randrange(3, 500) for _ in range(rng.randint(5, 400))] for i in range(n)]
+from tests.test_gpu_engine import _prompts  # noqa: E402  (the GPU tests' prompts)
 
 
 def poison(value: str, gib: float) -> None:
@@ -74,7 +68,7 @@ def main() -> int:
         checkpoint = make_checkpoint("qwen3", Path(tmp), hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
                                      initializer_range=0.05, head_dim=128, num_attention_heads=8,
                                      num_key_value_heads=8)
-        ps = prompts(4, 9)
+        ps = _prompts(4, 9)
         runs = [(ps[:1], SamplingParams(temperature=0.8, max_tokens=args.max_new)),
                 (ps, SamplingParams(temperature=0.8, max_tokens=args.max_new)),
                 (ps, SamplingParams(temperature=0, max_tokens=args.max_new))]

@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from engine.kernels.launch import launch_dependents, pdl_options, wait_for_previous
-from engine.kernels.paged_tiles import (LOG2E, check_paged_inputs, group_pad, kv_tile_offsets, mma, query_for_cache,
-                                       upcast_dot)
+from engine.kernels.paged_tiles import (LOG2E, check_paged_inputs, group_pad, kv_tile_offsets, mma,
+                                       page_tile_offsets, query_for_cache, upcast_dot)
 
 SCHEDULES = ("balanced", "grid")
 MERGE_TILE = 16  # partials a merge program reads at once; it loops for more
@@ -82,9 +82,8 @@ def _attend_range(q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset, off
     loop_start = start
     if FIRST_PAGE:
         tl.static_assert(PAGE_SIZE % BLOCK_N == 0 and BLOCK_D == HEAD_DIM)
-        offs_n = start + tl.arange(0, BLOCK_N)
-        valid_n = offs_n < end
-        offs = (first_page * stride_page + (offs_n % PAGE_SIZE) * stride_slot)[:, None] + head_offset + offs_d[None, :]
+        offs, valid_n = page_tile_offsets(first_page, start, end, head_offset, offs_d, stride_page, stride_slot,
+                                          PAGE_SIZE, BLOCK_N)
         m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, offs, valid_n[:, None], valid_n, qk_scale,
                                      m_i, l_i, acc, UPCAST)
         loop_start = start + BLOCK_N

@@ -17,23 +17,34 @@ def kv_tile_offsets(block_table_row, n0, seqlen, head_offset, offs_d,
     contiguous run inside one page (a single block-table read); otherwise each position looks
     its page up. MASK_N=False promises every position in the tile is < seqlen.
     """
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    valid_n = offs_n < seqlen
     if PAGE_SIZE % BLOCK_N == 0:
-        page = tl.load(block_table_row + n0 // PAGE_SIZE).to(tl.int64)
-        row = page * stride_page + (offs_n % PAGE_SIZE) * stride_slot
+        page = tl.load(block_table_row + n0 // PAGE_SIZE)
+        offs, valid_n = page_tile_offsets(page, n0, seqlen, head_offset, offs_d, stride_page, stride_slot,
+                                          PAGE_SIZE, BLOCK_N)
     else:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        valid_n = offs_n < seqlen
         if MASK_N:
             page = tl.load(block_table_row + offs_n // PAGE_SIZE, mask=valid_n, other=0)
         else:
             page = tl.load(block_table_row + offs_n // PAGE_SIZE)
         row = page.to(tl.int64) * stride_page + (offs_n % PAGE_SIZE) * stride_slot
-    offs = row[:, None] + head_offset + offs_d[None, :]
+        offs = row[:, None] + head_offset + offs_d[None, :]
     if BLOCK_D == HEAD_DIM:
         mask = valid_n[:, None]
     else:
         mask = valid_n[:, None] & (offs_d[None, :] < HEAD_DIM)
     return offs, mask, valid_n
+
+
+@triton.jit
+def page_tile_offsets(page, n0, seqlen, head_offset, offs_d, stride_page, stride_slot,
+                      PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Element offsets [BLOCK_N, len(offs_d)] of KV positions n0..n0+BLOCK_N-1, which lie in `page` (pages
+    hold whole tiles), and which of them are < seqlen."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    row = page.to(tl.int64) * stride_page + (offs_n % PAGE_SIZE) * stride_slot
+    return row[:, None] + head_offset + offs_d[None, :], offs_n < seqlen
 
 
 @triton.jit
