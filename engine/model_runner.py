@@ -64,6 +64,11 @@ class ModelRunner:
             if self.device.index is None:
                 self.device = torch.device("cuda", tp.rank)
             torch.cuda.set_device(self.device)
+            # An engine dropped without shutdown() leaves its KV cache in the caching allocator once collected.
+            # Hand it to the driver before this engine's weights are allocated: a tensor carved out of that
+            # segment would pin all of it, and the KV sizing below would see the GPU as nearly full.
+            gc.collect()
+            torch.cuda.empty_cache()
         _choose_blas(self.device)
         self.dtype = config.torch_dtype
         self.kv_dtype = config.kv_torch_dtype

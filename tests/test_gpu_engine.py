@@ -180,6 +180,21 @@ def test_graph_edges_opened_at_launch_keep_every_token(gpu_checkpoint, monkeypat
     assert tokens["launch"] == tokens["capture"]
 
 
+def test_an_engine_dropped_without_shutdown_leaves_the_next_one_its_kv_cache(gpu_checkpoint, free_gpu):
+    """A process that drops an engine (del, no shutdown) and builds another gets a KV cache of the same size.
+    The dropped engine's cache stays in torch's caching allocator once collected; were the new engine's
+    weights carved out of that segment, it could not go back to the driver and the new engine would size
+    its cache from the few GiB left (13 blocks instead of ~18,000 on an H100)."""
+    blocks = []
+    for _ in range(2):
+        llm = LLM(str(gpu_checkpoint), device="cuda", dtype="bfloat16", max_model_len=1024, max_num_seqs=4,
+                  enforce_eager=True)
+        blocks.append(llm.runner.num_kvcache_blocks)
+        del llm
+        gc.collect()
+    assert blocks[1] >= 0.95 * blocks[0], blocks
+
+
 def test_decode_graphs_that_sample_give_the_tokens_of_eager_steps(gpu_checkpoint, free_gpu):
     """On one GPU the decode graphs hold the LM head and the sampler, take the previous step's tokens from
     the device and read the seed from their input buffer. Batches of captured sizes (1 and 4 rows, so
