@@ -284,3 +284,15 @@ def _wait_until_acked(client: Client, timeout: float = 30) -> None:
     while any(client.redis.xlen(s) for s in client.keys.all_jobs()):
         assert time.monotonic() < deadline, "entries were not acked and deleted"
         time.sleep(0.02)
+
+
+def test_the_worker_logs_its_kv_cache_capacity_at_start(url, client, engine, caplog):
+    caplog.set_level("INFO", logger="redline.worker")
+    with worker_thread(url, client.keys.queue, engine):
+        pass
+    bm, config = engine.block_manager, engine.config
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:")]
+    assert lines == [f"KV cache: {bm.num_blocks} blocks of {config.kvcache_block_size} tokens "
+                     f"({bm.num_blocks * config.kvcache_block_size} tokens), room for "
+                     f"{bm.num_blocks * config.kvcache_block_size / config.max_model_len:.1f} sequences of "
+                     f"max_model_len {config.max_model_len} at once (max_num_seqs {config.max_num_seqs})"], lines

@@ -126,6 +126,18 @@ class Worker:
             except redis.RedisError:
                 pass  # the blocking call times out by itself within a second
 
+    def _log_kv_capacity(self) -> None:
+        """How many tokens the engine's KV cache holds and how many sequences of max_model_len fit at once,
+        as vLLM reports it: a cache far smaller than expected (another process on the GPU, a low
+        gpu_memory_utilization) shows here rather than only as low throughput."""
+        bm, config = getattr(self.engine, "block_manager", None), getattr(self.engine, "config", None)
+        if bm is None or config is None:
+            return
+        tokens = bm.num_blocks * config.kvcache_block_size
+        log.info("KV cache: %d blocks of %d tokens (%d tokens), room for %.1f sequences of max_model_len %d "
+                 "at once (max_num_seqs %d)", bm.num_blocks, config.kvcache_block_size, tokens,
+                 tokens / config.max_model_len, config.max_model_len, config.max_num_seqs)
+
     def run(self) -> int:
         self.consumer.ensure_groups()
         writer = threading.Thread(target=self._guard(self.writer.run), name="redline-writer", daemon=True)
@@ -134,6 +146,7 @@ class Worker:
         for t in [writer, *others]:
             t.start()
         log.info("worker %s serving queue %r", self.settings.worker_name, self.settings.queue)
+        self._log_kv_capacity()
         self.ready.set()
         try:
             self._engine_loop()
