@@ -39,6 +39,20 @@ def test_rows_setting_refuses_what_is_no_range(monkeypatch, value):
         rows_setting()
 
 
+def test_gated_rows_are_the_projections_rows_unless_set(monkeypatch):
+    monkeypatch.setenv("REDLINE_TMA_GEMM_ROWS", "16-32")
+    monkeypatch.delenv("REDLINE_TMA_GATED_ROWS", raising=False)
+    assert tma_gemm.gated_rows_setting() == (16, 32)
+    monkeypatch.setenv("REDLINE_TMA_GATED_ROWS", "24-256")
+    assert tma_gemm.gated_rows_setting() == (24, 256)
+    assert rows_setting() == (16, 32)
+    monkeypatch.setenv("REDLINE_TMA_GATED_ROWS", "0")
+    assert tma_gemm.gated_rows_setting() == (1, 0)
+    monkeypatch.setenv("REDLINE_TMA_GATED_ROWS", "256")
+    with pytest.raises(ValueError, match="REDLINE_TMA_GATED_ROWS"):
+        tma_gemm.gated_rows_setting()
+
+
 @pytest.mark.parametrize("M", [1, 17, 64, 65, 256])
 @pytest.mark.parametrize("N, K", SHAPES)
 def test_default_config_splits_k_evenly_and_fits_shared_memory(M, N, K):
@@ -99,7 +113,7 @@ def test_tma_linear_replays_in_a_cuda_graph_with_new_inputs(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not hopper(), reason="needs a Hopper GPU and Triton with Gluon")
-@pytest.mark.parametrize("M", [1, 24, 64, 100])
+@pytest.mark.parametrize("M", [1, 24, 64, 100, 256])
 @pytest.mark.parametrize("N, K", [(6144, 1024), (200, 96)])
 def test_gated_tma_linear_gives_silu_and_mul_of_the_product(M, N, K):
     from engine.kernels.norm_act import silu_and_mul
