@@ -39,20 +39,6 @@ def test_rows_setting_refuses_what_is_no_range(monkeypatch, value):
         rows_setting()
 
 
-def test_gated_rows_are_the_projections_rows_unless_set(monkeypatch):
-    monkeypatch.setenv("REDLINE_TMA_GEMM_ROWS", "16-32")
-    monkeypatch.delenv("REDLINE_TMA_GATED_ROWS", raising=False)
-    assert tma_gemm.gated_rows_setting() == (16, 32)
-    monkeypatch.setenv("REDLINE_TMA_GATED_ROWS", "24-256")
-    assert tma_gemm.gated_rows_setting() == (24, 256)
-    assert rows_setting() == (16, 32)
-    monkeypatch.setenv("REDLINE_TMA_GATED_ROWS", "0")
-    assert tma_gemm.gated_rows_setting() == (1, 0)
-    monkeypatch.setenv("REDLINE_TMA_GATED_ROWS", "256")
-    with pytest.raises(ValueError, match="REDLINE_TMA_GATED_ROWS"):
-        tma_gemm.gated_rows_setting()
-
-
 @pytest.mark.parametrize("M", [1, 17, 64, 65, 256])
 @pytest.mark.parametrize("N, K", SHAPES)
 def test_default_config_splits_k_evenly_and_fits_shared_memory(M, N, K):

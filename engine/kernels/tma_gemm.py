@@ -95,7 +95,7 @@ DEFAULT_ROWS = "24-64"
 
 
 @functools.cache
-def _parse_rows(value: str, name: str = "REDLINE_TMA_GEMM_ROWS") -> tuple[int, int]:
+def _parse_rows(value: str) -> tuple[int, int]:
     if value == "0":
         return (1, 0)
     try:
@@ -103,7 +103,8 @@ def _parse_rows(value: str, name: str = "REDLINE_TMA_GEMM_ROWS") -> tuple[int, i
     except ValueError:
         low, high = 0, -1
     if not 1 <= low <= high:
-        raise ValueError(f"{name} must be a row range LOW-HIGH such as 33-64, or 0 for off; got {value!r}")
+        raise ValueError(f"REDLINE_TMA_GEMM_ROWS must be a row range LOW-HIGH such as 33-64, or 0 for off; "
+                         f"got {value!r}")
     return low, high
 
 
@@ -114,18 +115,10 @@ def rows_setting() -> tuple[int, int]:
     return _parse_rows(os.environ.get("REDLINE_TMA_GEMM_ROWS", DEFAULT_ROWS))
 
 
-def gated_rows_setting() -> tuple[int, int]:
-    """REDLINE_TMA_GATED_ROWS, "LOW-HIGH" or "0": the rows at which the gate/up projection runs here with the
-    SiLU·mul in its epilogue, saving the SiLU·mul kernel (default: REDLINE_TMA_GEMM_ROWS's rows)."""
-    value = os.environ.get("REDLINE_TMA_GATED_ROWS")
-    return rows_setting() if value is None else _parse_rows(value, "REDLINE_TMA_GATED_ROWS")
-
-
-def takes(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
-    """Whether the layers run x @ weight.T here: a row count in REDLINE_TMA_GEMM_ROWS (gated: the gate/up
-    projection with the SiLU·mul in the epilogue, REDLINE_TMA_GATED_ROWS) on a Hopper GPU, bf16 or fp16
-    operands with rows the copy engine can address (16-byte aligned), a weight within MAX_N x MAX_K."""
-    low, high = gated_rows_setting() if gated else rows_setting()
+def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the layers run x @ weight.T here: a row count in REDLINE_TMA_GEMM_ROWS on a Hopper GPU, bf16
+    or fp16 operands with rows the copy engine can address (16-byte aligned), a weight within MAX_N x MAX_K."""
+    low, high = rows_setting()
     if x.dim() != 2 or not low <= x.shape[0] <= high or not available(x):
         return False
     if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float16):

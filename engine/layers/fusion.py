@@ -99,17 +99,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def _tma_for(x: torch.Tensor, weight: torch.Tensor, gated: bool = False):
-    """engine.kernels.tma_gemm where it takes these rows (a decode batch in REDLINE_TMA_GEMM_ROWS, or gated in
-    REDLINE_TMA_GATED_ROWS, on a Hopper GPU), else None."""
+def _tma_for(x: torch.Tensor, weight: torch.Tensor):
+    """engine.kernels.tma_gemm where it takes these rows (a decode batch in REDLINE_TMA_GEMM_ROWS on a Hopper
+    GPU), else None."""
     kernels = _kernels_for(x, weight, "tma_gemm")
-    return kernels if kernels is not None and kernels.takes(x, weight, gated) else None
+    return kernels if kernels is not None and kernels.takes(x, weight) else None
 
 
 def takes_gated_tma(rows: torch.Tensor, gate_up_weight: torch.Tensor) -> bool:
     """Whether the gate/up projection of an input with rows' row count, dtype and device runs in the TMA GEMM,
     which then gives silu(gate) * up itself (add_rms_norm_linear(..., gated=True))."""
-    return _tma_for(rows, gate_up_weight, gated=True) is not None
+    return _tma_for(rows, gate_up_weight) is not None
 
 
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -119,7 +119,7 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
     run in its prologue instead of a kernel of their own. gated (where takes_gated_tma): the weight is
     [gate | up], and the first result is silu(gate) * up, computed in the TMA GEMM's epilogue."""
     if gated:
-        tma = _tma_for(x, weight, gated=True) if bias is None else None
+        tma = _tma_for(x, weight) if bias is None else None
         if tma is None:
             raise ValueError("add_rms_norm_linear(gated=True) needs rows the TMA GEMM takes, and no bias")
     kernels = None if gated else _gemv_for(x, weight)
