@@ -54,29 +54,53 @@ def _gumbel(bits, FAST_LOG: tl.constexpr):
 
 
 @triton.jit
+def _lane(row_ptr, cols, start, end, inv_t, bits, best, best_col, NOISE: tl.constexpr, FAST_LOG: tl.constexpr):
+    """One lane's columns of a tile into its running best (strict: a position keeps its first maximum, and
+    it sees its columns in increasing order)."""
+    inside = (cols >= start) & (cols < end)
+    score = tl.load(row_ptr + cols, mask=inside, other=float("-inf")).to(tl.float32)
+    if NOISE:
+        score = score * inv_t + _gumbel(bits, FAST_LOG)
+    better = score > best
+    return tl.where(better, score, best), tl.where(better, cols, best_col)
+
+
+@triton.jit
+def _merge_lanes(best, col, other, other_col):
+    """The higher score of two positions, the lower column on a tie."""
+    take = (other > best) | ((other == best) & (other_col < col))
+    return tl.where(take, other, best), tl.where(take, other_col, col)
+
+
+@triton.jit
 def _scan(row_ptr, row, start, end, inv_t, seed, NOISE: tl.constexpr, GROUPS: tl.constexpr,
           FAST_LOG: tl.constexpr):
-    """Best (score, column) per lane over columns [start, end); scores are logits / t + noise.
-    row_ptr + c is column c, so a slice starting at a column that is no multiple of 4 works too."""
+    """Best (score, column) per group position over columns [start, end); scores are logits / t + noise.
+    row_ptr + c is column c, so a slice starting at a column that is no multiple of 4 works too.
+
+    A tile is GROUPS groups of four columns; lane k of a group (column 4g + k) takes draw k of the group's
+    Philox call. Each lane is its own [GROUPS] vector, in the layout the draws come in, so no draw moves
+    between threads (a [GROUPS, 4] tile spread a group over four threads and sent every draw through
+    shared memory). The lanes' bests are merged at the end, ties to the lower column."""
     group = tl.arange(0, GROUPS)
-    lane = tl.arange(0, 4)[None, :]
-    best = tl.full([GROUPS, 4], float("-inf"), tl.float32)
-    best_col = tl.full([GROUPS, 4], NO_COLUMN, tl.int32)
+    b0 = tl.full([GROUPS], float("-inf"), tl.float32)
+    b1, b2, b3 = b0, b0, b0
+    k0 = tl.full([GROUPS], NO_COLUMN, tl.int32)
+    k1, k2, k3 = k0, k0, k0
     counter_row = row.to(tl.int64) << 32
     for c0 in range(start - start % 4, end, 4 * GROUPS):  # tiles start at multiples of 4, as Philox's groups
-        cols = c0 + 4 * group[:, None] + lane
-        inside = (cols >= start) & (cols < end)
-        score = tl.load(row_ptr + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        cols = c0 + 4 * group
         if NOISE:
             r0, r1, r2, r3 = tl.randint4x(seed, counter_row + (c0 // 4 + group))
-            bits = tl.where(lane == 0, r0[:, None],
-                            tl.where(lane == 1, r1[:, None], tl.where(lane == 2, r2[:, None], r3[:, None])))
-            score = score * inv_t + _gumbel(bits, FAST_LOG)
-        # strict: a lane keeps its first maximum, and it sees its columns in increasing order
-        better = score > best
-        best = tl.where(better, score, best)
-        best_col = tl.where(better, cols, best_col)
-    return best, best_col
+        else:  # no draws: the lanes add no noise
+            r0, r1, r2, r3 = cols, cols, cols, cols
+        b0, k0 = _lane(row_ptr, cols, start, end, inv_t, r0, b0, k0, NOISE, FAST_LOG)
+        b1, k1 = _lane(row_ptr, cols + 1, start, end, inv_t, r1, b1, k1, NOISE, FAST_LOG)
+        b2, k2 = _lane(row_ptr, cols + 2, start, end, inv_t, r2, b2, k2, NOISE, FAST_LOG)
+        b3, k3 = _lane(row_ptr, cols + 3, start, end, inv_t, r3, b3, k3, NOISE, FAST_LOG)
+    b0, k0 = _merge_lanes(b0, k0, b1, k1)
+    b2, k2 = _merge_lanes(b2, k2, b3, k3)
+    return _merge_lanes(b0, k0, b2, k2)
 
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh seed every step: no variant for seeds divisible by 16
