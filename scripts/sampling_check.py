@@ -1,12 +1,13 @@
 """GPU check of the Gumbel-max sampling kernel: correctness, then timings against the torch.compile path.
 
-    PYTHONPATH=. python3 scripts/sampling_check.py
+    PYTHONPATH=. python3 scripts/sampling_check.py [--baseline OTHER_SAMPLING_PY]
 
 Checks greedy rows against torch.argmax, layout independence and the token distribution on CUDA,
 then times (triton.testing.do_bench, median) gumbel_max (torch.compile) and gumbel_argmax on
 [S, 151936] bf16 logits; also the device time alone (CUDA-graph replay) and the host time per call,
-since at small S the launch overhead, not the kernel, sets the do_bench figure. Prints one JSON
-line last. Imports only engine.layers.sampler, the kernel and tests/sampling_cases.py (no redis,
+since at small S the launch overhead, not the kernel, sets the do_bench figure. --baseline: another
+version of engine/kernels/sampling.py (a file), timed beside this one, whose tokens must be the same.
+Prints one JSON line last. Imports only engine.layers.sampler, the kernel and tests/sampling_cases.py (no redis,
 no pydantic).
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from sampling_cases import GPU_LAYOUTS, distribution_case, greedy_case, layout_c
 
 VOCAB = 151936
 BANDWIDTH = 3.0e12  # bytes/s, device read floor used for reference
-BATCHES = (1, 16, 64, 256)
+BATCHES = (1, 16, 64, 128, 256)
 
 
 def total_variation(counts: list[int], expected: list[float]) -> float:
@@ -95,7 +96,16 @@ def graph_us(fn) -> float | None:
         return None
 
 
-def time_both() -> dict:
+def load_baseline(path: str):
+    """gumbel_argmax of another version of the kernel module, loaded from its file."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("sampling_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.gumbel_argmax
+
+
+def time_both(baseline=None) -> dict:
     from triton.testing import do_bench
 
     from engine.kernels.sampling import gumbel_argmax
@@ -108,6 +118,11 @@ def time_both() -> dict:
         fns = {"gumbel_max": lambda: gumbel_max(logits, temperatures),
                "gumbel_argmax": lambda: gumbel_argmax(logits, temperatures, 1234)}
         row = {}
+        if baseline is not None:
+            fns["baseline"] = lambda: baseline(logits, temperatures, 1234)
+            row["same_tokens_as_baseline"] = all(
+                torch.equal(gumbel_argmax(logits, temperatures, seed), baseline(logits, temperatures, seed))
+                for seed in range(5))
         for name, fn in fns.items():
             fn()  # compile outside the timing
             row[f"{name}_us"] = round(do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3, 1)
@@ -120,17 +135,25 @@ def time_both() -> dict:
 
 
 def main() -> None:
+    import argparse
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", default=None, help="another sampling.py to time beside this one")
+    args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     correctness = check_correctness()
     for failure in correctness["failures"]:
         print("FAIL:", failure)
-    timings = time_both()
+    timings = time_both(load_baseline(args.baseline) if args.baseline else None)
+    if any(not t.get("same_tokens_as_baseline", True) for t in timings.values()):
+        correctness["failures"].append("tokens differ from the baseline's")
     print(f"us, bf16 [S, {VOCAB}]; do_bench median, then device alone (CUDA graph), then host per call")
     print(f"{'S':>4} {'gumbel_max':>24} {'gumbel_argmax':>24} {'read floor':>11}")
     for s, t in timings.items():
         old, new = (f"{t[n + '_us']} / {t[n + '_graph_us']} / {t[n + '_host_us']}"
                     for n in ("gumbel_max", "gumbel_argmax"))
-        print(f"{s:>4} {old:>24} {new:>24} {t['read_floor_us']:>11}")
+        print(f"{s:>4} {old:>24} {new:>24} {t['read_floor_us']:>11}"
+              + (f"   baseline {t['baseline_us']} / {t['baseline_graph_us']} / {t['baseline_host_us']}, same tokens "
+                 f"{t['same_tokens_as_baseline']}" if "baseline_us" in t else ""))
     print(json.dumps({"device": torch.cuda.get_device_name(), "ok": not correctness["failures"],
                       **{k: v for k, v in correctness.items() if k != "failures"}, "timings_us": timings}))
     sys.exit(1 if correctness["failures"] else 0)

@@ -1,8 +1,8 @@
 """Gumbel-max sampling: one token per row from softmax(logits / t), or the plain argmax where t = 0.
 
-Grid (row, split): each program scans one contiguous column range of its row in tiles of
-[BLOCK // 4, 4] columns, keeping a running best score and its column per lane, and leaves one
-(score, column) pair; a second tiny kernel picks each row's best split. With a single split the
+Grid (row, split): each program scans one contiguous column range of its row in tiles of BLOCK
+columns (BLOCK // 4 groups of four, each lane of the groups a vector of its own), keeping a running best
+score and its column per position, and leaves one (score, column) pair; a second tiny kernel picks each row's best split. With a single split the
 first kernel writes the token itself.
 
 The noise of column c in row r is draw c % 4 of Philox(seed, counter (c // 4, r)): one Philox call
