@@ -2,8 +2,8 @@
 
 Grid (row, split): each program scans one contiguous column range of its row in tiles of BLOCK
 columns (BLOCK // 4 groups of four, each lane of the groups a vector of its own), keeping a running best
-score and its column per position, and leaves one (score, column) pair; a second tiny kernel picks each row's best split. With a single split the
-first kernel writes the token itself.
+score and its column per position, and leaves one (score, column) pair; a second tiny kernel picks each
+row's best split. With a single split the first kernel writes the token itself.
 
 The noise of column c in row r is draw c % 4 of Philox(seed, counter (c // 4, r)): one Philox call
 feeds four columns, and the tokens depend on (seed, row, column) only, never on the split count or
@@ -79,9 +79,10 @@ def _scan(row_ptr, row, start, end, inv_t, seed, NOISE: tl.constexpr, GROUPS: tl
     row_ptr + c is column c, so a slice starting at a column that is no multiple of 4 works too.
 
     A tile is GROUPS groups of four columns; lane k of a group (column 4g + k) takes draw k of the group's
-    Philox call. Each lane is its own [GROUPS] vector, in the layout the draws come in, so no draw moves
-    between threads (a [GROUPS, 4] tile spread a group over four threads and sent every draw through
-    shared memory). The lanes' bests are merged at the end, ties to the lower column."""
+    Philox call. Each lane is its own [GROUPS] vector, in the layout the draws come in, so each call is made
+    once, by the thread that holds its group. (A [GROUPS, 4] tile spread a group's columns over four threads,
+    and Triton 3.6 had each of them make the group's call: 3.5x slower at 256 rows on the H100.) The lanes'
+    bests are merged at the end, ties to the lower column."""
     group = tl.arange(0, GROUPS)
     b0 = tl.full([GROUPS], float("-inf"), tl.float32)
     b1, b2, b3 = b0, b0, b0
