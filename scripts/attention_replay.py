@@ -63,6 +63,11 @@ VARIANTS = {
     "stages2": ({"num_stages": 2}, "engine", "engine"),
     "stages4": ({"num_stages": 4}, "engine", "engine"),
     "block32": ({"block_n": 32}, "engine", "engine"),
+    # fewer warps a program (one warp keeps the softmax's P in registers for the PV product; four share it
+    # through shared memory), more programs an SM to keep as many loads in flight
+    "warps1_per_sm16": ({"num_warps": 1, "grid_programs_per_sm": 16}, "engine", "engine"),
+    "warps1_per_sm32": ({"num_warps": 1, "grid_programs_per_sm": 32}, "engine", "engine"),
+    "warps2_per_sm8": ({"num_warps": 2, "grid_programs_per_sm": 8}, "engine", "engine"),
     # the cache laid out head-major ([page, KV head, position, D], seen through strides as the engine's
     # [page, position, KV head, D]): a KV head's tile is one contiguous run instead of 256 bytes in 2 KB
     "head_major": ({}, "engine", "head_major"),
