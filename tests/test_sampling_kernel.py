@@ -163,36 +163,25 @@ def test_sampling_kernel_compiles_one_variant_for_every_seed():
 
 @needs_triton
 def test_sampling_kernel_computes_each_philox_draw_once_per_thread_when_compiled_for_hopper():
-    """Compiled for sm_90 (on any machine), as the engine launches it (16-byte aligned rows): each group's
-    Philox call is made by one thread, and no draw is moved between threads. The [GROUPS, 4] tile this
-    replaced spread a group's four columns over four threads: Triton 3.6 had each of them compute the
-    group's Philox call (305 32-bit high multiplies a loop against 77 now), Triton 3.9 converted the draws'
-    layout instead (8 conversions); on the H100 (Triton 3.6) it was 3.5x slower at 256 rows."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    """Compiled for sm_90 on any machine (scripts/kernel_ir.py: the wrapper's launch, specialised as on the
+    GPU), each group's Philox call is made by one thread and no draw moves between threads. The [GROUPS, 4]
+    tile this replaced spread a group's four columns over four threads: Triton 3.6 had each of them compute
+    the group's Philox call (305 32-bit high multiplies a loop against 77 now), Triton 3.9 converted the
+    draws' layout instead (8 conversions); on the H100 (Triton 3.6) it was 3.5x slower at 256 rows."""
     from engine.kernels import sampling
 
-    signature = {"logits_ptr": "*bf16", "temperatures_ptr": "*fp32", "out_ptr": "*i64", "score_ptr": "*fp32",
-                 "part_ptr": "*i32", "stride_row": "i32", "vocab": "i32", "first_column": "i32",
-                 "cols_per_split": "i32", "num_splits": "i32", "seed": "i32", "seed_ptr": "*i64"}
-    groups, warps = sampling.DEFAULT_BLOCK // 4, sampling.DEFAULT_WARPS
-    constexprs = {"DIRECT": False, "WITH_SCORE": False, "GROUPS": groups, "FAST_LOG": True, "SEED_IN_MEMORY": True}
-    names = list(signature) + list(constexprs)
-    aligned = ("logits_ptr", "temperatures_ptr", "out_ptr", "score_ptr", "part_ptr", "stride_row", "vocab",
-               "first_column", "cols_per_split", "seed_ptr")  # as Triton specialises a launch on [S, 151936]
+    sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
+    import kernel_ir
+
+    kernel, args, kwargs = kernel_ir.capture(kernel_ir.case_sampling(256))
+    assert kernel is sampling._gumbel_split_kernel
     try:
-        source = ASTSource(fn=sampling._gumbel_split_kernel,
-                           signature={**signature, **dict.fromkeys(constexprs, "constexpr")},
-                           constexprs={(names.index(n),): v for n, v in constexprs.items()},
-                           attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        compiled = kernel_ir.compile_for(kernel, args, kwargs, 90)
     except Exception as e:  # noqa: BLE001 - a Triton without the CUDA backend's tools, or another compile API
         pytest.skip(f"cannot compile for sm_90 here: {type(e).__name__}: {str(e)[:200]}")
-    ir, ptx = compiled.asm["ttgir"], compiled.asm["ptx"]
-    assert "scf.for" in ir and "tt.load" in ir
-    assert ir.count("ttg.convert_layout") == 0, ir.count("ttg.convert_layout")
+    counts = kernel_ir.counts(compiled, 90)
+    assert counts["layout_conversions"] == 0, counts
+    assert counts["lg2"] > 0, counts  # the CUDA variant (fast logs), as the engine launches it
     # a Philox call is 10 rounds of two high multiplies; a thread makes groups / threads calls a tile
-    once = 10 * 2 * groups // (32 * warps)
-    assert ptx.count("mul.hi") < 2 * once, (ptx.count("mul.hi"), once)
+    once = 10 * 2 * (sampling.DEFAULT_BLOCK // 4) // (32 * compiled.metadata.num_warps)
+    assert counts["mul_hi"] < 2 * once, (counts["mul_hi"], once)
