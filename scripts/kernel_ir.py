@@ -153,6 +153,7 @@ def case_fused_decode(rows: int):
     lens = [1024] if rows == 1 else [(37 * i) % 2000 + 1 for i in range(rows)]
     qkv, positions, slots, seqlens, tables, caches, cos, sin, (qw, kw) = _problem(
         HEADS, KV_HEADS, HEAD_DIM, 256, lens, True, 0, torch.bfloat16, "cpu", 0)
+    qkv = qkv.contiguous()  # the tests' rows are a strided view; the engine's come from a GEMM, 4,096 apart
     config = DecodeConfig()
     splits = choose_num_splits(rows, KV_HEADS, max(lens), config.block_n, 132, config.grid_programs_per_sm)
     counters = torch.zeros(rows * KV_HEADS, dtype=torch.int32)
@@ -160,6 +161,29 @@ def case_fused_decode(rows: int):
                                 max(lens), HEAD_DIM ** -0.5, HEADS, KV_HEADS, counters,
                                 order=None if rows == 1 else decode_order(seqlens), num_splits=splits,
                                 config=config, after_gemv=rows == 1)
+
+
+def case_qkv_prep(tokens: int = 4096):
+    """qkv preparation of a prefill step: q/k RMSNorm, rotary, K/V stored into a paged cache."""
+    from engine.kernels.qkv_prep import qkv_prep
+
+    cache = _bf16(tokens // 256 + 1, 256, KV_HEADS, HEAD_DIM)
+    table = torch.randn(4096, HEAD_DIM // 2)
+    return lambda: qkv_prep(_bf16(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM), torch.arange(tokens), table, table,
+                            _bf16(HEAD_DIM), _bf16(HEAD_DIM), 1e-6, cache, cache.clone(), torch.arange(tokens),
+                            HEADS, KV_HEADS, HEAD_DIM)
+
+
+def case_paged_prefill(tokens: int = 1024):
+    """Prefill attention of one 1,024-token prompt over its pages, with the CUDA tiles."""
+    from engine.kernels.paged_prefill import PrefillConfig, paged_prefill
+
+    pages = tokens // 256
+    cache = _bf16(pages, 256, KV_HEADS, HEAD_DIM)
+    cu_seqlens = torch.tensor([0, tokens], dtype=torch.int32)
+    return lambda: paged_prefill(_bf16(tokens, HEADS, HEAD_DIM), cache, cache.clone(), cu_seqlens, cu_seqlens[1:],
+                                 torch.arange(pages, dtype=torch.int32)[None], tokens, HEAD_DIM ** -0.5,
+                                 config=PrefillConfig())
 
 
 CASES = {
@@ -174,6 +198,8 @@ CASES = {
     "gemv_down_4rows": lambda: case_gemv(4, HIDDEN, INTER, gated=True),
     "fused_decode_1row": lambda: case_fused_decode(1),
     "fused_decode_256rows": lambda: case_fused_decode(256),
+    "qkv_prep": case_qkv_prep,
+    "paged_prefill": case_paged_prefill,
 }
 
 
