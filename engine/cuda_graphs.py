@@ -11,13 +11,12 @@ On one GPU, a prefill step of one sequence of up to 2,048 tokens replays a graph
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
 from engine import graph_edges
 from engine.attention import AttentionMetadata
+from engine.config import switch_setting
 from engine.layers.sampler import _gumbel_kernels
 
 GRAPH_SIZES = [1, 2, 4, 8] + list(range(16, 1025, 16))
@@ -220,10 +219,7 @@ def prefill_graph_size(num_tokens: int, sizes: list[int]) -> int | None:
 
 def prefill_graphs_setting() -> bool:
     """REDLINE_PREFILL_GRAPHS=0 turns the prefill graphs off (for measurements); they are on by default."""
-    value = os.environ.get("REDLINE_PREFILL_GRAPHS", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"REDLINE_PREFILL_GRAPHS must be 0 or 1, got {value!r}")
-    return value == "1"
+    return switch_setting("REDLINE_PREFILL_GRAPHS", "1")
 
 
 def fill_padded_prefill(a: dict[str, np.ndarray], inputs, size: int) -> None:

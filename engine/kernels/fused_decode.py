@@ -16,12 +16,11 @@ instead of three. Prefill, mixed batches and the balanced schedule keep the sepa
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from engine.config import switch_setting
 from engine.kernels.gemv import max_rows as gemv_max_rows
 from engine.kernels.launch import check_trace, launch_dependents, pdl_options, stamp, wait_for_previous
 from engine.kernels.paged_decode import (MAX_GRID_SEQS, DecodeConfig, _attend_range, _num_sms,
@@ -230,10 +229,7 @@ def early_page_applies(early: bool, num_seqs: int, k_cache: torch.Tensor, config
 def early_page() -> bool:
     """REDLINE_EARLY_PAGE: "1" (the default) reads the first page of a program's range before its wait
     where early_page_applies; "0" after the wait, in the K/V loop."""
-    value = os.environ.get("REDLINE_EARLY_PAGE", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"REDLINE_EARLY_PAGE must be 0 or 1, got {value!r}")
-    return value == "1"
+    return switch_setting("REDLINE_EARLY_PAGE", "1")
 
 
 def loop_stages(config: DecodeConfig, early: bool) -> int:

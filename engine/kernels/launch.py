@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.config import switch_setting
+
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # a Triton without grid dependency control: kernels are never launched with PDL
@@ -66,10 +68,7 @@ def check_trace(trace: torch.Tensor | None, programs: int, width: int) -> None:
 
 
 def pdl_setting() -> bool:
-    value = os.environ.get("REDLINE_PDL", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"REDLINE_PDL must be 0 or 1, got {value!r}")
-    return value == "1"
+    return switch_setting("REDLINE_PDL", "1")
 
 
 @functools.cache

@@ -11,16 +11,15 @@ import os
 
 import torch
 
+from engine.config import switch_setting
+
 _UNSUPPORTED = object()  # the model was looked at and the stack does not take it
 
 
 @functools.cache
 def stack_setting() -> bool:
     """REDLINE_DECODE_STACK, read once (the layers ask every batch-1 step)."""
-    value = os.environ.get("REDLINE_DECODE_STACK", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"REDLINE_DECODE_STACK must be 0 or 1, got {value!r}")
-    return value == "1"
+    return switch_setting("REDLINE_DECODE_STACK", "0")
 
 
 def _layer_tensors(layer) -> dict:
