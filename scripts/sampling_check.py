@@ -146,6 +146,7 @@ def main() -> None:
     timings = time_both(load_baseline(args.baseline) if args.baseline else None)
     if any(not t.get("same_tokens_as_baseline", True) for t in timings.values()):
         correctness["failures"].append("tokens differ from the baseline's")
+        print("FAIL: tokens differ from the baseline's")
     print(f"us, bf16 [S, {VOCAB}]; do_bench median, then device alone (CUDA graph), then host per call")
     print(f"{'S':>4} {'gumbel_max':>24} {'gumbel_argmax':>24} {'read floor':>11}")
     for s, t in timings.items():
