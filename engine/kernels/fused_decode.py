@@ -25,7 +25,7 @@ from engine.kernels.gemv import max_rows as gemv_max_rows
 from engine.kernels.launch import check_trace, launch_dependents, pdl_options, stamp, wait_for_previous
 from engine.kernels.paged_decode import (MAX_GRID_SEQS, DecodeConfig, _attend_range, _num_sms,
                                          choose_num_splits, default_decode_config, grid_program, split_range)
-from engine.kernels.paged_tiles import LOG2E, check_paged_inputs, group_pad, to_cache, upcast_dot
+from engine.kernels.paged_tiles import LOG2E, check_paged_inputs, group_pad, prefetch_page_tile, to_cache, upcast_dot
 from engine.kernels.qkv_prep import _norm_rope, _round
 
 # trace=: a row of TRACE_WIDTH int64 per program (see fused_decode): the global timer (ns) at these points,
@@ -45,7 +45,7 @@ def _fused_decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
     UPCAST: tl.constexpr, HAS_NORM: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr,
-    EARLY: tl.constexpr, EARLY_PAGE: tl.constexpr,
+    EARLY: tl.constexpr, EARLY_PAGE: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     stamp(trace_ptr, 0, TRACE_SLOTS, TRACE)
     launch_dependents(PDL)
@@ -67,6 +67,9 @@ def _fused_decode_kernel(
     first_page = 0
     if EARLY_PAGE:  # the range's first page (an input too), so the first tile's loads need nothing after the wait
         first_page = tl.load(block_table_row + start // PAGE_SIZE, mask=start < end, other=0).to(tl.int64)
+        if PREFETCH and start < end:  # and that tile queued into L2, so its loads after the wait stay on chip
+            prefetch_page_tile(k_cache_ptr, v_cache_ptr, first_page, start, end, kv_head * stride_khead,
+                               stride_page, stride_slot, PAGE_SIZE, BLOCK_N, HEAD_DIM)
     if EARLY:
         wait_for_previous(PDL)
     stamp(trace_ptr, 1, TRACE_SLOTS, TRACE)
@@ -203,6 +206,7 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
         assert order.shape == (num_seqs,) and order.device == qkv.device, "order: one index per sequence"
     programs = num_kv_heads * num_seqs * num_splits
     check_trace(trace, programs, TRACE_WIDTH)
+    page_early = early_page_applies(early, num_seqs, k_cache, config)
     _fused_decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         qkv, positions, slot_mapping, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos,
         k_cache, v_cache, out, seqlens_k, block_tables, part_out, part_lse, counters,
@@ -213,7 +217,7 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
         GROUP=group, GROUP_PAD=max(16, group_pad(group)), HEAD_DIM=head_dim, HALF=head_dim // 2,
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=config.block_n, SPLITS_PAD=triton.next_power_of_2(num_splits),
         UPCAST=upcast_dot(qkv), HAS_NORM=has_norm, ORDERED=order is not None, TRACE=trace is not None,
-        EARLY=early, EARLY_PAGE=early_page_applies(early, num_seqs, k_cache, config),
+        EARLY=early, EARLY_PAGE=page_early, PREFETCH=page_early and prefetch_applies(qkv),
         num_warps=config.num_warps, num_stages=loop_stages(config, early),
         **pdl_options(qkv))
     return out
@@ -230,6 +234,12 @@ def early_page() -> bool:
     """REDLINE_EARLY_PAGE: "1" (the default) reads the first page of a program's range before its wait
     where early_page_applies; "0" after the wait, in the K/V loop."""
     return switch_setting("REDLINE_EARLY_PAGE", "1")
+
+
+def prefetch_applies(qkv: torch.Tensor) -> bool:
+    """Whether a program that reads its first page early also queues that tile into L2 before its wait:
+    REDLINE_DECODE_PREFETCH "1" (default "0"), on a CUDA GPU (the interpreter has no prefetch instruction)."""
+    return switch_setting("REDLINE_DECODE_PREFETCH", "0") and qkv.is_cuda
 
 
 def loop_stages(config: DecodeConfig, early: bool) -> int:

@@ -48,6 +48,28 @@ def page_tile_offsets(page, n0, seqlen, head_offset, offs_d, stride_page, stride
 
 
 @triton.jit
+def prefetch_l2(ptrs):
+    """Queue the 128-byte lines at ptrs into L2 (prefetch.global.L2): no register holds them and nothing
+    waits for them, so a kernel can issue them before its wait for the kernel before it. GPU only."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_page_tile(k_cache_ptr, v_cache_ptr, page, n0, end, head_offset, stride_page, stride_slot,
+                       PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """prefetch_l2 of the K and V rows of positions n0..min(n0 + BLOCK_N, end) - 1 of one KV head, which lie
+    in `page` (pages hold whole tiles): one prefetch a 128-byte line."""
+    line: tl.constexpr = 1024 // k_cache_ptr.dtype.element_ty.primitive_bitwidth  # elements a 128-byte line
+    lines: tl.constexpr = (HEAD_DIM + line - 1) // line
+    offs, valid = page_tile_offsets(page, n0, end, head_offset, tl.arange(0, lines) * line, stride_page,
+                                    stride_slot, PAGE_SIZE, BLOCK_N)
+    offs = tl.where(valid[:, None], offs, page.to(tl.int64) * stride_page + head_offset)
+    prefetch_l2(k_cache_ptr + offs)
+    prefetch_l2(v_cache_ptr + offs)
+
+
+@triton.jit
 def round_to_e4m3(x):
     """fp32 x rounded to the nearest float8 e4m3 value (ties to even, saturating at +-448), as fp32: what
     a GPU's cvt.rn.satfinite gives, written out so that the Triton interpreter, whose emulated fp8 cast
