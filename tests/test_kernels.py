@@ -76,7 +76,7 @@ FP8_CHECKS = ("fp8_prefill", "fp8_mixed_routed", "fp8_decode_balanced", "fp8_sto
 @needs_triton
 def test_fp8_kv_cache_kernels_match_reference_and_torch_cast_under_interpreter(interpreted):
     results = interpreted["fp8"]
-    assert set(FP8_CHECKS) <= set(results), sorted(results)
+    assert set(FP8_CHECKS) <= set(results), results.get("skipped", sorted(results))
     assert_results(results)
 
 
