@@ -237,9 +237,10 @@ def early_page() -> bool:
 
 
 def prefetch_applies(qkv: torch.Tensor) -> bool:
-    """Whether a program that reads its first page early also queues that tile into L2 before its wait:
-    REDLINE_DECODE_PREFETCH "1" (default "0"), on a CUDA GPU (the interpreter has no prefetch instruction)."""
-    return switch_setting("REDLINE_DECODE_PREFETCH", "0") and qkv.is_cuda
+    """Whether a program that reads its first page early also queues that tile into L2 before its wait
+    (the batch-1 decode graph 0.5% faster on the H100: docs/kernels-notes.md): REDLINE_DECODE_PREFETCH
+    "1" (the default) or "0", and only on a CUDA GPU (the interpreter has no prefetch instruction)."""
+    return switch_setting("REDLINE_DECODE_PREFETCH", "1") and qkv.is_cuda
 
 
 def loop_stages(config: DecodeConfig, early: bool) -> int:
