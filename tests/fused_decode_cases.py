@@ -21,6 +21,8 @@ CPU_CASES = [
     ("mha_d64_plain_direct", 4, 4, 64, 16, [20, 50, 9], False, 1, False, 0),
     ("gqa7_d64_padded_split3", 14, 2, 64, 16, [45, 17], True, 3, True, 2),
     ("gqa4_d128_batch1_long", 8, 2, 128, 16, [300], True, None, False, 0),
+    # 8 heads x 16 splits x 128 is more than the merge loads at once (MERGE_TILE): two rounds of 4 heads
+    ("gqa8_d128_split16_two_rounds", 8, 1, 128, 16, [200, 33], True, 16, False, 0),
 ]
 # with a one-byte KV cache (kv_cache_dtype="fp8"): stores round to fp8, the attention widens what it reads
 FP8_CPU_CASES = [

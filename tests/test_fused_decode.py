@@ -21,7 +21,7 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 @needs_triton
 def test_fused_decode_equals_qkv_prep_then_decode_under_interpreter():
     results = run_under_interpreter(Path(__file__).parent / "fused_decode_cases.py")
-    assert len(results) == (5 + len(FP8_CPU_CASES)) * 8 + 2 * 2, sorted(results)
+    assert len(results) == (6 + len(FP8_CPU_CASES)) * 8 + 2 * 2, sorted(results)
     assert_results(results)
 
 
@@ -136,3 +136,15 @@ def test_first_tile_prefetch_leaves_one_sequence_decode_unchanged(monkeypatch, l
         results.append((out, k_cache, v_cache, counters))
     for without, with_prefetch in zip(results[0], results[1]):
         assert torch.equal(without, with_prefetch)
+
+
+@needs_triton
+def test_the_merge_loads_all_heads_of_a_kv_head_at_once_while_the_tile_fits():
+    from engine.kernels.fused_decode import MERGE_TILE, merge_heads
+
+    assert merge_heads(2, 32, 128) == 2                  # Qwen3-0.6B at batch 1: both heads, one round trip
+    assert merge_heads(4, 32, 128) == 2                  # Qwen3-8B: two rounds of two
+    assert merge_heads(7, 4, 64) == 8                    # a group not a power of two: masked to 7
+    assert merge_heads(1, 64, 128) == 1
+    assert merge_heads(8, 16, 128) == 4 and 4 * 16 * 128 <= MERGE_TILE
+    assert merge_heads(16, 64, 256) == 1                 # never fewer than one head

@@ -370,8 +370,8 @@ def _decode_stack_kernel(
                     ticket = tl.atomic_add(tickets_ptr + kv_head, 1, sem="acq_rel", scope="gpu")
                     if ticket == SPLITS - 1:
                         tl.store(tickets_ptr + kv_head, 0)
-                        _merge_group(part_out_ptr, part_lse_ptr, attn_ptr, pid * 0, kv_head, NQ, SPLITS, 0, D,
-                                     GROUP, D, SPLITS_PAD)
+                        _merge_group(part_out_ptr, part_lse_ptr, attn_ptr, pid * 0, kv_head, NQ, SPLITS, SPLITS, 0,
+                                     D, GROUP, D, SPLITS_PAD, 1)
             if PERSISTENT:
                 w_o = _slice(_layer_ptr(row, W_O, base_ptr), pid * R_O, H, A_N, R_O, BR_O, BA)
                 target += P

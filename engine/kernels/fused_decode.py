@@ -33,6 +33,9 @@ from engine.kernels.qkv_prep import _norm_rope, _round
 TRACE_POINTS = ("start", "waited", "queries", "stored", "attended", "ticket", "merged")
 TRACE_WIDTH = len(TRACE_POINTS) + 1
 TRACE_SLOTS = tl.constexpr(TRACE_WIDTH)
+# float32 partial values the merging program loads at once: 8,192 is the two query heads of a Qwen3-0.6B KV
+# head over 32 splits, 64 registers a thread at 4 warps
+MERGE_TILE = 8192
 
 
 @triton.jit
@@ -45,7 +48,7 @@ def _fused_decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
     UPCAST: tl.constexpr, HAS_NORM: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr,
-    EARLY: tl.constexpr, EARLY_PAGE: tl.constexpr, PREFETCH: tl.constexpr,
+    EARLY: tl.constexpr, EARLY_PAGE: tl.constexpr, PREFETCH: tl.constexpr, MERGE_HEADS: tl.constexpr,
 ):
     stamp(trace_ptr, 0, TRACE_SLOTS, TRACE)
     launch_dependents(PDL)
@@ -122,31 +125,40 @@ def _fused_decode_kernel(
         stamp(trace_ptr, 5, TRACE_SLOTS, TRACE)
         if ticket == num_splits - 1:
             tl.store(counter, 0)
-            _merge_group(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_heads, num_splits,
-                         stride_ot, stride_oh, GROUP, HEAD_DIM, SPLITS_PAD)
+            # splits past the last that holds positions left empty partials (weight 0): not read
+            used = tl.minimum(tl.cdiv(tl.maximum(seqlen, 1), tl.maximum(per_split, 1)), num_splits)
+            _merge_group(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_heads, num_splits, used,
+                         stride_ot, stride_oh, GROUP, HEAD_DIM, SPLITS_PAD, MERGE_HEADS)
             stamp(trace_ptr, 6, TRACE_SLOTS, TRACE)
 
 
 @triton.jit
-def _merge_group(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_heads, num_splits, stride_ot, stride_oh,
-                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    """The merge kernel's arithmetic for the GROUP query heads of one KV head (all partials in one tile);
-    the partials are read from L2 (.cg), where the other programs' released stores are."""
+def _merge_group(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_heads, num_splits, used, stride_ot,
+                 stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                 MERGE_HEADS: tl.constexpr):
+    """The merge kernel's arithmetic for the GROUP query heads of one KV head, over the partials of the
+    first `used` splits, read from L2 (.cg), where the other programs' released stores are. MERGE_HEADS
+    heads' partials are loaded as one tile: one round trip to L2 for them, where a head at a time waits for
+    the head before's store (the loads may not pass it)."""
     offs_t = tl.arange(0, SPLITS_PAD)
-    t_mask = offs_t < num_splits
+    t_mask = offs_t < used
     offs_d = tl.arange(0, HEAD_DIM)
-    for g in tl.static_range(GROUP):
-        head = kv_head * GROUP + g
-        rows = (seq.to(tl.int64) * num_heads + head) * num_splits + offs_t
-        lse = tl.load(part_lse_ptr + rows, mask=t_mask, other=float("-inf"), cache_modifier=".cg")
-        parts = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=t_mask[:, None],
+    offs_g = tl.arange(0, MERGE_HEADS)
+    for g0 in tl.static_range(0, GROUP, MERGE_HEADS):
+        g_mask = g0 + offs_g < GROUP
+        head = kv_head * GROUP + g0 + offs_g
+        rows = (seq.to(tl.int64) * num_heads + head)[:, None] * num_splits + offs_t[None, :]
+        mask = g_mask[:, None] & t_mask[None, :]
+        lse = tl.load(part_lse_ptr + rows, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        parts = tl.load(part_out_ptr + rows[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=mask[:, :, None],
                         other=0.0, cache_modifier=".cg")
-        m = tl.maximum(-1.0e30, tl.max(lse, 0))  # finite: a padding sequence's partials are all -inf
-        weight = tl.exp2(lse - m)
-        total = tl.sum(weight, 0)
-        acc = tl.sum(parts * weight[:, None], 0)
-        out = acc / tl.where(total > 0.0, total, 1.0)
-        tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+        m = tl.maximum(-1.0e30, tl.max(lse, 1))  # finite: a padding sequence's partials are all -inf
+        weight = tl.exp2(lse - m[:, None])
+        total = tl.sum(weight, 1)
+        acc = tl.sum(parts * weight[:, :, None], 1)
+        out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+        tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
 def fits(head_dim: int) -> bool:
@@ -218,9 +230,19 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=config.block_n, SPLITS_PAD=triton.next_power_of_2(num_splits),
         UPCAST=upcast_dot(qkv), HAS_NORM=has_norm, ORDERED=order is not None, TRACE=trace is not None,
         EARLY=early, EARLY_PAGE=page_early, PREFETCH=page_early and prefetch_applies(qkv),
+        MERGE_HEADS=merge_heads(group, triton.next_power_of_2(num_splits), head_dim),
         num_warps=config.num_warps, num_stages=loop_stages(config, early),
         **pdl_options(qkv))
     return out
+
+
+def merge_heads(group: int, splits_pad: int, head_dim: int) -> int:
+    """Query heads whose partials the merging program loads as one tile: all of its KV head's (a power of
+    two covering them) while the tile holds at most MERGE_TILE float32 values, halved until it does."""
+    heads = triton.next_power_of_2(group)
+    while heads > 1 and heads * splits_pad * head_dim > MERGE_TILE:
+        heads //= 2
+    return heads
 
 
 def early_page_applies(early: bool, num_seqs: int, k_cache: torch.Tensor, config: DecodeConfig) -> bool:
