@@ -21,7 +21,7 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 @needs_triton
 def test_fused_decode_equals_qkv_prep_then_decode_under_interpreter():
     results = run_under_interpreter(Path(__file__).parent / "fused_decode_cases.py")
-    assert len(results) == (6 + len(FP8_CPU_CASES)) * 8 + 2 * 2, sorted(results)
+    assert len(results) == (7 + len(FP8_CPU_CASES)) * 8 + 2 * 2, sorted(results)
     assert_results(results)
 
 

@@ -49,6 +49,7 @@ def _fused_decode_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
     UPCAST: tl.constexpr, HAS_NORM: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr,
     EARLY: tl.constexpr, EARLY_PAGE: tl.constexpr, PREFETCH: tl.constexpr, MERGE_HEADS: tl.constexpr,
+    SKIP_EMPTY: tl.constexpr,
 ):
     stamp(trace_ptr, 0, TRACE_SLOTS, TRACE)
     launch_dependents(PDL)
@@ -115,21 +116,29 @@ def _fused_decode_kernel(
         o_ptrs = out_ptr + seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(dtype), mask=g_mask[:, None])
     else:
-        # partials [B, H, num_splits, D] and their log-sum-exps [B, H, num_splits] (log2 domain)
-        prow = (seq.to(tl.int64) * num_heads + head) * num_splits + split
-        tl.store(part_out_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], out, mask=g_mask[:, None])
-        tl.store(part_lse_ptr + prow, lse, mask=g_mask)
-        tl.debug_barrier()  # every thread's partial stored before the ticket releases them
-        counter = counters_ptr + seq * num_kv_heads + kv_head
-        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        stamp(trace_ptr, 5, TRACE_SLOTS, TRACE)
-        if ticket == num_splits - 1:
-            tl.store(counter, 0)
-            # splits past the last that holds positions left empty partials (weight 0): not read
-            used = tl.minimum(tl.cdiv(tl.maximum(seqlen, 1), tl.maximum(per_split, 1)), num_splits)
-            _merge_group(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_heads, num_splits, used,
-                         stride_ot, stride_oh, GROUP, HEAD_DIM, SPLITS_PAD, MERGE_HEADS)
-            stamp(trace_ptr, 6, TRACE_SLOTS, TRACE)
+        # The merge reads the partials of the splits that hold positions (the first `used`; a padding row's
+        # first); the others' would weigh 0. With SKIP_EMPTY only those splits write a partial and take a
+        # ticket: at one sequence the empty ones' tickets queued on the same counter before the last one.
+        used = tl.minimum(tl.cdiv(tl.maximum(seqlen, 1), tl.maximum(per_split, 1)), num_splits)
+        takers = num_splits
+        if SKIP_EMPTY:
+            takers = used
+        if split < takers:
+            # partials [B, H, num_splits, D] and their log-sum-exps [B, H, num_splits] (log2 domain)
+            prow = (seq.to(tl.int64) * num_heads + head) * num_splits + split
+            tl.store(part_out_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], out, mask=g_mask[:, None])
+            tl.store(part_lse_ptr + prow, lse, mask=g_mask)
+            tl.debug_barrier()  # every thread's partial stored before the ticket releases them
+            counter = counters_ptr + seq * num_kv_heads + kv_head
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            stamp(trace_ptr, 5, TRACE_SLOTS, TRACE)
+            if ticket == takers - 1:
+                tl.store(counter, 0)
+                _merge_group(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_heads, num_splits, used,
+                             stride_ot, stride_oh, GROUP, HEAD_DIM, SPLITS_PAD, MERGE_HEADS)
+                stamp(trace_ptr, 6, TRACE_SLOTS, TRACE)
+        else:
+            stamp(trace_ptr, 5, TRACE_SLOTS, TRACE)
 
 
 @triton.jit
@@ -230,7 +239,7 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=config.block_n, SPLITS_PAD=triton.next_power_of_2(num_splits),
         UPCAST=upcast_dot(qkv), HAS_NORM=has_norm, ORDERED=order is not None, TRACE=trace is not None,
         EARLY=early, EARLY_PAGE=page_early, PREFETCH=page_early and prefetch_applies(qkv),
-        MERGE_HEADS=merge_heads(group, triton.next_power_of_2(num_splits), head_dim),
+        MERGE_HEADS=merge_heads(group, triton.next_power_of_2(num_splits), head_dim), SKIP_EMPTY=num_seqs == 1,
         num_warps=config.num_warps, num_stages=loop_stages(config, early),
         **pdl_options(qkv))
     return out
