@@ -86,24 +86,30 @@ def _fused_decode_kernel(
     q_lo = row + head[:, None] * HEAD_DIM + offs_half[None, :]
     q1 = tl.load(q_lo, mask=g_mask[:, None], other=0.0).to(tl.float32)
     q2 = tl.load(q_lo + HALF, mask=g_mask[:, None], other=0.0).to(tl.float32)
+    # The new token's K and V, for the program whose range holds the sequence's last position (slot -1: a
+    # CUDA graph's padding row), read beside the queries: that program's chain, the longest of its KV head,
+    # then waits for one round trip to L2, not two.
+    holds_new = (split == (seqlen - 1) // tl.maximum(per_split, 1)) & (slot >= 0)
+    new_mask = offs_half[None, :] < tl.where(holds_new, HALF, 0)  # all of the row, or none of it
+    k_lo = row + (num_heads + kv_head) * HEAD_DIM + offs_half[None, :]
+    v_lo = k_lo + num_kv_heads * HEAD_DIM
+    k1 = tl.load(k_lo, mask=new_mask, other=0.0).to(tl.float32)
+    k2 = tl.load(k_lo + HALF, mask=new_mask, other=0.0).to(tl.float32)
+    v1 = tl.load(v_lo, mask=new_mask, other=0.0)
+    v2 = tl.load(v_lo + HALF, mask=new_mask, other=0.0)
     q1, q2 = _norm_rope(q1, q2, q_weight_ptr, cos, sin, offs_half, all_half, eps, HEAD_DIM, HAS_NORM, HALF, dtype)
     q = tl.reshape(tl.permute(tl.join(q1.to(dtype), q2.to(dtype)), (0, 2, 1)), (GROUP_PAD, HEAD_DIM))
     stamp(trace_ptr, 2, TRACE_SLOTS, TRACE)
 
-    # the new token's K and V, by the program whose range holds the sequence's last position
-    if (split == (seqlen - 1) // tl.maximum(per_split, 1)) & (slot >= 0):  # slot -1: a CUDA graph's padding row
-        k_lo = row + (num_heads + kv_head) * HEAD_DIM + offs_half[None, :]
-        v_lo = k_lo + num_kv_heads * HEAD_DIM
-        k1 = tl.load(k_lo).to(tl.float32)
-        k2 = tl.load(k_lo + HALF).to(tl.float32)
+    if holds_new:  # normed and rotated as qkv_prep does, then stored
         k1, k2 = _norm_rope(k1, k2, k_weight_ptr, cos, sin, offs_half, all_half, eps, HEAD_DIM, HAS_NORM, HALF, dtype)
         dst = (slot // PAGE_SIZE) * stride_page + (slot % PAGE_SIZE) * stride_slot + kv_head * stride_khead \
             + offs_half[None, :]
         cache_dtype = k_cache_ptr.dtype.element_ty  # the model's dtype, or fp8 (rounded from it)
         tl.store(k_cache_ptr + dst, to_cache(k1.to(dtype), cache_dtype))
         tl.store(k_cache_ptr + dst + HALF, to_cache(k2.to(dtype), cache_dtype))
-        tl.store(v_cache_ptr + dst, to_cache(tl.load(v_lo), cache_dtype))
-        tl.store(v_cache_ptr + dst + HALF, to_cache(tl.load(v_lo + HALF), cache_dtype))
+        tl.store(v_cache_ptr + dst, to_cache(v1, cache_dtype))
+        tl.store(v_cache_ptr + dst + HALF, to_cache(v2, cache_dtype))
     tl.debug_barrier()  # the program's own stores are visible to all its threads' cache reads below
     stamp(trace_ptr, 3, TRACE_SLOTS, TRACE)
 
