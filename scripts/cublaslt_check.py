@@ -55,7 +55,7 @@ class CublasLt:
     """The few cuBLASLt calls a row-major y[M, N] = x[M, K] @ w[N, K].T needs."""
 
     def __init__(self):
-        torch.nn.functional.linear(torch.zeros(8, 8, device="cuda"), torch.zeros(8, 8, device="cuda"))
+        F.linear(torch.zeros(8, 8, device="cuda"), torch.zeros(8, 8, device="cuda"))  # loads libcublasLt
         self.lib = None
         for name in ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"):
             try:

@@ -21,7 +21,7 @@ CPU_CASES = [
     ("mha_d64_plain_direct", 4, 4, 64, 16, [20, 50, 9], False, 1, False, 0),
     ("gqa7_d64_padded_split3", 14, 2, 64, 16, [45, 17], True, 3, True, 2),
     ("gqa4_d128_batch1_long", 8, 2, 128, 16, [300], True, None, False, 0),
-    # 8 heads x 16 splits x 128 is more than the merge loads at once (MERGE_TILE): two rounds of 4 heads
+    # 8 heads x 16 splits x 128 is more than the merge loads at once (MERGE_VALUES): two rounds of 4 heads
     ("gqa8_d128_split16_two_rounds", 8, 1, 128, 16, [200, 33], True, 16, False, 0),
     # one sequence whose last splits hold no positions: only the others take tickets (SKIP_EMPTY)
     ("gqa2_d64_one_seq_empty_splits", 4, 2, 64, 16, [70], True, 8, False, 0),

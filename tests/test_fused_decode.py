@@ -140,11 +140,11 @@ def test_first_tile_prefetch_leaves_one_sequence_decode_unchanged(monkeypatch, l
 
 @needs_triton
 def test_the_merge_loads_all_heads_of_a_kv_head_at_once_while_the_tile_fits():
-    from engine.kernels.fused_decode import MERGE_TILE, merge_heads
+    from engine.kernels.fused_decode import MERGE_VALUES, merge_heads
 
     assert merge_heads(2, 32, 128) == 2                  # Qwen3-0.6B at batch 1: both heads, one round trip
     assert merge_heads(4, 32, 128) == 2                  # Qwen3-8B: two rounds of two
     assert merge_heads(7, 4, 64) == 8                    # a group not a power of two: masked to 7
     assert merge_heads(1, 64, 128) == 1
-    assert merge_heads(8, 16, 128) == 4 and 4 * 16 * 128 <= MERGE_TILE
+    assert merge_heads(8, 16, 128) == 4 and 4 * 16 * 128 <= MERGE_VALUES
     assert merge_heads(16, 64, 256) == 1                 # never fewer than one head

@@ -35,7 +35,7 @@ TRACE_WIDTH = len(TRACE_POINTS) + 1
 TRACE_SLOTS = tl.constexpr(TRACE_WIDTH)
 # float32 partial values the merging program loads at once: 8,192 is the two query heads of a Qwen3-0.6B KV
 # head over 32 splits, 64 registers a thread at 4 warps
-MERGE_TILE = 8192
+MERGE_VALUES = 8192
 
 
 @triton.jit
@@ -253,9 +253,9 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
 
 def merge_heads(group: int, splits_pad: int, head_dim: int) -> int:
     """Query heads whose partials the merging program loads as one tile: all of its KV head's (a power of
-    two covering them) while the tile holds at most MERGE_TILE float32 values, halved until it does."""
+    two covering them) while the tile holds at most MERGE_VALUES float32 values, halved until it does."""
     heads = triton.next_power_of_2(group)
-    while heads > 1 and heads * splits_pad * head_dim > MERGE_TILE:
+    while heads > 1 and heads * splits_pad * head_dim > MERGE_VALUES:
         heads //= 2
     return heads
 
