@@ -70,18 +70,18 @@ def capture_largest_first(ctx, sizes: list[int], meta, step, graphs: dict, outpu
     and a warm-up run outside the capture (kernels compile there); then fresh metadata, since what the backend
     derived during the warm-up (a decode order) must be derived again inside the capture, from the buffers
     each replay refills. With edges_moved, the graphs of sizes graph_edges.rewrites have their edges from
-    GEMMs opened at launch, recorded there per size."""
+    GEMMs (all, or those into kernels other than attention) opened at launch, recorded there per size."""
     pool = None
     for size in reversed(sizes):
         ctx.meta = meta(size)
         step(size)
         ctx.meta = meta(size)
-        rewrite = edges_moved is not None and graph_edges.rewrites(size)
-        graph = torch.cuda.CUDAGraph(keep_graph=rewrite)
+        rewrite = graph_edges.rewrites(size) if edges_moved is not None else None
+        graph = torch.cuda.CUDAGraph(keep_graph=rewrite is not None)
         with torch.cuda.graph(graph, pool):
             outputs[size] = step(size)
-        if rewrite:
-            edges_moved[size] = graph_edges.open_at_launch(graph.raw_cuda_graph())
+        if rewrite is not None:
+            edges_moved[size] = graph_edges.open_at_launch(graph.raw_cuda_graph(), rewrite)
             graph.instantiate()
         pool = pool or graph.pool()
         graphs[size] = graph

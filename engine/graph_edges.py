@@ -12,9 +12,12 @@ wave and wait there. Its wait still returns only after the GEMM has completed, s
 of stream order. Edges from other kernels keep their trigger.
 
 REDLINE_GRAPH_EDGES: "launch" (rewritten as above; the default) or "capture" (the edges as captured).
-REDLINE_GRAPH_EDGES_ROWS=N rewrites only the graphs of batches of at most N rows (default 96; "all"). On
-the H100 the rewrite took 4-8% off a 0.6B decode step at 8-64 rows, 1% at 96, and cost 1-2% at 128 and 256
-(docs/kernels-notes.md, "cuBLAS's GEMMs let the next kernel in at their launch").
+REDLINE_GRAPH_EDGES_ROWS=N rewrites every such edge only in the graphs of batches of at most N rows (default
+96; "all"). On the H100 the rewrite took 4-8% off a 0.6B decode step at 8-64 rows, 1% at 96, and cost 1-2% at
+128 and 256 (docs/kernels-notes.md, "cuBLAS's GEMMs let the next kernel in at their launch").
+REDLINE_GRAPH_EDGES_PAST_ROWS sets what the larger graphs get: "small" (the default: only the edges into
+kernels that are not attention, so the norms and SiLU·mul; -0.3 to -2.8% a decode step at 128-256 rows,
+nano-bench -1.1%) or "none" (edges as captured).
 The driver is called through ctypes (libcuda's graph API, CUDA 12.3 and later).
 """
 from __future__ import annotations
@@ -41,14 +44,24 @@ def setting() -> str:
     return value
 
 
-def rewrites(batch_rows: int) -> bool:
-    """Whether the decode graph of this batch size gets its edges rewritten."""
+PAST_ROWS_SCOPES = ("none", "small")
+DEFAULT_PAST_ROWS = "small"
+
+
+def rewrites(batch_rows: int) -> str | None:
+    """Which edges the decode graph of this batch size gets rewritten: "all" (every programmatic edge from a
+    GEMM), "small" (those into kernels other than attention), or None (none)."""
     if setting() != "launch":
-        return False
+        return None
     limit = os.environ.get("REDLINE_GRAPH_EDGES_ROWS", DEFAULT_ROWS)
     if limit != "all" and not limit.isdigit():
         raise ValueError(f"REDLINE_GRAPH_EDGES_ROWS must be a number of rows or 'all'; got {limit!r}")
-    return limit == "all" or batch_rows <= int(limit)
+    if limit == "all" or batch_rows <= int(limit):
+        return "all"
+    past = os.environ.get("REDLINE_GRAPH_EDGES_PAST_ROWS", DEFAULT_PAST_ROWS)
+    if past not in PAST_ROWS_SCOPES:
+        raise ValueError(f"REDLINE_GRAPH_EDGES_PAST_ROWS must be one of {', '.join(PAST_ROWS_SCOPES)}; got {past!r}")
+    return None if past == "none" else past
 
 
 @dataclass(frozen=True)
@@ -56,6 +69,7 @@ class Edge:
     upstream: str | None  # the upstream kernel's name; None where it is no kernel or has no readable name
     type: int
     from_port: int
+    downstream: str | None = None  # the downstream kernel's name, the same way
 
 
 def is_library_gemm(name: str) -> bool:
@@ -63,8 +77,14 @@ def is_library_gemm(name: str) -> bool:
     return name.startswith("nvjet") or any(part in name for part in ("cublasLt", "cutlass", "xmma", "gemm"))
 
 
-def to_open_at_launch(edges: list[Edge]) -> list[int]:
-    """Indices of the edges to move to the launch-order port: programmatic edges from a library GEMM.
+def is_attention(name: str) -> bool:
+    """Whether a kernel name is one of the engine's decode attention kernels."""
+    return "decode" in name
+
+
+def to_open_at_launch(edges: list[Edge], scope: str = "all") -> list[int]:
+    """Indices of the edges to move to the launch-order port: programmatic edges from a library GEMM; with
+    scope "small", only those into a named kernel that is not attention.
 
     Only GEMMs: what follows one in a decode graph reads before its wait only what no kernel of the step
     writes (weights, the step's inputs). A torch kernel upstream may write what the next kernel reads
@@ -72,7 +92,8 @@ def to_open_at_launch(edges: list[Edge]) -> list[int]:
     """
     return [i for i, e in enumerate(edges)
             if e.type == PROGRAMMATIC and e.from_port == PORT_PROGRAMMATIC
-            and e.upstream is not None and is_library_gemm(e.upstream)]
+            and e.upstream is not None and is_library_gemm(e.upstream)
+            and (scope == "all" or (e.downstream is not None and not is_attention(e.downstream)))]
 
 
 class _EdgeData(ctypes.Structure):
@@ -130,9 +151,10 @@ def _edges(lib: ctypes.CDLL, graph: ctypes.c_void_p):
     return upstream, downstream, data, count.value
 
 
-def open_at_launch(raw_graph: int) -> dict[str, int]:
+def open_at_launch(raw_graph: int, scope: str = "all") -> dict[str, int]:
     """Rewrite a captured, not yet instantiated graph (torch.cuda.CUDAGraph(keep_graph=True) and its
-    raw_cuda_graph()) as the module docstring says. Returns {upstream kernel name: edges moved}."""
+    raw_cuda_graph()) as the module docstring says, the edges of `scope` (to_open_at_launch). Returns
+    {upstream kernel name: edges moved}."""
     lib = _driver()
     if lib is None:
         return {}
@@ -141,12 +163,12 @@ def open_at_launch(raw_graph: int) -> dict[str, int]:
     names: dict[int, str | None] = {}
     edges = []
     for i in range(count):
-        node = upstream[i] or 0
-        if node not in names:
-            names[node] = _kernel_name(lib, node) if node else None
-        edges.append(Edge(names[node], data[i].type, data[i].from_port))
+        for node in (upstream[i] or 0, downstream[i] or 0):
+            if node not in names:
+                names[node] = _kernel_name(lib, node) if node else None
+        edges.append(Edge(names[upstream[i] or 0], data[i].type, data[i].from_port, names[downstream[i] or 0]))
     moved: dict[str, int] = {}
-    for i in to_open_at_launch(edges):
+    for i in to_open_at_launch(edges, scope):
         old = _EdgeData(data[i].from_port, data[i].to_port, data[i].type)
         new = _EdgeData(PORT_LAUNCH_ORDER, 0, PROGRAMMATIC)
         pair = (ctypes.c_void_p * 1)(upstream[i]), (ctypes.c_void_p * 1)(downstream[i])

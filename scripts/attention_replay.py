@@ -63,6 +63,8 @@ VARIANTS = {
     "stages2": ({"num_stages": 2}, "engine", "engine"),
     "stages4": ({"num_stages": 4}, "engine", "engine"),
     "block32": ({"block_n": 32}, "engine", "engine"),
+    # splits rounded down, so that the grid is at most one wave of 4 programs an SM (the engine rounds up)
+    "floor": ({}, "floor", "engine"),
     # fewer warps a program (one warp keeps the softmax's P in registers for the PV product; four share it
     # through shared memory), more programs an SM to keep as many loads in flight
     "warps1_per_sm16": ({"num_warps": 1, "grid_programs_per_sm": 16}, "engine", "engine"),
@@ -74,6 +76,57 @@ VARIANTS = {
     "head_major_block128": ({"block_n": 128, "num_stages": 2}, "engine", "head_major"),
     "head_major_stages2": ({"num_stages": 2}, "engine", "head_major"),
 }
+
+
+def split_positions(seqlen: int, split: int, num_splits: int, block_n: int = 64) -> int:
+    """Positions in one split of a sequence under the grid schedule (paged_decode.split_range)."""
+    per_split = triton.cdiv(triton.cdiv(seqlen, num_splits), block_n) * block_n
+    return max(0, min(seqlen, (split + 1) * per_split) - split * per_split)
+
+
+def trace_summary(trace: torch.Tensor, work_bytes: list[int], sms: int, bins: int = 10) -> dict:
+    """How one traced launch's programs fill the GPU: its span (first start to last stamp), the median time a
+    program spends before its K/V loop and in it, the programs an SM holds at once (peak, and mean over the
+    span), the µs from the first start until the whole grid's concurrency first reaches 90% of its peak and
+    from when it last falls below that to the end, and the K/V read rate (each program's bytes spread evenly
+    over its loop) in `bins` equal slices of the span, GB/s."""
+    t = trace[:, :len(fd.TRACE_POINTS)].double()
+    sm = trace[:, -1].tolist()
+    start = t[:, 0]
+    origin = start.min()
+    end = t.max(dim=1).values
+    span = (end.max() - origin).item() / 1e3
+    stored, attended = t[:, 3], t[:, 4]
+    step_ns = 250.0
+    n = int((end.max() - origin).item() // step_ns) + 1
+    active = torch.zeros(n)
+    per_sm = defaultdict(lambda: torch.zeros(n))
+    rate = torch.zeros(n)
+    for i in range(t.shape[0]):
+        a = int((start[i] - origin) // step_ns)
+        b = max(a + 1, int((end[i] - origin) // step_ns))
+        active[a:b] += 1
+        per_sm[sm[i]][a:b] += 1
+        la = int((stored[i] - origin) // step_ns)
+        lb = max(la + 1, int((attended[i] - origin) // step_ns))
+        rate[la:lb] += work_bytes[i] / max(1, lb - la)
+    peak = active.max().item()
+    full = (active >= 0.9 * peak).nonzero().flatten()
+    slices = [round(chunk.sum().item() / (len(chunk) * step_ns), 1) for chunk in rate.tensor_split(bins)]
+    return {
+        "programs": t.shape[0], "span_us": round(span, 1),
+        "before_loop_us": round((stored - start).median().item() / 1e3, 2),
+        "to_wait_us": round((t[:, 1] - start).median().item() / 1e3, 2),
+        "queries_us": round((t[:, 2] - t[:, 1]).median().item() / 1e3, 2),
+        "store_us": round((stored - t[:, 2]).median().item() / 1e3, 2),
+        "loop_us": round((attended - stored).median().item() / 1e3, 2),
+        "after_loop_us": round((end - attended).median().item() / 1e3, 2),
+        "per_sm_peak": max(v.max().item() for v in per_sm.values()),
+        "per_sm_mean": round(active.mean().item() / sms, 2),
+        "ramp_us": round(full[0].item() * step_ns / 1e3, 1) if len(full) else None,
+        "tail_us": round((n - 1 - full[-1].item()) * step_ns / 1e3, 1) if len(full) else None,
+        "read_gb_s_by_slice": slices,
+    }
 
 
 def main() -> int:
@@ -89,6 +142,9 @@ def main() -> int:
     parser.add_argument("--scatter", action="store_true",
                         help="the workload's pages drawn from all --blocks pages, not the first ones")
     parser.add_argument("--steps", default="", help="steps to sample, comma-separated (default: every --every)")
+    parser.add_argument("--trace", action="store_true",
+                        help="also launch each variant's kernel once with trace= at each sampled step and print how "
+                             "its programs fill the SMs over time (trace_summary)")
     args = parser.parse_args()
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
@@ -146,6 +202,8 @@ def main() -> int:
             splits = choose_num_splits(B, KV_HEADS, max_len, config.block_n, sms, config.grid_programs_per_sm)
             if split_rule == "double":
                 splits = min(64, max(2, 2 * splits))
+            if split_rule == "floor":
+                splits = max(1, min(splits, config.grid_programs_per_sm * sms // (B * KV_HEADS)))
             def step():
                 for layer in range(args.layers):
                     fd.fused_decode(qkv, positions, cos, sin, q_w, k_w, EPS, cache[0, layer], cache[1, layer], slots,
@@ -157,6 +215,21 @@ def main() -> int:
             row[f"{name}_wall"] = round(wall / args.layers, 1)
             row[f"{name}_splits"] = splits
             per_variant[name][s] = us
+        for name in names if args.trace else ():
+            config = DecodeConfig(**VARIANTS[name][0])
+            splits = row[f"{name}_splits"]
+            trace = torch.zeros(KV_HEADS * B * splits, fd.TRACE_WIDTH, device=dev, dtype=torch.int64)
+            for t in (None, trace):  # the first launch compiles the traced kernel
+                fd.fused_decode(qkv, positions, cos, sin, q_w, k_w, EPS, caches[VARIANTS[name][2]][0, 0],
+                                caches[VARIANTS[name][2]][1, 0], slots, seqlens, bt, args.max_model_len,
+                                HEAD_DIM ** -0.5, HEADS, KV_HEADS, counters, order=order, num_splits=splits,
+                                config=config, trace=t, after_gemv=False)
+            torch.cuda.synchronize()
+            # programs in grid order (KV head fastest, then the ordered sequence, then the split)
+            seq_of = order.cpu().tolist()
+            work = [split_positions(lens[seq_of[j]], sp, splits, config.block_n) * kv_bytes // KV_HEADS
+                    for sp in range(splits) for j in range(B) for _ in range(KV_HEADS)]
+            row[f"{name}_trace"] = trace_summary(trace.cpu(), work, sms)
         rows.append(row)
         print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     # the whole run: every decode step, interpolated between the sampled ones, times the layers

@@ -180,6 +180,27 @@ def test_graph_edges_opened_at_launch_keep_every_token(gpu_checkpoint, monkeypat
     assert tokens["launch"] == tokens["capture"]
 
 
+def test_graph_edges_past_the_rows_limit_keep_every_token(gpu_checkpoint, monkeypatch, free_gpu):
+    """Past REDLINE_GRAPH_EDGES_ROWS (here 4), REDLINE_GRAPH_EDGES_PAST_ROWS=small opens only the edges from
+    the GEMMs into the norms and SiLU·mul: those graphs had edges moved, and the tokens equal those of the
+    same graphs as captured ("none")."""
+    monkeypatch.setenv("REDLINE_TMA_GEMM_ROWS", "0")
+    monkeypatch.setenv("REDLINE_GRAPH_EDGES_ROWS", "4")
+
+    def check(llm, scope):
+        moved = llm.runner.graphs.edges_moved
+        past = [bs for bs in llm.runner.graphs.sizes if bs > 4]
+        assert past, llm.runner.graphs.sizes
+        if scope == "small":
+            assert all(sum(moved[bs].values()) > 0 for bs in past), moved
+        else:
+            assert not any(bs in moved for bs in past), moved
+
+    tokens = _tokens_under_each(gpu_checkpoint, monkeypatch, "REDLINE_GRAPH_EDGES_PAST_ROWS", ("none", "small"),
+                                _prompts(n=32, seed=13), check=check, max_num_seqs=32)
+    assert tokens["small"] == tokens["none"]
+
+
 def test_an_engine_dropped_without_shutdown_leaves_the_next_one_its_kv_cache(gpu_checkpoint, free_gpu):
     """A process that drops an engine (del, no shutdown) and builds another gets a KV cache of the same size.
     The dropped engine's cache stays in torch's caching allocator once collected; were the new engine's
