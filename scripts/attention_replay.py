@@ -204,32 +204,30 @@ def main() -> int:
                 splits = min(64, max(2, 2 * splits))
             if split_rule == "floor":
                 splits = max(1, min(splits, config.grid_programs_per_sm * sms // (B * KV_HEADS)))
+            def launch(layer: int, trace: torch.Tensor | None = None) -> None:
+                fd.fused_decode(qkv, positions, cos, sin, q_w, k_w, EPS, cache[0, layer], cache[1, layer], slots,
+                                seqlens, bt, max_len, HEAD_DIM ** -0.5, HEADS, KV_HEADS, counters, order=order,
+                                num_splits=splits, config=config, trace=trace, after_gemv=False)
+
             def step():
                 for layer in range(args.layers):
-                    fd.fused_decode(qkv, positions, cos, sin, q_w, k_w, EPS, cache[0, layer], cache[1, layer], slots,
-                                    seqlens, bt, max_len, HEAD_DIM ** -0.5, HEADS, KV_HEADS, counters, order=order,
-                                    num_splits=splits, config=config, after_gemv=False)
+                    launch(layer)
             kernel, wall = kernel_us(step)
             us = kernel / args.layers
             row[name] = round(us, 1)
             row[f"{name}_wall"] = round(wall / args.layers, 1)
             row[f"{name}_splits"] = splits
             per_variant[name][s] = us
-        for name in names if args.trace else ():
-            config = DecodeConfig(**VARIANTS[name][0])
-            splits = row[f"{name}_splits"]
-            trace = torch.zeros(KV_HEADS * B * splits, fd.TRACE_WIDTH, device=dev, dtype=torch.int64)
-            for t in (None, trace):  # the first launch compiles the traced kernel
-                fd.fused_decode(qkv, positions, cos, sin, q_w, k_w, EPS, caches[VARIANTS[name][2]][0, 0],
-                                caches[VARIANTS[name][2]][1, 0], slots, seqlens, bt, args.max_model_len,
-                                HEAD_DIM ** -0.5, HEADS, KV_HEADS, counters, order=order, num_splits=splits,
-                                config=config, trace=t, after_gemv=False)
-            torch.cuda.synchronize()
-            # programs in grid order (KV head fastest, then the ordered sequence, then the split)
-            seq_of = order.cpu().tolist()
-            work = [split_positions(lens[seq_of[j]], sp, splits, config.block_n) * kv_bytes // KV_HEADS
-                    for sp in range(splits) for j in range(B) for _ in range(KV_HEADS)]
-            row[f"{name}_trace"] = trace_summary(trace.cpu(), work, sms)
+            if args.trace:
+                trace = torch.zeros(KV_HEADS * B * splits, fd.TRACE_WIDTH, device=dev, dtype=torch.int64)
+                for _ in range(2):  # the first compiles the traced kernel; the second is the one read
+                    launch(0, trace)
+                torch.cuda.synchronize()
+                # programs in grid order (KV head fastest, then the ordered sequence, then the split)
+                seq_of = order.cpu().tolist()
+                work = [split_positions(lens[seq_of[j]], sp, splits, config.block_n) * kv_bytes // KV_HEADS
+                        for sp in range(splits) for j in range(B) for _ in range(KV_HEADS)]
+                row[f"{name}_trace"] = trace_summary(trace.cpu(), work, sms)
         rows.append(row)
         print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     # the whole run: every decode step, interpolated between the sampled ones, times the layers
