@@ -199,6 +199,7 @@ CASES = {
     "fused_decode_1row": lambda: case_fused_decode(1),
     "fused_decode_256rows": lambda: case_fused_decode(256),
     "fused_decode_256rows_persistent": lambda: case_fused_decode(256, (4, False)),
+    "fused_decode_256rows_persistent3_prefetch": lambda: case_fused_decode(256, (3, True)),
     "qkv_prep": case_qkv_prep,
     "paged_prefill": case_paged_prefill,
 }

@@ -164,8 +164,8 @@ def check_cache_strides(cases, device: str, dtype: torch.dtype = torch.bfloat16)
 def check_persistent(cases, device: str, per_sm: int = 1, dtype: torch.dtype = torch.bfloat16,
                      cache_dtype: torch.dtype | None = None) -> dict:
     """{check: (difference count, all written)}: with one split a sequence, the persistent kernel (per_sm
-    programs an SM, each taking (sequence, KV head) items in turn; with the next item's tile prefetched on
-    a GPU) gives the grid kernel's output bit for bit and stores the new tokens' K/V the same."""
+    programs an SM, each taking (sequence, KV head) items in turn; with the next item's tile prefetched
+    where not interpreted) gives the grid kernel's output bit for bit and stores the new tokens' K/V the same."""
     from engine.kernels.fused_decode import fused_decode
     from engine.kernels.paged_decode import decode_order
 
@@ -175,7 +175,7 @@ def check_persistent(cases, device: str, per_sm: int = 1, dtype: torch.dtype = t
             heads, kv_heads, head_dim, page, lens, has_norm, padding, dtype, device, seed, cache_dtype)
         order = decode_order(seqlens) if ordered else None
         outs, stored = [], []
-        for persistent in ((0, False), (per_sm, device != "cpu")):
+        for persistent in ((0, False), (per_sm, True)):
             cache = [c.clone() for c in caches]
             counters = torch.zeros(len(seqlens) * kv_heads, dtype=torch.int32, device=device)
             outs.append(fused_decode(qkv, positions, cos, sin, qw, kw, 1e-6, cache[0], cache[1], slots, seqlens,

@@ -167,7 +167,7 @@ def _persistent_decode_kernel(
                 if ORDERED:
                     next_seq = tl.load(order_ptr + next_seq).to(tl.int32)
                 next_len = tl.load(seqlens_k_ptr + next_seq)
-                next_page = tl.load(block_tables_ptr + next_seq.to(tl.int64) * stride_bt).to(tl.int64)
+                next_page = tl.load(block_tables_ptr + next_seq.to(tl.int64) * stride_bt)
             q = _queries_and_new_token(qkv_ptr, seq, kv_head, slot >= 0, slot, cos, sin, q_weight_ptr,
                                        k_weight_ptr, k_cache_ptr, v_cache_ptr, out_ptr, stride_t, stride_page,
                                        stride_slot, stride_khead, eps, num_heads, num_kv_heads, GROUP, GROUP_PAD,
@@ -176,7 +176,7 @@ def _persistent_decode_kernel(
                                      0, seqlen, qk_scale, stride_page, stride_slot, 0, GROUP_PAD, HEAD_DIM, HEAD_DIM,
                                      PAGE_SIZE, BLOCK_N, UPCAST, False)
             if PREFETCH_NEXT and next_len > 0:
-                prefetch_page_tile(k_cache_ptr, v_cache_ptr, next_page, 0, next_len, next_head * stride_khead,
+                prefetch_page_tile(k_cache_ptr, v_cache_ptr, next_page.to(tl.int64), 0, next_len, next_head * stride_khead,
                                    stride_page, stride_slot, PAGE_SIZE, BLOCK_N, HEAD_DIM)
             head = kv_head * GROUP + offs_g
             o_ptrs = out_ptr + seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
@@ -331,7 +331,7 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
             GROUP=group, GROUP_PAD=max(16, group_pad(group)), HEAD_DIM=head_dim, HALF=head_dim // 2,
             PAGE_SIZE=k_cache.shape[1], BLOCK_N=config.block_n, UPCAST=upcast_dot(qkv), HAS_NORM=has_norm,
             ORDERED=order is not None,
-            PREFETCH_NEXT=prefetch_next and qkv.is_cuda and k_cache.shape[1] % config.block_n == 0,
+            PREFETCH_NEXT=prefetch_next and not interpreted() and k_cache.shape[1] % config.block_n == 0,
             num_warps=config.num_warps, num_stages=config.num_stages,
             maxnreg=resident_registers(per_sm, config.num_warps), **pdl_options(qkv))
         return out
@@ -410,3 +410,8 @@ def resident_registers(per_sm: int, num_warps: int, register_file: int = 65536) 
     does not need has spilled."""
     cap = register_file // (per_sm * num_warps * 32) // 8 * 8
     return None if cap >= 160 else cap
+
+
+def interpreted() -> bool:
+    """Whether kernels run under the Triton interpreter, which has no prefetch instruction."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
