@@ -53,7 +53,7 @@ def kernel_us(fn, replays: int = 10) -> tuple[float, float]:
 
 
 VARIANTS = {
-    # name: (DecodeConfig changes, how the split count is chosen, cache layout[, fused_decode's persistent=])
+    # name: (DecodeConfig changes, how the split count is chosen, cache layout)
     "engine": ({}, "engine", "engine"),
     "splits2x": ({}, "double", "engine"),
     "per_sm8": ({"grid_programs_per_sm": 8}, "engine", "engine"),
@@ -75,13 +75,6 @@ VARIANTS = {
     "head_major": ({}, "engine", "head_major"),
     "head_major_block128": ({"block_n": 128, "num_stages": 2}, "engine", "head_major"),
     "head_major_stages2": ({"num_stages": 2}, "engine", "head_major"),
-    # where a sequence is one split: N resident programs an SM take the (sequence, KV head) items in turn
-    # (fused_decode's persistent kernel), with or without the next item's first tile queued into L2
-    "persistent3": ({}, "engine", "engine", (3, False)),
-    "persistent4": ({}, "engine", "engine", (4, False)),
-    "persistent5": ({}, "engine", "engine", (5, False)),
-    "persistent3_prefetch": ({}, "engine", "engine", (3, True)),
-    "persistent4_prefetch": ({}, "engine", "engine", (4, True)),
 }
 
 
@@ -202,8 +195,7 @@ def main() -> int:
         floor_us = sum(lens) * kv_bytes / args.read_bw * 1e6
         row = {"step": s, "rows": B, "kv_mb": round(sum(lens) * kv_bytes / 1e6, 1), "floor_us": round(floor_us, 1)}
         for name in names:
-            changes, split_rule, layout, *persistent = VARIANTS[name]
-            persistent = persistent[0] if persistent else (0, False)
+            changes, split_rule, layout = VARIANTS[name]
             cache = caches[layout]
             config = DecodeConfig(**changes)
             max_len = max(lens) if split_rule == "actual" else args.max_model_len
@@ -215,8 +207,7 @@ def main() -> int:
             def launch(layer: int, trace: torch.Tensor | None = None) -> None:
                 fd.fused_decode(qkv, positions, cos, sin, q_w, k_w, EPS, cache[0, layer], cache[1, layer], slots,
                                 seqlens, bt, max_len, HEAD_DIM ** -0.5, HEADS, KV_HEADS, counters, order=order,
-                                num_splits=splits, config=config, trace=trace, after_gemv=False,
-                                persistent=persistent)
+                                num_splits=splits, config=config, trace=trace, after_gemv=False)
 
             def step():
                 for layer in range(args.layers):
@@ -227,7 +218,7 @@ def main() -> int:
             row[f"{name}_wall"] = round(wall / args.layers, 1)
             row[f"{name}_splits"] = splits
             per_variant[name][s] = us
-            if args.trace and not persistent[0]:  # the persistent kernel is not traced
+            if args.trace:
                 trace = torch.zeros(KV_HEADS * B * splits, fd.TRACE_WIDTH, device=dev, dtype=torch.int64)
                 for _ in range(2):  # the first compiles the traced kernel; the second is the one read
                     launch(0, trace)

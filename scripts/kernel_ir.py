@@ -141,9 +141,9 @@ def case_gemv(rows: int, n: int, k: int, norm: bool = False, gated: bool = False
     return lambda: gemv(_bf16(rows, 2 * k if gated else k), _bf16(n, k), gated=gated)
 
 
-def case_fused_decode(rows: int, persistent: tuple[int, bool] = (0, False)):
+def case_fused_decode(rows: int):
     """The fused decode kernel at one row after the GEMV, or at `rows` rows after cuBLAS (longest first),
-    with the H100's split count (132 SMs) and the CUDA tiles; `persistent` as fused_decode takes it."""
+    with the H100's split count (132 SMs) and the CUDA tiles."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from fused_decode_cases import _problem
 
@@ -160,7 +160,7 @@ def case_fused_decode(rows: int, persistent: tuple[int, bool] = (0, False)):
     return lambda: fused_decode(qkv, positions, cos, sin, qw, kw, 1e-6, caches[0], caches[1], slots, seqlens, tables,
                                 max(lens), HEAD_DIM ** -0.5, HEADS, KV_HEADS, counters,
                                 order=None if rows == 1 else decode_order(seqlens), num_splits=splits,
-                                config=config, after_gemv=rows == 1, persistent=persistent)
+                                config=config, after_gemv=rows == 1)
 
 
 def case_qkv_prep(tokens: int = 4096):
@@ -198,8 +198,6 @@ CASES = {
     "gemv_down_4rows": lambda: case_gemv(4, HIDDEN, INTER, gated=True),
     "fused_decode_1row": lambda: case_fused_decode(1),
     "fused_decode_256rows": lambda: case_fused_decode(256),
-    "fused_decode_256rows_persistent": lambda: case_fused_decode(256, (4, False)),
-    "fused_decode_256rows_persistent3_prefetch": lambda: case_fused_decode(256, (3, True)),
     "qkv_prep": case_qkv_prep,
     "paged_prefill": case_paged_prefill,
 }

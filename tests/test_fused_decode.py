@@ -11,8 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fused_decode_cases import (FP8_CPU_CASES, FP8_GPU_CASES, GPU_CASES, _problem, check_fused_decode,  # noqa: E402
-                                check_persistent)
+from fused_decode_cases import FP8_CPU_CASES, FP8_GPU_CASES, GPU_CASES, _problem, check_fused_decode  # noqa: E402
 from interpreter import run_under_interpreter  # noqa: E402
 from test_kernels import assert_results  # noqa: E402
 
@@ -22,7 +21,7 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 @needs_triton
 def test_fused_decode_equals_qkv_prep_then_decode_under_interpreter():
     results = run_under_interpreter(Path(__file__).parent / "fused_decode_cases.py")
-    assert len(results) == (7 + len(FP8_CPU_CASES)) * 8 + 2 * 2 + 4 * 2, sorted(results)
+    assert len(results) == (7 + len(FP8_CPU_CASES)) * 8 + 2 * 2, sorted(results)
     assert_results(results)
 
 
@@ -44,32 +43,6 @@ def test_loop_stages_take_one_after_the_gemv_by_default_and_each_setting_where_i
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_decode_equals_qkv_prep_then_decode_on_gpu():
     assert_results(check_fused_decode(GPU_CASES, "cuda"))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("per_sm", [1, 4])
-def test_persistent_decode_equals_the_grid_kernel_on_gpu(per_sm):
-    """One program an SM makes every program take several items of the 256-sequence case; four, as nano-bench's
-    large batches would run it. The next item's tile is prefetched."""
-    results = check_persistent(GPU_CASES, "cuda", per_sm=per_sm)
-    results.update(check_persistent(FP8_GPU_CASES, "cuda", per_sm=per_sm, cache_dtype=torch.float8_e4m3fn))
-    assert len(results) == (len(GPU_CASES) + len(FP8_GPU_CASES)) * 2
-    assert_results(results)
-
-
-def test_persistent_setting_parses_and_rejects_bad_values(monkeypatch):
-    from engine.kernels.fused_decode import persistent_setting
-
-    monkeypatch.delenv("REDLINE_DECODE_PERSISTENT", raising=False)
-    assert persistent_setting() == (0, False)
-    monkeypatch.setenv("REDLINE_DECODE_PERSISTENT", "4+prefetch")
-    assert persistent_setting() == (4, True)
-    monkeypatch.setenv("REDLINE_DECODE_PERSISTENT", "5")
-    assert persistent_setting() == (5, False)
-    monkeypatch.setenv("REDLINE_DECODE_PERSISTENT", "yes")
-    with pytest.raises(ValueError, match="REDLINE_DECODE_PERSISTENT"):
-        persistent_setting()
 
 
 @pytest.mark.gpu

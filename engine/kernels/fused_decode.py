@@ -16,8 +16,6 @@ instead of three. Prefill, mixed batches and the balanced schedule keep the sepa
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -65,6 +63,7 @@ def _fused_decode_kernel(
     dtype = out_ptr.dtype.element_ty
     pos = tl.load(positions_ptr + seq)
     offs_half = tl.arange(0, HALF)
+    all_half = offs_half < HALF
     cos = _round(tl.load(cos_ptr + pos * stride_cos + offs_half), dtype)
     sin = _round(tl.load(sin_ptr + pos * stride_cos + offs_half), dtype)
     slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
@@ -79,14 +78,41 @@ def _fused_decode_kernel(
         wait_for_previous(PDL)
     stamp(trace_ptr, 1, TRACE_SLOTS, TRACE)
 
-    holds_new = (split == (seqlen - 1) // tl.maximum(per_split, 1)) & (slot >= 0)
-    q = _queries_and_new_token(qkv_ptr, seq, kv_head, holds_new, slot, cos, sin, q_weight_ptr, k_weight_ptr,
-                               k_cache_ptr, v_cache_ptr, trace_ptr, stride_t, stride_page, stride_slot,
-                               stride_khead, eps, num_heads, num_kv_heads, GROUP, GROUP_PAD, HEAD_DIM, HALF,
-                               PAGE_SIZE, HAS_NORM, TRACE, dtype)
+    # the queries of this KV head, normed and rotated as qkv_prep does, halves joined into [GROUP_PAD, D]
+    row = qkv_ptr + seq.to(tl.int64) * stride_t
     offs_g = tl.arange(0, GROUP_PAD)
     g_mask = offs_g < GROUP
     head = kv_head * GROUP + offs_g
+    q_lo = row + head[:, None] * HEAD_DIM + offs_half[None, :]
+    q1 = tl.load(q_lo, mask=g_mask[:, None], other=0.0).to(tl.float32)
+    q2 = tl.load(q_lo + HALF, mask=g_mask[:, None], other=0.0).to(tl.float32)
+    # The new token's K and V, for the program whose range holds the sequence's last position (slot -1: a
+    # CUDA graph's padding row), read beside the queries: that program's chain, the longest of its KV head,
+    # then waits for one round trip to L2, not two.
+    holds_new = (split == (seqlen - 1) // tl.maximum(per_split, 1)) & (slot >= 0)
+    new_mask = offs_half[None, :] < tl.where(holds_new, HALF, 0)  # all of the row, or none of it
+    k_lo = row + (num_heads + kv_head) * HEAD_DIM + offs_half[None, :]
+    v_lo = k_lo + num_kv_heads * HEAD_DIM
+    k1 = tl.load(k_lo, mask=new_mask, other=0.0).to(tl.float32)
+    k2 = tl.load(k_lo + HALF, mask=new_mask, other=0.0).to(tl.float32)
+    v1 = tl.load(v_lo, mask=new_mask, other=0.0)
+    v2 = tl.load(v_lo + HALF, mask=new_mask, other=0.0)
+    q1, q2 = _norm_rope(q1, q2, q_weight_ptr, cos, sin, offs_half, all_half, eps, HEAD_DIM, HAS_NORM, HALF, dtype)
+    q = tl.reshape(tl.permute(tl.join(q1.to(dtype), q2.to(dtype)), (0, 2, 1)), (GROUP_PAD, HEAD_DIM))
+    stamp(trace_ptr, 2, TRACE_SLOTS, TRACE)
+
+    if holds_new:  # normed and rotated as qkv_prep does, then stored
+        k1, k2 = _norm_rope(k1, k2, k_weight_ptr, cos, sin, offs_half, all_half, eps, HEAD_DIM, HAS_NORM, HALF, dtype)
+        dst = (slot // PAGE_SIZE) * stride_page + (slot % PAGE_SIZE) * stride_slot + kv_head * stride_khead \
+            + offs_half[None, :]
+        cache_dtype = k_cache_ptr.dtype.element_ty  # the model's dtype, or fp8 (rounded from it)
+        tl.store(k_cache_ptr + dst, to_cache(k1.to(dtype), cache_dtype))
+        tl.store(k_cache_ptr + dst + HALF, to_cache(k2.to(dtype), cache_dtype))
+        tl.store(v_cache_ptr + dst, to_cache(v1, cache_dtype))
+        tl.store(v_cache_ptr + dst + HALF, to_cache(v2, cache_dtype))
+    tl.debug_barrier()  # the program's own stores are visible to all its threads' cache reads below
+    stamp(trace_ptr, 3, TRACE_SLOTS, TRACE)
+
     offs_d = tl.arange(0, HEAD_DIM)
     out, lse = _attend_range(q, k_cache_ptr, v_cache_ptr, block_table_row,
                              kv_head * stride_khead, offs_d, start, end, qk_scale, stride_page, stride_slot,
@@ -119,114 +145,6 @@ def _fused_decode_kernel(
                 stamp(trace_ptr, 6, TRACE_SLOTS, TRACE)
         else:
             stamp(trace_ptr, 5, TRACE_SLOTS, TRACE)
-
-
-@triton.jit
-def _persistent_decode_kernel(
-    qkv_ptr, positions_ptr, slot_mapping_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr,
-    k_cache_ptr, v_cache_ptr, out_ptr, seqlens_k_ptr, block_tables_ptr, order_ptr,
-    stride_t, stride_cos, stride_ot, stride_oh, stride_page, stride_slot, stride_khead, stride_bt,
-    qk_scale, eps, num_heads, num_kv_heads, num_items,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, HAS_NORM: tl.constexpr,
-    ORDERED: tl.constexpr, PDL: tl.constexpr, PREFETCH_NEXT: tl.constexpr,
-):
-    """The grid kernel's work for one split a sequence, by a fixed number of resident programs: each takes the
-    (sequence, KV head) items of the grid's order (KV head fastest, sequences longest first) in rounds of
-    `programs`, forward in even rounds and backward in odd ones, so every program's items add up to about
-    the same length. With PREFETCH_NEXT a program queues its next item's first K/V tile into L2 as its
-    current item's loop ends, where the grid's next program would have started cold."""
-    launch_dependents(PDL)
-    wait_for_previous(PDL)
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    dtype = out_ptr.dtype.element_ty
-    offs_half = tl.arange(0, HALF)
-    offs_g = tl.arange(0, GROUP_PAD)
-    g_mask = offs_g < GROUP
-    offs_d = tl.arange(0, HEAD_DIM)
-    for r in tl.range(0, tl.cdiv(num_items, programs), num_stages=1):
-        item = r * programs + tl.where(r % 2 == 0, pid, programs - 1 - pid)
-        if item < num_items:
-            kv_head = item % num_kv_heads
-            seq = item // num_kv_heads
-            if ORDERED:
-                seq = tl.load(order_ptr + seq).to(tl.int32)
-            seqlen = tl.load(seqlens_k_ptr + seq)
-            pos = tl.load(positions_ptr + seq)
-            cos = _round(tl.load(cos_ptr + pos * stride_cos + offs_half), dtype)
-            sin = _round(tl.load(sin_ptr + pos * stride_cos + offs_half), dtype)
-            slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
-            block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-            next_item = (r + 1) * programs + tl.where(r % 2 == 0, programs - 1 - pid, pid)
-            next_page = 0
-            next_len = 0
-            next_head = next_item % num_kv_heads
-            if PREFETCH_NEXT and next_item < num_items:  # its first page now, its tile queued after the loop
-                next_seq = next_item // num_kv_heads
-                if ORDERED:
-                    next_seq = tl.load(order_ptr + next_seq).to(tl.int32)
-                next_len = tl.load(seqlens_k_ptr + next_seq)
-                next_page = tl.load(block_tables_ptr + next_seq.to(tl.int64) * stride_bt)
-            q = _queries_and_new_token(qkv_ptr, seq, kv_head, slot >= 0, slot, cos, sin, q_weight_ptr,
-                                       k_weight_ptr, k_cache_ptr, v_cache_ptr, out_ptr, stride_t, stride_page,
-                                       stride_slot, stride_khead, eps, num_heads, num_kv_heads, GROUP, GROUP_PAD,
-                                       HEAD_DIM, HALF, PAGE_SIZE, HAS_NORM, False, dtype)
-            out, lse = _attend_range(q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head * stride_khead, offs_d,
-                                     0, seqlen, qk_scale, stride_page, stride_slot, 0, GROUP_PAD, HEAD_DIM, HEAD_DIM,
-                                     PAGE_SIZE, BLOCK_N, UPCAST, False)
-            if PREFETCH_NEXT and next_len > 0:
-                prefetch_page_tile(k_cache_ptr, v_cache_ptr, next_page.to(tl.int64), 0, next_len, next_head * stride_khead,
-                                   stride_page, stride_slot, PAGE_SIZE, BLOCK_N, HEAD_DIM)
-            head = kv_head * GROUP + offs_g
-            o_ptrs = out_ptr + seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-            tl.store(o_ptrs, out.to(dtype), mask=g_mask[:, None])
-
-
-@triton.jit
-def _queries_and_new_token(qkv_ptr, seq, kv_head, holds_new, slot, cos, sin, q_weight_ptr, k_weight_ptr,
-                           k_cache_ptr, v_cache_ptr, trace_ptr, stride_t, stride_page, stride_slot, stride_khead,
-                           eps, num_heads, num_kv_heads, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                           HEAD_DIM: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                           HAS_NORM: tl.constexpr, TRACE: tl.constexpr, dtype: tl.constexpr):
-    """The queries of one KV head of one sequence [GROUP_PAD, HEAD_DIM], normed and rotated as qkv_prep does
-    (halves joined); where holds_new, also the sequence's new K/V, normed, rotated and stored at `slot`. The
-    caller's threads then see the stored token in the cache (a barrier after the stores)."""
-    # The new token's K and V are read beside the queries, by every program with a mask that is all true
-    # for the one that holds the sequence's last position and all false for the others: that program's
-    # chain, the longest of its KV head, then waits for one round trip to L2, not two.
-    row = qkv_ptr + seq.to(tl.int64) * stride_t
-    offs_half = tl.arange(0, HALF)
-    all_half = offs_half < HALF
-    offs_g = tl.arange(0, GROUP_PAD)
-    g_mask = offs_g < GROUP
-    head = kv_head * GROUP + offs_g
-    q_lo = row + head[:, None] * HEAD_DIM + offs_half[None, :]
-    q1 = tl.load(q_lo, mask=g_mask[:, None], other=0.0).to(tl.float32)
-    q2 = tl.load(q_lo + HALF, mask=g_mask[:, None], other=0.0).to(tl.float32)
-    new_mask = offs_half[None, :] < tl.where(holds_new, HALF, 0)  # all of the row, or none of it
-    k_lo = row + (num_heads + kv_head) * HEAD_DIM + offs_half[None, :]
-    v_lo = k_lo + num_kv_heads * HEAD_DIM
-    k1 = tl.load(k_lo, mask=new_mask, other=0.0).to(tl.float32)
-    k2 = tl.load(k_lo + HALF, mask=new_mask, other=0.0).to(tl.float32)
-    v1 = tl.load(v_lo, mask=new_mask, other=0.0)
-    v2 = tl.load(v_lo + HALF, mask=new_mask, other=0.0)
-    q1, q2 = _norm_rope(q1, q2, q_weight_ptr, cos, sin, offs_half, all_half, eps, HEAD_DIM, HAS_NORM, HALF, dtype)
-    q = tl.reshape(tl.permute(tl.join(q1.to(dtype), q2.to(dtype)), (0, 2, 1)), (GROUP_PAD, HEAD_DIM))
-    stamp(trace_ptr, 2, TRACE_SLOTS, TRACE)
-
-    if holds_new:  # normed and rotated as qkv_prep does, then stored (slot -1, a CUDA graph's padding row: never)
-        k1, k2 = _norm_rope(k1, k2, k_weight_ptr, cos, sin, offs_half, all_half, eps, HEAD_DIM, HAS_NORM, HALF, dtype)
-        dst = (slot // PAGE_SIZE) * stride_page + (slot % PAGE_SIZE) * stride_slot + kv_head * stride_khead \
-            + offs_half[None, :]
-        cache_dtype = k_cache_ptr.dtype.element_ty  # the model's dtype, or fp8 (rounded from it)
-        tl.store(k_cache_ptr + dst, to_cache(k1.to(dtype), cache_dtype))
-        tl.store(k_cache_ptr + dst + HALF, to_cache(k2.to(dtype), cache_dtype))
-        tl.store(v_cache_ptr + dst, to_cache(v1, cache_dtype))
-        tl.store(v_cache_ptr + dst + HALF, to_cache(v2, cache_dtype))
-    tl.debug_barrier()  # the program's own stores are visible to all its threads' cache reads after
-    stamp(trace_ptr, 3, TRACE_SLOTS, TRACE)
-    return q
 
 
 @triton.jit
@@ -269,8 +187,7 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
                  seqlens_k: torch.Tensor, block_tables: torch.Tensor, max_seqlen_k: int, scale: float,
                  num_heads: int, num_kv_heads: int, counters: torch.Tensor, order: torch.Tensor | None = None,
                  num_splits: int | None = None, config: DecodeConfig | None = None,
-                 trace: torch.Tensor | None = None, after_gemv: bool | None = None,
-                 persistent: tuple[int, bool] | None = None) -> torch.Tensor:
+                 trace: torch.Tensor | None = None, after_gemv: bool | None = None) -> torch.Tensor:
     """Attention output [B, H, D] of one new token per sequence, from its qkv row [B, (H + 2 Hkv) D]:
     what qkv_prep followed by paged_decode (grid schedule) computes, K/V stored the same way.
 
@@ -282,9 +199,6 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
 
     trace: int64 [programs, TRACE_WIDTH] (programs: KV heads x sequences x splits, KV head fastest) for
     scripts/decode_chain_trace.py: each program writes the global timer at TRACE_POINTS and its SM.
-
-    persistent: (programs an SM, prefetch the next item's first tile) for the persistent kernel where a
-    sequence is one split and nothing is traced; None: persistent_setting().
     """
     head_dim = k_cache.shape[3]
     if not fits(head_dim):
@@ -319,22 +233,6 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
         assert order.shape == (num_seqs,) and order.device == qkv.device, "order: one index per sequence"
     programs = num_kv_heads * num_seqs * num_splits
     check_trace(trace, programs, TRACE_WIDTH)
-    per_sm, prefetch_next = persistent_setting() if persistent is None else persistent
-    if per_sm and num_splits == 1 and trace is None:
-        resident = min(programs, per_sm * _num_sms(qkv.device))
-        _persistent_decode_kernel[(resident,)](
-            qkv, positions, slot_mapping, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos,
-            k_cache, v_cache, out, seqlens_k, block_tables, seqlens_k if order is None else order,
-            qkv.stride(0), cos.stride(0), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            scale * LOG2E, eps, num_heads, num_kv_heads, programs,
-            GROUP=group, GROUP_PAD=max(16, group_pad(group)), HEAD_DIM=head_dim, HALF=head_dim // 2,
-            PAGE_SIZE=k_cache.shape[1], BLOCK_N=config.block_n, UPCAST=upcast_dot(qkv), HAS_NORM=has_norm,
-            ORDERED=order is not None,
-            PREFETCH_NEXT=prefetch_next and not interpreted() and k_cache.shape[1] % config.block_n == 0,
-            num_warps=config.num_warps, num_stages=config.num_stages,
-            maxnreg=resident_registers(per_sm, config.num_warps), **pdl_options(qkv))
-        return out
     page_early = early_page_applies(early, num_seqs, k_cache, config)
     _fused_decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         qkv, positions, slot_mapping, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos,
@@ -386,32 +284,3 @@ def loop_stages(config: DecodeConfig, early: bool) -> int:
     """Pipeline stages of the K/V loop: config.stages_after_gemv where the qkv projection is the GEMV (up to
     REDLINE_GEMV_MAX_ROWS rows), config.num_stages elsewhere."""
     return config.stages_after_gemv if early else config.num_stages
-
-
-PERSISTENT_CHOICES = ("0", "2", "3", "4", "5", "2+prefetch", "3+prefetch", "4+prefetch", "5+prefetch")
-
-
-def persistent_setting() -> tuple[int, bool]:
-    """REDLINE_DECODE_PERSISTENT: where a sequence is one split, "0" (the default) launches the grid kernel,
-    one program a (sequence, KV head); "N" a fixed N programs an SM that take those items in turn
-    (_persistent_decode_kernel); "N+prefetch" with the next item's first tile queued into L2."""
-    value = os.environ.get("REDLINE_DECODE_PERSISTENT", "0")
-    if value not in PERSISTENT_CHOICES:
-        raise ValueError(f"REDLINE_DECODE_PERSISTENT must be one of {', '.join(PERSISTENT_CHOICES)}; got {value!r}")
-    per_sm, _, prefetch = value.partition("+")
-    return int(per_sm), prefetch == "prefetch"
-
-
-def resident_registers(per_sm: int, num_warps: int, register_file: int = 65536) -> int | None:
-    """The most registers a thread may have for per_sm programs of num_warps warps to fit on an SM at once (the
-    persistent kernel's programs must all be resident, or those that are not start after the others have
-    done all their items): the register file shared out, in the hardware's steps of 8. None where that is
-    160 or more: the kernel compiles to 157 without a cap (Triton 3.6, sm_90), and ptxas given a cap it
-    does not need has spilled."""
-    cap = register_file // (per_sm * num_warps * 32) // 8 * 8
-    return None if cap >= 160 else cap
-
-
-def interpreted() -> bool:
-    """Whether kernels run under the Triton interpreter, which has no prefetch instruction."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
