@@ -1,6 +1,19 @@
-"""redline's inference engine: LLM(model).generate(prompts, SamplingParams(...))."""
-from engine.llm_engine import LLM, LLMEngine
-from engine.outputs import RequestOutput, StepResult, StepStats
+"""redline's inference engine: LLM(model).generate(prompts, SamplingParams(...)).
+
+The heavy parts (torch, the models) load on first use of LLM/LLMEngine, so `engine.sampling_params`
+is importable by producers that have no torch.
+"""
 from engine.sampling_params import SamplingParams
 
+_LAZY = {"LLM": "engine.llm_engine", "LLMEngine": "engine.llm_engine", "RequestOutput": "engine.outputs",
+         "StepResult": "engine.outputs", "StepStats": "engine.outputs"}
+
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "StepResult", "StepStats"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

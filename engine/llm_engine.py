@@ -59,6 +59,10 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         seq = Sequence(token_ids, params, self.config.kvcache_block_size, request_id)
         seq.max_num_tokens = min(seq.max_num_tokens, self.config.max_model_len)
+        # everything of the request that reaches a device tensor is built here, where an error is its own
+        seq.sampling_row = (params.temperature, min(params.top_k, self.vocab_size) if params.top_k > 0
+                            else self.vocab_size, params.top_p, params.min_p)
+        seq.generator = self._generator(params)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -126,7 +130,12 @@ class LLMEngine:
         start = time.perf_counter()
         bm, sched = self.block_manager, self.scheduler
         queries, hits, preemptions = bm.num_cache_queries, bm.num_cache_hits, sched.num_preemptions
-        outputs = [self._output(seq) for seq in self._aborted]
+        outputs = []
+        for seq in self._aborted:
+            try:
+                outputs.append(self._output(seq))
+            except Exception as e:  # noqa: BLE001 - decoding its text raised
+                outputs.append(self._fail(seq, e))
         self._aborted.clear()
         batch = sched.schedule()
         stats = StepStats()
@@ -165,30 +174,29 @@ class LLMEngine:
             return self._sampling_cache
         device = self.runner.device
         ps = [s.params for s in seqs]
-        top_ks = [p.top_k if p.top_k > 0 else self.vocab_size for p in ps]
-        gens = [self._generator(s) for s in seqs]
+        temperatures, top_ks, top_ps, min_ps = zip(*(s.sampling_row for s in seqs))
+
         def tensor(values, dtype):  # pinned and asynchronous, so building it never waits for the GPU
             t = torch.tensor(values, dtype=dtype)
             return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
         st = SamplingTensors(
-            temperatures=tensor([p.temperature for p in ps], torch.float32),
+            temperatures=tensor(temperatures, torch.float32),
             top_ks=tensor(top_ks, torch.int64),
-            top_ps=tensor([p.top_p for p in ps], torch.float32),
-            min_ps=tensor([p.min_p for p in ps], torch.float32),
-            generators=gens,
+            top_ps=tensor(top_ps, torch.float32),
+            min_ps=tensor(min_ps, torch.float32),
+            generators=[s.generator for s in seqs],
             all_greedy=all(p.greedy for p in ps),
             needs_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in ps))
         num_logprobs = max((p.logprobs for p in ps if p.logprobs is not None), default=-1)
         self._sampling_key, self._sampling_cache = key, (st, num_logprobs)
         return st, num_logprobs
 
-    def _generator(self, seq: Sequence):
-        if seq.params.seed is None or seq.params.greedy:
+    def _generator(self, params: SamplingParams) -> torch.Generator | None:
+        """The request's own random stream (seeded requests only; the others share the engine's)."""
+        if params.seed is None or params.greedy:
             return None
-        if not hasattr(seq, "generator"):
-            seq.generator = torch.Generator(device=self.runner.device).manual_seed(seq.params.seed)
-        return seq.generator
+        return torch.Generator(device=self.runner.device).manual_seed(params.seed)
 
     def _launch(self, batch: ScheduledBatch, sampled: list[Sequence], inputs, st, num_logprobs) -> "_InFlight":
         """Queue the step on the device and advance the sequences as if it were done; each sampled
@@ -226,20 +234,34 @@ class LLMEngine:
         now = time.monotonic()
         outputs = []
         for i, seq, pos, token_id in live:
-            seq.first_token_time = seq.first_token_time or now
-            if seq.params.logprobs is not None:
-                chosen, top_vals, top_ids = logprobs
-                k = seq.params.logprobs
-                top = dict(zip(top_ids[i][:k], top_vals[i][:k])) if top_ids is not None else {}
-                seq.logprobs.append({"token_id": token_id, "logprob": chosen[i], "top": top})
-            reason = self._finish_reason(seq, token_id, pos + 1)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                seq.truncate(pos + 1)  # a later launch's placeholder is no part of the output
-                seq.finished_time = now
-            if reason is not None or not finished_only:
-                outputs.append(self._output(seq))
+            try:
+                seq.first_token_time = seq.first_token_time or now
+                if seq.params.logprobs is not None:
+                    chosen, top_vals, top_ids = logprobs
+                    k = seq.params.logprobs
+                    top = dict(zip(top_ids[i][:k], top_vals[i][:k])) if top_ids is not None else {}
+                    seq.logprobs.append({"token_id": token_id, "logprob": chosen[i], "top": top})
+                reason = self._finish_reason(seq, token_id, pos + 1)
+                if reason is not None:
+                    self.scheduler.finish(seq, reason)
+                    seq.truncate(pos + 1)  # a later launch's placeholder is no part of the output
+                    seq.finished_time = now
+                if reason is not None or not finished_only:
+                    outputs.append(self._output(seq))
+            except Exception as e:  # noqa: BLE001 - this request's own data (stop strings, text) raised
+                outputs.append(self._fail(seq, e))
         return outputs
+
+    def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
+        """End one request whose own data raised: it finishes "abort" with the error, the others go on.
+        A fault of the engine itself (the forward pass, a device error) is never caught: it stops step()."""
+        seq.error = f"the request failed while its tokens were processed: {type(error).__name__}: {error}"
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+            seq.truncate(seq.num_prompt_tokens + seq.num_resolved_completion_tokens)
+            seq.finished_time = time.monotonic()
+        seq.finish_reason = "abort"
+        return self._output(seq)
 
     def _finish_reason(self, seq: Sequence, token_id: int, num_tokens: int) -> str | None:
         """Why `seq` ends with `token_id` as its token number `num_tokens`, or None if it goes on."""
@@ -266,12 +288,14 @@ class LLMEngine:
             completion = completion[:resolved]
         new = completion[seq.num_reported_tokens:]
         seq.num_reported_tokens = resolved
+        text = None
         if finished:
             self.requests.pop(seq.request_id, None)
+            if seq.error is None:
+                text = self._final_text(seq)
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, token_ids=completion,
-            new_token_ids=new, finished=finished, finish_reason=seq.finish_reason,
-            text=self._final_text(seq) if finished else None,
+            new_token_ids=new, finished=finished, finish_reason=seq.finish_reason, text=text, error=seq.error,
             logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
             num_cached_tokens=seq.num_cached_tokens, arrival_time=seq.arrival_time,
             first_scheduled_time=seq.first_scheduled_time, first_token_time=seq.first_token_time,

@@ -12,6 +12,7 @@ class RequestOutput:
     new_token_ids: list[int]              # completion tokens produced in this step
     finished: bool = False
     finish_reason: str | None = None      # "stop" | "length" | "abort"
+    error: str | None = None              # why the request failed on its own ("abort" with the others going on)
     text: str | None = None               # set once finished (None without a tokenizer)
     logprobs: list[dict] | None = None    # per token: {"token_id", "logprob", "top": {id: logprob}}
     num_cached_tokens: int = 0

@@ -33,6 +33,7 @@ class Sequence:
         self.num_hashed_blocks = 0     # leading full blocks registered in the prefix cache
         self.block_table: list[int] = []
         self.finish_reason: str | None = None
+        self.error: str | None = None  # set when the request failed on its own data
         self.stop_text_len: int | None = None  # text is cut here when a stop string matched
         self.logprobs: list[dict] = []
         self.num_reported_tokens = 0   # completion tokens already handed out by step()

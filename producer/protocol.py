@@ -9,9 +9,12 @@ A job is one stream entry with two fields: `job_id` (a string) and `job` (the JS
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Literal, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator,
+                      model_validator)
+
+from engine import sampling_params
 
 GROUP = "workers"  # the consumer group every worker reads through
 PRIORITIES = (2, 1, 0)  # priority levels, read in this order: higher first; 0 is the default
@@ -19,6 +22,8 @@ MAX_JOB_BYTES = 4 * 1024 * 1024  # default limit on one job's JSON; workers may 
 RESULT_TTL_S = 24 * 3600  # a final job's hash and done list expire this long after it ends
 TOKENS_TTL_S = 3600  # its token stream sooner (at most this); stream() then replays the result instead
 RESULTS_FEED_MAXLEN = 100_000  # the results feed keeps about this many recent entries
+MAX_ERROR_PROBLEMS = 5  # a validation error names at most this many problems, then how many more
+MAX_ERROR_CHARS = 1000  # and is cut to this length: one bad entry never makes a large result
 JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
 
 QUEUED, RUNNING = "queued", "running"
@@ -75,22 +80,19 @@ def check_job_id(job_id: str) -> str:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # non-finite floats are refused: JSON has no inf/nan (pydantic would send them as null)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-class Sampling(_Strict):
-    """Sampling parameters; the same names and defaults as `engine.SamplingParams`."""
+class _SamplingChecks(_Strict):
+    """Runs the engine's own check of every sampling field, so the wire and the engine agree exactly."""
 
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    max_tokens: int = Field(64, ge=1)
-    ignore_eos: bool = False
-    stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    logprobs: int | None = Field(None, ge=0)
+    @field_validator("*")
+    @classmethod
+    def _as_the_engine_checks(cls, value, info):
+        if value is None:
+            return value
+        return sampling_params.check_field(info.field_name, value)
 
     @model_validator(mode="before")
     @classmethod
@@ -98,6 +100,22 @@ class Sampling(_Strict):
         if isinstance(data, dict) and isinstance(data.get("stop"), str):
             data = {**data, "stop": [data["stop"]]}
         return data
+
+
+def _wire_fields() -> dict:
+    """Each field of engine.SamplingParams as a pydantic field: its type, default, bounds and description."""
+    hints = get_type_hints(sampling_params.SamplingParams)
+    out = {}
+    for name, f in sampling_params.FIELDS.items():
+        annotation = hints[name]
+        if name == "stop":  # a lone string is made a list before validation
+            annotation = list[str] | None
+        out[name] = (annotation, Field(f.default, description=f.metadata["allowed"], **f.metadata["bounds"]))
+    return out
+
+
+Sampling = create_model("Sampling", __base__=_SamplingChecks, __module__=__name__, **_wire_fields())
+Sampling.__doc__ = "Sampling parameters: the fields, defaults and bounds of `engine.SamplingParams`."
 
 
 class ChatMessage(BaseModel):
@@ -200,13 +218,26 @@ class DeadLetter(BaseModel):
 
 
 def describe_validation_error(err: ValidationError) -> str:
-    """One line per problem, e.g. `sampling.max_tokens: Input should be greater than or equal to 1`."""
+    """The problems on one line, e.g. `sampling.max_tokens: Input should be greater than or equal to 1`;
+    the first MAX_ERROR_PROBLEMS of them, then how many more."""
+    problems = err.errors(include_url=False)
     parts = []
-    for e in err.errors(include_url=False):
-        where = ".".join(str(p) for p in e["loc"])
+    for e in problems[:MAX_ERROR_PROBLEMS]:
+        loc = [str(part) for part in e["loc"]]
         msg = e["msg"].removeprefix("Value error, ")
-        parts.append(f"{where}: {msg}" if where else msg)
-    return "; ".join(parts)
+        if loc and msg.startswith(f"{loc[-1]} must "):  # the engine's check names the field itself
+            parts.append(".".join(loc[:-1] + [msg]))
+        else:
+            parts.append(f"{'.'.join(loc)}: {msg}" if loc else msg)
+    if len(problems) > MAX_ERROR_PROBLEMS:
+        parts.append(f"and {len(problems) - MAX_ERROR_PROBLEMS} more")
+    return clean_error("; ".join(parts))
+
+
+def clean_error(message: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """An error fit to store and print: control characters escaped, one line, at most `limit` characters."""
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(message))
+    return text if len(text) <= limit else f"{text[:limit - 30]}... ({len(text) - limit + 30:,} more characters)"
 
 
 def decode(value) -> str:

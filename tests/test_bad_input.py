@@ -86,3 +86,38 @@ def test_bad_blas_setting_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("REDLINE_BLAS", "mkl")
     with pytest.raises(ValueError, match="REDLINE_BLAS must be 'cublas' or 'cublaslt', got 'mkl'"):
         LLM(str(TINY_MODEL_DIR), device="cpu")
+
+
+class _FailingTokenizer:
+    """The engine's tokenizer, except that decoding a given token raises: an error that belongs to the one
+    request whose stop strings make the engine decode it (no valid request reaches this any other way)."""
+
+    def __init__(self, tokenizer, bad_token: int) -> None:
+        self._tokenizer, self._bad = tokenizer, bad_token
+
+    def decode(self, ids, **kwargs):
+        if self._bad in ids:
+            raise RuntimeError("cannot decode")
+        return self._tokenizer.decode(ids, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+def test_an_error_of_one_request_during_a_step_fails_it_alone(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    expected = llm.generate([[5, 6, 7], [8, 9]], greedy, use_tqdm=False)
+    bad_token = expected[0].token_ids[2]
+    real = llm.tokenizer
+    llm.tokenizer = _FailingTokenizer(real, bad_token)
+    try:  # the first request checks stop strings (so decodes its tokens); the second does not
+        outs = llm.generate([[5, 6, 7], [8, 9]], [SamplingParams(temperature=0, max_tokens=6, stop=["zzz"]), greedy],
+                            use_tqdm=False)
+    finally:
+        llm.tokenizer = real
+    failed, other = outs
+    assert failed.finish_reason == "abort" and "RuntimeError: cannot decode" in failed.error
+    assert bad_token in failed.token_ids and failed.token_ids == expected[0].token_ids[:len(failed.token_ids)]
+    assert other.error is None and other.token_ids == expected[1].token_ids
+    assert not llm.has_unfinished()
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
