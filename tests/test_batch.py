@@ -8,6 +8,11 @@ from engine.builtin import TINY_MODEL_DIR
 from worker.cli import main
 
 IDS = [11, 12, 13, 14, 15]
+# body fields at the value that changes nothing, and at one that redline does not honour yet
+NOOPS = dict(n=1, presence_penalty=0, frequency_penalty=0.0, logprobs=False, top_logprobs=None, stream=False,
+             response_format={"type": "text"}, model="m", user="u", metadata={"k": "v"})
+NOT_HONOURED = {"frequency_penalty": 0.5, "presence_penalty": 0.5, "logprobs": True,
+                "response_format": {"type": "json_object"}, "n": 2}
 
 
 def request(custom_id, url, **body):
@@ -24,9 +29,12 @@ def ran(tmp_path_factory):
         request("ids", "/v1/completions", prompt=IDS, max_completion_tokens=7, temperature=0, ignore_eos=True),
         request("bad-url", "/v1/embeddings", input="x"),
         request("two", "/v1/completions", prompt="a", n=2),
-        request("unknown", "/v1/completions", prompt="a", best_of=3),
+        request("unknown", "/v1/completions", prompt="a", frobnicate=3),
         request("negative", "/v1/completions", prompt="a", max_tokens=-4),
         request("text", "/v1/completions", prompt="The queue holds", max_tokens=5, temperature=0.8, seed=3),
+        request("noop", "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], max_tokens=3, **NOOPS),
+        *[request(name, "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                  **{name: value}) for name, value in NOT_HONOURED.items()],
     ]
     (d / "in.jsonl").write_text("\n".join(lines) + "\n")
     rc = main(["batch", str(d / "in.jsonl"), "-o", str(d / "out.jsonl"), "--device", "cpu"])
@@ -36,7 +44,8 @@ def ran(tmp_path_factory):
 def test_one_output_line_per_input_line_in_order(ran):
     rc, out = ran
     assert rc == 0
-    assert [o["custom_id"] for o in out] == ["chat", None, "ids", "bad-url", "two", "unknown", "negative", "text"]
+    assert [o["custom_id"] for o in out] == ["chat", None, "ids", "bad-url", "two", "unknown", "negative", "text",
+                                             "noop", *NOT_HONOURED]
     assert len({o["id"] for o in out}) == len(out)
 
 
@@ -62,7 +71,8 @@ def test_completion_equals_the_engine_alone(ran):
 
 
 @pytest.mark.parametrize("index, message", [
-    (1, "not JSON"), (3, "url must be one of"), (4, "only n=1"), (5, "unsupported body fields: best_of"),
+    (1, "not JSON"), (3, "url must be one of"), (4, "n=2 is not supported yet"),
+    (5, "unsupported body fields: frobnicate"),
     (6, "max_tokens"),
 ])
 def test_bad_lines_become_error_lines(ran, index, message):
@@ -71,6 +81,38 @@ def test_bad_lines_become_error_lines(ran, index, message):
     assert message in out[index]["error"]["message"]
 
 
-def test_unreadable_input_is_a_clear_error(tmp_path, capsys):
-    assert main(["batch", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "o.jsonl")]) == 2
-    assert "cannot read" in capsys.readouterr().err
+def test_field_at_its_no_op_value_runs(ran):
+    _, out = ran
+    noop = out[8]
+    assert noop["error"] is None and noop["response"]["body"]["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize("name", NOT_HONOURED)
+def test_unhonoured_field_is_an_error_on_its_line_naming_it(ran, name):
+    _, out = ran
+    line = out[9 + list(NOT_HONOURED).index(name)]
+    assert line["custom_id"] == name and line["response"] is None
+    assert line["error"]["message"].startswith(f"{name}=")
+    assert "not supported yet" in line["error"]["message"]
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "cannot read"), ("not-jsonl", "is not JSONL"), ("binary", "not UTF-8"),
+    ("output-is-dir", "is a directory"), ("detach-without-redis", "--detach needs --redis-url"),
+])
+def test_user_mistake_is_one_line_without_traceback(tmp_path, capsys, case, message):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(request("a", "/v1/completions", prompt="x") + "\n")
+    extra = []
+    if case == "not-jsonl":
+        src.write_text(json.dumps([{"custom_id": "a"}], indent=2))
+    elif case == "binary":
+        src.write_bytes(b"\xff\xfe\x00\x01" * 8)
+    elif case == "output-is-dir":
+        out.mkdir()
+    elif case == "detach-without-redis":
+        extra = ["--detach"]
+    argv = ["batch", str(tmp_path / "missing.jsonl" if case == "missing" else src), "-o", str(out), *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
