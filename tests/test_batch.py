@@ -97,14 +97,16 @@ def test_unhonoured_field_is_an_error_on_its_line_naming_it(ran, name):
 
 
 @pytest.mark.parametrize("case, message", [
-    ("missing", "cannot read"), ("not-jsonl", "is not JSONL"), ("binary", "not UTF-8"),
+    ("missing", "cannot read"), ("empty", "is empty"), ("not-jsonl", "is not JSONL"), ("binary", "not UTF-8"),
     ("output-is-dir", "is a directory"), ("detach-without-redis", "--detach needs --redis-url"),
 ])
 def test_user_mistake_is_one_line_without_traceback(tmp_path, capsys, case, message):
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text(request("a", "/v1/completions", prompt="x") + "\n")
     extra = []
-    if case == "not-jsonl":
+    if case == "empty":
+        src.write_text("\n")
+    elif case == "not-jsonl":
         src.write_text(json.dumps([{"custom_id": "a"}], indent=2))
     elif case == "binary":
         src.write_bytes(b"\xff\xfe\x00\x01" * 8)
