@@ -34,6 +34,7 @@ class Job:
     admitted_at: float = field(default_factory=time.monotonic)
     handed_at: float | None = None  # when the engine took it
     abort_reason: str | None = None  # "cancel" | "lost" | "handback" once the engine is told to stop it
+    entry_gone: bool = False  # its entry vanished with Redis's data: its result is still written, nothing acked
 
 
 @dataclass
@@ -86,10 +87,12 @@ class InFlight:
             return {j.entry_id for j in self._jobs.values()}
 
     def by_stream(self) -> dict[str, list[str]]:
+        """Entry ids of the jobs whose entries are still in the group, by stream."""
         with self._lock:
             out: dict[str, list[str]] = {}
             for job in self._jobs.values():
-                out.setdefault(job.stream, []).append(job.entry_id)
+                if not job.entry_gone:
+                    out.setdefault(job.stream, []).append(job.entry_id)
             return out
 
     def jobs(self) -> list[Job]:
@@ -102,6 +105,12 @@ class InFlight:
 
 def _text(value: bytes) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def group_missing(error: redis.ResponseError) -> bool:
+    """Whether Redis says a job stream or its consumer group does not exist (it came back empty)."""
+    text = str(error)
+    return "NOGROUP" in text or "no such key" in text.lower() or "stream key no longer exists" in text
 
 
 def parse_entry(entry: Entry, max_job_bytes: int) -> tuple[str, p.JobSpec | None, str | None]:
@@ -140,14 +149,35 @@ class Consumer:
         self.name = settings.worker_name
         self.streams = keys.all_jobs()
         self._claim_cursor = {s: "0-0" for s in self.streams}
+        self._regroup_lock = threading.Lock()
 
-    def ensure_groups(self) -> None:
+    def ensure_groups(self) -> int:
+        """Create each stream's consumer group (and the stream) where missing; returns how many were made."""
+        created = 0
         for stream in self.streams:
             try:
                 self.redis.xgroup_create(stream, p.GROUP, id="0", mkstream=True)
+                created += 1
             except redis.ResponseError as e:
                 if "BUSYGROUP" not in str(e):
                     raise
+        return created
+
+    def recover(self, error: redis.ResponseError) -> bool:
+        """After an error saying a stream or group is missing, recreate the groups and return True;
+        return False for any other error, which the caller raises."""
+        if not group_missing(error):
+            return False
+        with self._regroup_lock:  # the reader and the writer may both notice; one of them warns
+            try:
+                created = self.ensure_groups()
+            except (redis.ConnectionError, redis.TimeoutError):
+                return True  # Redis went away again: the next call meets the missing group again
+            if created:
+                self._claim_cursor = {s: "0-0" for s in self.streams}
+                log.warning("the queue's consumer groups were gone (%s): Redis lost its data (a restart without "
+                            "persistence, a failover, FLUSHALL?); recreated them, serving on", str(error)[:100])
+        return True
 
     # ---- reading ----
 
@@ -282,19 +312,51 @@ class Consumer:
     # ---- upkeep ----
 
     def heartbeat(self, in_flight: InFlight) -> list[str]:
-        """Refresh the idle time of every entry this worker holds; return the job ids it lost."""
-        lost_entries: set[str] = set()
+        """Refresh the idle time of every entry this worker holds; return the job ids another worker took
+        over. Entries that vanished with Redis's data are marked `entry_gone`: those jobs run on."""
+        not_mine: set[str] = set()
         for stream, entry_ids in in_flight.by_stream().items():
             for i in range(0, len(entry_ids), 2000):
-                lost = self.scripts.heartbeat(keys=[stream], args=[self.name, *entry_ids[i:i + 2000]])
-                lost_entries.update(_text(e) for e in lost)
-        if not lost_entries:
+                chunk = entry_ids[i:i + 2000]
+                try:
+                    not_mine.update(_text(e) for e in self.scripts.heartbeat(keys=[stream], args=[self.name, *chunk]))
+                except redis.ResponseError as e:
+                    if not self.recover(e):
+                        raise
+                    not_mine.update(chunk)
+        if not not_mine:
             return []
-        return [j.job_id for j in in_flight.jobs() if j.entry_id in lost_entries]
+        jobs = [j for j in in_flight.jobs() if j.entry_id in not_mine]
+        taken = self._taken_over(jobs)
+        gone = [j for j in jobs if j.job_id not in taken]
+        for job in gone:
+            job.entry_gone = True
+        if gone:
+            log.info("%d running jobs lost their queue entries with Redis's data; their results are written "
+                     "as usual", len(gone))
+        return [j.job_id for j in jobs if j.job_id in taken]
+
+    def _taken_over(self, jobs: list[Job]) -> set[str]:
+        """Of jobs whose entries this worker no longer holds, those pending at another worker or final."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job in jobs:
+            pipe.xpending_range(job.stream, p.GROUP, job.entry_id, job.entry_id, 1)
+            pipe.hget(self.keys.job(job.job_id), "status")
+        replies = pipe.execute(raise_on_error=False)  # a missing group (an error reply) holds nothing
+        return {job.job_id for job, pending, status in zip(jobs, replies[::2], replies[1::2])
+                if (isinstance(pending, list) and pending) or (status and _text(status) in p.FINAL_STATUSES)}
 
     def hand_back(self, job_id: str, stream: str, entry_id: str) -> None:
         """Give an entry this worker will not finish back to its stream, for any worker to take."""
         self.scripts.handback(keys=[self.keys.job(job_id), stream], args=[job_id, entry_id])
+
+    def restart_streams(self, jobs: list[Job]) -> None:
+        """Start each job's token stream over (a restart delta), dropping what a stale copy sent."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job in jobs:
+            delta = p.TokenDelta(restart=True, attempt=job.attempt)
+            pipe.xadd(self.keys.tokens(job.job_id), {"data": delta.model_dump_json()})
+        pipe.execute()
 
     def hand_back_unread(self, entries: list[Entry]) -> None:
         """Hand back entries read but never admitted (the worker began to drain meanwhile)."""

@@ -7,6 +7,9 @@
 
 The engine thread never waits on Redis: it exchanges plain Python objects with the others through
 queues, and publishes how many more jobs the engine can start (`Capacity`).
+
+A worker never hangs: lost consumer groups are recreated (consumer.py), a thread that fails stops the
+worker with exit code 1, and every wait on the way out is bounded by the drain deadline.
 """
 from __future__ import annotations
 
@@ -22,8 +25,12 @@ from producer.scripts import Scripts
 
 from .consumer import Consumer, InFlight, Job
 from .results import STOP, ResultWriter
+from .stats import StatsLog
 
 log = logging.getLogger("redline.worker")
+
+SHUTDOWN_GRACE_S = 2.0  # past the drain deadline, the last writes may retry this long before the worker exits
+UPKEEP_EVERY_S = 5.0  # queue depths and dead consumers: one round trip this often
 
 
 class Capacity:
@@ -94,14 +101,16 @@ class Worker:
         self._client_ids: dict[str, int] = {}
         self.consumer = Consumer(client, self.keys, self.scripts, settings, self.metrics, self.reader_redis)
         self.writer = ResultWriter(client, self.keys, self.scripts, self.consumer, self.in_flight, settings,
-                                   self.metrics, getattr(engine, "tokenizer", None), self._abort_lost,
-                                   self.stopping)
+                                   self.metrics, getattr(engine, "tokenizer", None), self._abort_lost)
         self.reader_done = threading.Event()
         self.drain_deadline: float | None = None
         self.ready = threading.Event()  # set once the consumer group exists and the loop is running
         self.closed = threading.Event()  # set once the writer has written everything
         self.failed = False  # a thread or the engine failed: exit code 1
         self._held: list[Job] = []  # read beyond the engine's room; handed over first next time
+        self._superseding: list[Job] = []  # wait until this worker's stale copy of the same job has left
+        self.queue_waiting: int | None = None  # entries not yet delivered, as of the reader's last upkeep
+        self.stats = StatsLog()
         self.streaming: set[str] = set()  # engine thread only: jobs in the engine that want token deltas
 
     # ---- control ----
@@ -112,7 +121,8 @@ class Worker:
             log.info("draining: %d jobs in flight", len(self.in_flight))
             self.drain_deadline = time.monotonic() + self.settings.drain_timeout
         if now:
-            self.drain_deadline = time.monotonic()
+            self.drain_deadline = min(self.drain_deadline, time.monotonic())
+        self.writer.give_up_at = self.drain_deadline + SHUTDOWN_GRACE_S
         self.stopping.set()
         self.capacity.wake()
         self.commands.put(("wake", None))
@@ -139,6 +149,7 @@ class Worker:
                  tokens / config.max_model_len, config.max_model_len, config.max_num_seqs)
 
     def run(self) -> int:
+        """Serve until stop(); 0 after a drain, 1 if the engine or a thread failed."""
         self.consumer.ensure_groups()
         writer = threading.Thread(target=self._guard(self.writer.run), name="redline-writer", daemon=True)
         others = [threading.Thread(target=self._guard(self._read_loop), name="redline-reader", daemon=True),
@@ -155,12 +166,7 @@ class Worker:
             self._record_error(f"the engine failed on worker {self.settings.worker_name}: {type(e).__name__}: {e}")
             self.failed = True
             self.stop(now=True)
-        self.writer.outbox.put(STOP)
-        writer.join()
-        self.closed.set()
-        self._unblock("cancels")
-        for t in others:
-            t.join(timeout=10)
+        self._finish_threads(writer, others)
         code = 1 if self.failed else 0
         if code == 0 and not len(self.in_flight):
             try:
@@ -170,6 +176,19 @@ class Worker:
                 pass
         log.info("worker %s stopped", self.settings.worker_name)
         return code
+
+    def _finish_threads(self, writer: threading.Thread, others: list[threading.Thread]) -> None:
+        """Let the writer write what is left, then the other threads end. Every wait is bounded: a thread
+        may have died, or hang in a call to a Redis that stopped answering."""
+        self.writer.outbox.put(STOP)
+        writer.join(max(self.drain_deadline + SHUTDOWN_GRACE_S - time.monotonic(), 0) + 1.0)
+        if writer.is_alive():
+            log.error("the last results were not written in time; their jobs stay pending for other workers")
+        self.closed.set()
+        self._unblock("cancels")
+        end = time.monotonic() + 2.0
+        for t in others:
+            t.join(max(end - time.monotonic(), 0))
 
     def _guard(self, target):
         def run() -> None:
@@ -191,6 +210,7 @@ class Worker:
             if engine.has_unfinished():
                 result = engine.step()
                 self.metrics.observe_step(result.stats)
+                self.stats.observe(result)
                 outputs = result.outputs
                 if self.streaming:
                     self.streaming.difference_update(o.request_id for o in outputs if o.finished)
@@ -198,11 +218,19 @@ class Worker:
                     outputs = [o for o in outputs if o.finished]
                 if outputs:
                     self.writer.outbox.put(("step", outputs))
-            elif self.stopping.is_set() and self.reader_done.is_set() and self.commands.empty():
+            elif self._drained():
                 return
             self.capacity.publish(engine.num_free_slots(), received)
             if self.stopping.is_set() and time.monotonic() >= self.drain_deadline:
                 self._hand_back_running()
+            self.stats.maybe_log(self.queue_waiting)
+
+    def _drained(self) -> bool:
+        """Stopping, with nothing left for the engine, and the reader done (or past waiting for it: it may
+        hang in a call to a Redis that stopped answering)."""
+        if not self.stopping.is_set() or not self.commands.empty():
+            return False
+        return self.reader_done.is_set() or time.monotonic() >= self.drain_deadline + SHUTDOWN_GRACE_S
 
     def _apply_commands(self, block: bool) -> int:
         """Add new jobs to the engine and abort cancelled ones; returns how many jobs arrived."""
@@ -267,23 +295,29 @@ class Worker:
     # ---- the reader thread ----
 
     def _read_loop(self) -> None:
+        try:
+            self._read_jobs()
+        finally:  # after a failure too, so that the engine loop ends
+            self._hand_back_held()
+            self.reader_done.set()
+            self.commands.put(("wake", None))
+
+    def _read_jobs(self) -> None:
         reclaim_every = max(self.settings.claim_timeout / 2, 0.05)
-        next_reclaim = time.monotonic()
-        next_upkeep = time.monotonic() + 5.0
-        self._client_ids["reader"] = self.reader_redis.client_id()
+        next_reclaim = next_upkeep = time.monotonic()
+        self._client_ids["reader"] = self._client_id(self.reader_redis)
         while not self.stopping.is_set():
             room = self.capacity.wait_for_room(timeout=min(reclaim_every, 1.0))
             if self.stopping.is_set():
                 break
+            jobs, self._held = self._held[:room], self._held[room:]
             try:
-                jobs = self._held[:room]
-                self._held = self._held[room:]
                 entries = []
                 if room > len(jobs) and time.monotonic() >= next_reclaim:
                     entries = self.consumer.reclaim(room - len(jobs), self.in_flight.entry_ids())
                     next_reclaim = time.monotonic() + reclaim_every
                 if room > len(jobs) + len(entries):
-                    block = 0 if jobs or entries else 1000
+                    block = 0 if jobs or entries or self._superseding else 1000
                     entries += self.consumer.read(room - len(jobs) - len(entries), block_ms=block)
                 if self.stopping.is_set():  # began draining while we read: these never start here
                     self.consumer.hand_back_unread(entries)
@@ -292,51 +326,78 @@ class Worker:
                 jobs += self._admit(entries)
                 if time.monotonic() >= next_upkeep:
                     self._upkeep()
-                    next_upkeep = time.monotonic() + 5.0
+                    next_upkeep = time.monotonic() + UPKEEP_EVERY_S
             except (redis.ConnectionError, redis.TimeoutError) as e:
+                self._held = jobs + self._held  # taken, never sent: first in line next time
                 log.warning("reading jobs failed (%s); retrying in 1 s", e)
-                time.sleep(1.0)
+                self.stopping.wait(1.0)
                 self._client_ids["reader"] = self._client_id(self.reader_redis)
+                continue
+            except redis.ResponseError as e:
+                self._held = jobs + self._held
+                if not self.consumer.recover(e):
+                    raise
                 continue
             if len(jobs) > room:
                 jobs, self._held = jobs[:room], jobs[room:] + self._held
             self.capacity.sending(len(jobs))
             for job in jobs:
                 self.commands.put(("run", job))
-        for job in self._held:  # admitted, never given to the engine
-            self.consumer.hand_back(job.job_id, job.stream, job.entry_id)
-            self.in_flight.pop(job.job_id)
-        self.reader_done.set()
-        self.commands.put(("wake", None))
 
     def _admit(self, entries) -> list[Job]:
-        if not entries:
-            return []
-        jobs = self.consumer.admit(entries)
-        for job in jobs:
-            self.in_flight.add(job)
+        """Admit entries. A job submitted again (same id) after Redis lost the entry of a copy this worker
+        still runs waits until that stale copy, stopped here, has left."""
+        ready, waiting = [], []
+        for job in self._superseding:
+            (waiting if self.in_flight.get(job.job_id) else ready).append(job)
+        if ready:  # the stale copies may have streamed tokens: a restart delta tells readers to drop them
+            self.consumer.restart_streams(ready)
+        admitted = self.consumer.admit(entries) if entries else []
+        jobs, self._superseding = [], waiting
+        for job in ready + admitted:
+            if self.in_flight.get(job.job_id) is None:
+                self.in_flight.add(job)
+                jobs.append(job)
+            else:
+                self._abort_lost([job.job_id])
+                self._superseding.append(job)
         return jobs
 
+    def _hand_back_held(self) -> None:
+        """Give back the jobs admitted but never given to the engine; after a Redis error, the rest stay
+        pending for other workers to reclaim."""
+        for job in self._held + self._superseding:
+            try:
+                self.consumer.hand_back(job.job_id, job.stream, job.entry_id)
+            except redis.RedisError as e:
+                log.warning("could not hand back jobs (%s); they stay pending for other workers", e)
+                break
+        for job in self._held:
+            self.in_flight.pop(job.job_id)
+        self._held, self._superseding = [], []
+
     def _upkeep(self) -> None:
-        if not isinstance(self.metrics, NullMetrics):
-            depths, pending = self.consumer.queue_depths()
-            for priority, depth in depths.items():
-                self.metrics.set_queue_depth(priority, depth)
-            self.metrics.set_pending(pending)
+        depths, pending = self.consumer.queue_depths()
+        self.queue_waiting = sum(depths.values())
+        for priority, depth in depths.items():
+            self.metrics.set_queue_depth(priority, depth)
+        self.metrics.set_pending(pending)
         self.consumer.forget_dead_consumers(max(60.0, 10 * self.settings.claim_timeout))
 
     # ---- the cancel thread ----
 
     def _cancel_loop(self) -> None:
-        self._client_ids["cancels"] = self.cancels_redis.client_id()
-        newest = self.cancels_redis.xrevrange(self.keys.cancels, count=1)
-        last = newest[0][0] if newest else "0-0"
+        self._client_ids["cancels"] = self._client_id(self.cancels_redis)
+        last = None
         while not self.closed.is_set():
             try:
+                if last is None:  # cancels from now on only
+                    newest = self.cancels_redis.xrevrange(self.keys.cancels, count=1)
+                    last = newest[0][0] if newest else "0-0"
                 reply = self.cancels_redis.xread({self.keys.cancels: last}, count=100, block=1000)
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 log.warning("watching cancels failed (%s); retrying in 1 s", e)
-                time.sleep(1.0)
+                self.closed.wait(1.0)
                 self._client_ids["cancels"] = self._client_id(self.cancels_redis)
                 continue
             for _, entries in reply or []:

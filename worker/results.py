@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -25,7 +24,6 @@ log = logging.getLogger("redline.worker")
 
 STOP = object()  # put in the outbox after the engine's last output
 MAX_DELTA_DUTY = 0.05  # share of the writer's time that token deltas may take (it shares the GIL)
-GIVE_UP_AFTER_S = 10.0  # a stopping worker stops retrying writes after Redis has been gone this long
 
 
 class IncrementalText:
@@ -82,11 +80,11 @@ class _Stream:
 
 class ResultWriter:
     def __init__(self, client: redis.Redis, keys: p.Keys, scripts: Scripts, consumer: Consumer,
-                 in_flight: InFlight, settings, metrics, tokenizer, on_lost: Callable[[list[str]], None],
-                 stopping: threading.Event) -> None:
+                 in_flight: InFlight, settings, metrics, tokenizer, on_lost: Callable[[list[str]], None]) -> None:
         self.redis, self.keys, self.scripts, self.consumer = client, keys, scripts, consumer
         self.in_flight, self.settings, self.metrics = in_flight, settings, metrics
-        self.tokenizer, self.on_lost, self.stopping = tokenizer, on_lost, stopping
+        self.tokenizer, self.on_lost = tokenizer, on_lost
+        self.give_up_at: float | None = None  # set when the worker stops: no retrying writes past it
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.streams: dict[str, _Stream] = {}
         self.heartbeat_every = max(settings.claim_timeout / 4, 0.05)
@@ -237,9 +235,8 @@ class ResultWriter:
         self.in_flight.pop(job.job_id)
 
     def _execute(self, ops: list) -> None:
-        """Run the ops in one pipeline, retrying while Redis is unreachable (every op is idempotent
-        except a delta's XADD, which a retry after a partial write can repeat)."""
-        failing_since = None
+        """Run the ops in one pipeline, retrying while Redis is unreachable until `give_up_at` (every op
+        is idempotent except a delta's XADD, which a retry after a partial write can repeat)."""
         while True:
             pipe = self.redis.pipeline(transaction=False)
             for op in ops:
@@ -249,14 +246,13 @@ class ResultWriter:
                 replies = pipe.execute() if len(pipe) else []
                 break
             except (redis.ConnectionError, redis.TimeoutError) as e:
-                failing_since = failing_since or time.monotonic()
-                if self.stopping.is_set() and time.monotonic() - failing_since > GIVE_UP_AFTER_S:
+                left = None if self.give_up_at is None else self.give_up_at - time.monotonic()
+                if left is not None and left <= 0:
                     # nothing was acked: the entries stay pending and another worker will reclaim them
-                    log.error("Redis unreachable for %.0f s while stopping; leaving %d writes undone",
-                              GIVE_UP_AFTER_S, len(ops))
+                    log.error("Redis unreachable while stopping (%s); leaving %d writes undone", e, len(ops))
                     return
                 log.warning("writing results failed (%s); retrying in 1 s", e)
-                time.sleep(1.0)
+                time.sleep(1.0 if left is None else min(1.0, left))
         replies = iter(replies)
         for op in ops:
             reply = next(replies) if op.command is not None else None
