@@ -17,9 +17,10 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-CONFIGS_DIR = Path(__file__).parent / "configs"
-SHIPPED_CONFIGS = {p.name: p for p in sorted(CONFIGS_DIR.iterdir()) if (p / "config.json").is_file()}
-DEFAULT_MODEL = str(CONFIGS_DIR / "qwen3-0.6b")
+from engine.builtin import BUILTIN_MODELS, SHIPPED_CONFIGS, TINY_MODEL_DIR
+
+DEFAULT_MODEL = "qwen3-0.6b"
+DEFAULT_MAX_TOKEN_ID = 10000
 # bytes/s read + written by a device-to-device copy, measured on the lent machines (shared/GPU.md)
 MEASURED_BANDWIDTH = {"H100": 3.02e12, "H200": 4.3e12}
 
@@ -28,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The workload and engine options of `redline bench`."""
     w = parser.add_argument_group("workload (defaults: nano-vllm's bench)")
     w.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"config dir, HF id, or a shipped config name ({', '.join(SHIPPED_CONFIGS)}); "
+                   help=f"config dir, HF id, or a built-in name (tiny, {', '.join(SHIPPED_CONFIGS)}); "
                         "default: the Qwen3-0.6B shape")
     w.add_argument("--load-format", default="dummy", help="dummy (random weights) or auto (real checkpoint)")
     w.add_argument("--num-seqs", type=int, default=256)
@@ -37,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--max-input-len", type=int, default=1024)
     w.add_argument("--min-output-len", type=int, default=100)
     w.add_argument("--max-output-len", type=int, default=1024)
-    w.add_argument("--max-token-id", type=int, default=10000, help="prompt ids are drawn from [0, this]")
+    w.add_argument("--max-token-id", type=int, default=DEFAULT_MAX_TOKEN_ID,
+                   help="prompt ids are drawn from [0, this] (the default is cut to a smaller vocabulary)")
     w.add_argument("--temperature", type=float, default=0.6, help="0 for greedy")
     w.add_argument("--bandwidth", type=float, default=None,
                    help="GPU memory bandwidth in bytes/s for the floor (default: measured figure for the GPU)")
@@ -57,7 +59,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_model(model: str) -> str:
-    return str(SHIPPED_CONFIGS[model]) if model in SHIPPED_CONFIGS else model
+    """The directory a built-in name stands for (a local directory of that name wins); others as given."""
+    return model if Path(model).is_dir() else BUILTIN_MODELS.get(model, model)
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse, before anything loads, a workload that cannot be drawn, and a GPU benchmark that would
+    crawl on a machine without CUDA. Raises ValueError naming the flag."""
+    for low, high in (("min_input_len", "max_input_len"), ("min_output_len", "max_output_len")):
+        lo, hi = getattr(args, low), getattr(args, high)
+        if lo < 1:
+            raise ValueError(f"{_flag(low)} must be at least 1, got {lo}")
+        if lo > hi:
+            raise ValueError(f"{_flag(low)} ({lo}) is more than {_flag(high)} ({hi}); set both so that min <= max")
+    for name, least in (("num_seqs", 1), ("max_token_id", 0), ("temperature", 0)):
+        if getattr(args, name) < least:
+            raise ValueError(f"{_flag(name)} must be at least {least}, got {getattr(args, name)}")
+    if args.bandwidth is not None and args.bandwidth <= 0:
+        raise ValueError(f"--bandwidth must be positive (bytes/s), got {args.bandwidth}")
+    if args.max_token_id == DEFAULT_MAX_TOKEN_ID:
+        args.max_token_id = min(DEFAULT_MAX_TOKEN_ID, _vocab_size(args.model) - 1)
+    import torch
+
+    if args.device == "auto" and resolve_model(args.model) != TINY_MODEL_DIR and not torch.cuda.is_available():
+        raise ValueError(f"no CUDA GPU here, and the {Path(resolve_model(args.model)).name} workload would take "
+                         "very long on CPU; try --model tiny --num-seqs 16 (the built-in tiny model), or --device cpu to run it anyway")
+
+
+def _vocab_size(model: str) -> int:
+    """The vocabulary of a local or built-in model (a large one for a hub id not downloaded yet)."""
+    try:
+        with open(Path(resolve_model(model)) / "config.json") as f:
+            return int(json.load(f).get("vocab_size") or DEFAULT_MAX_TOKEN_ID + 1)
+    except (OSError, ValueError):
+        return DEFAULT_MAX_TOKEN_ID + 1
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def make_workload(args: argparse.Namespace):
@@ -77,7 +116,7 @@ def build_llm(args: argparse.Namespace):
     """The engine under test, with dummy weights unless --load-format says otherwise."""
     from engine import LLM
 
-    return LLM(resolve_model(args.model), load_format=args.load_format, dtype=args.dtype, device=args.device,
+    return LLM(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
                tensor_parallel_size=args.tensor_parallel_size, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                gpu_memory_utilization=args.gpu_memory_utilization, kvcache_block_size=args.kvcache_block_size,
@@ -206,6 +245,7 @@ def watch_compiles():
 
 def run(args: argparse.Namespace) -> dict:
     """Warm up, time one generate of the workload, print a summary and one JSON line; return the record."""
+    check_arguments(args)
     prompts, params = make_workload(args)
     llm = build_llm(args)
     warm_up(llm, args)

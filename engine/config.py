@@ -2,11 +2,17 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from engine.attention import BACKENDS as ATTENTION_BACKENDS
+from engine.builtin import BUILTIN_MODELS, TINY_MODEL_DIR
+
+log = logging.getLogger("redline.engine")
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -43,21 +49,19 @@ class EngineConfig:
     eos_token_id: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        self._check_options()
         self.device = resolve_device(self.device)
+        _check_attention_backend(self.device, self.attention_backend)
         self.model_dir = resolve_model_dir(self.model, self.load_format)
+        random_tiny = self.load_format == "auto" and self.model_dir == TINY_MODEL_DIR
+        if random_tiny:
+            self.load_format = "dummy"  # the tiny model ships no weights
         self.hf_config = load_hf_config(self.model_dir)
         on_gpu = torch.device(self.device).type == "cuda"
         self.torch_dtype = DTYPES[self.dtype] or default_dtype(self.hf_config, on_gpu)
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         self.kv_torch_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
         if self.kv_torch_dtype != self.torch_dtype:
             _check_fp8_kv(self.device, self.attention_backend)
-        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         tp = self.tensor_parallel_size
         for name in ("num_attention_heads", "num_key_value_heads"):
             heads = getattr(self.hf_config, name, None) or self.hf_config.num_attention_heads
@@ -66,7 +70,6 @@ class EngineConfig:
         max_pos = getattr(self.hf_config, "max_position_embeddings", None) or 4096
         if self.max_model_len is None:
             self.max_model_len = min(max_pos, 4096 if on_gpu else 2048)
-        _positive_int("max_model_len", self.max_model_len)
         if self.max_model_len > max_pos:
             raise ValueError(f"max_model_len is {self.max_model_len}; the model's max_position_embeddings is {max_pos}")
         if self.max_num_seqs is None:
@@ -75,17 +78,28 @@ class EngineConfig:
             self.max_num_batched_tokens = 16384 if on_gpu else 2048
         if self.kvcache_block_size is None:
             self.kvcache_block_size = 256 if on_gpu else 16
-        _positive_int("max_num_seqs", self.max_num_seqs)
-        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
-        _positive_int("kvcache_block_size", self.kvcache_block_size)
-        if self.num_kvcache_blocks is not None:
-            _positive_int("num_kvcache_blocks", self.num_kvcache_blocks)
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.async_scheduling is None:
             self.async_scheduling = on_gpu
         eos = getattr(self.hf_config, "eos_token_id", None)
         self.eos_token_id = [eos] if isinstance(eos, int) else list(eos or [])
+        if random_tiny:
+            log.warning("model %r is the built-in tiny model with RANDOM weights: its completions are gibberish",
+                        self.model)
+
+    def _check_options(self) -> None:
+        """The values that need no model: checked before anything is resolved or downloaded."""
+        for name, choices in (("load_format", LOAD_FORMATS), ("dtype", DTYPES), ("kv_cache_dtype", KV_CACHE_DTYPES),
+                              ("attention_backend", ATTENTION_BACKENDS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kvcache_block_size",
+                     "num_kvcache_blocks"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        util = self.gpu_memory_utilization
+        if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -122,11 +136,25 @@ def resolve_device(device: str) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f"device {device!r} is not a torch device ({e})") from None
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for, but CUDA is not available here; use device='cpu'")
     return device
+
+
+def _check_attention_backend(device: str, name: str) -> None:
+    """What engine.attention.get_backend would refuse, said before the model loads."""
+    if name in ("auto", "torch"):
+        return
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"attention_backend={name!r} needs a CUDA device, and this engine runs on {device}; "
+                         "use 'auto' or 'torch'")
+    if name == "flash":
+        from engine.attention import _flash_available
+        if not _flash_available():
+            raise ValueError("attention_backend='flash' needs the flash_attn package (pip install 'redline[flash]'); "
+                             "or use 'auto'")
 
 
 def default_dtype(hf_config, on_gpu: bool) -> torch.dtype:
@@ -138,22 +166,31 @@ def default_dtype(hf_config, on_gpu: bool) -> torch.dtype:
 
 
 def resolve_model_dir(model: str, load_format: str) -> str:
-    """A local directory, or an HF hub id downloaded to the local cache."""
+    """A local directory; else a built-in name (engine.builtin: "tiny", the shipped benchmark shapes);
+    else an HF hub id, downloaded to the local cache."""
     if not isinstance(model, str) or not model:
-        raise ValueError(f"model must be a local directory or an HF hub id, got {model!r}")
+        raise ValueError(f"model must be a local directory, an HF hub id or a built-in name, got {model!r}")
     path = Path(os.path.expanduser(model))
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"model directory {model!r} has no config.json")
         return str(path)
-    if path.exists() or model.count("/") != 1 or model.startswith((".", "/")):
-        raise ValueError(f"model {model!r} is not a directory with a config.json, nor an HF hub id like 'org/name'")
+    if model in BUILTIN_MODELS:
+        if BUILTIN_MODELS[model] != TINY_MODEL_DIR and load_format != "dummy":
+            raise ValueError(f"model {model!r} is a shipped config with no weights: add load_format='dummy' "
+                             "(--load-format dummy) for random weights, or name an HF hub id or a local checkpoint")
+        return BUILTIN_MODELS[model]
+    if path.exists() or model.count("/") != 1 or model.startswith((".", "/", "~")):
+        raise ValueError(f"model {model!r} is not a directory with a config.json, an HF hub id like 'org/name', "
+                         f"nor a built-in name ({', '.join(BUILTIN_MODELS)})")
     patterns = ["*.json", "*.jinja", "tokenizer*"] + ([] if load_format == "dummy" else ["*.safetensors"])
     try:
         from huggingface_hub import snapshot_download
         return snapshot_download(model, allow_patterns=patterns)
     except Exception as e:  # offline, unknown repo, gated repo, ...
-        raise ValueError(f"model {model!r} is not a local directory and could not be fetched from the HF hub: {e}") from None
+        first_line = next((line for line in str(e).splitlines() if line.strip()), "")
+        raise ValueError(f"model {model!r} is not a local directory and could not be fetched from the HF hub "
+                         f"({type(e).__name__}: {first_line[:300]})") from None
 
 
 def load_hf_config(model_dir: str):

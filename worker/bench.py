@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--redis-url", default=None, help="default: an embedded redis-server")
     q.add_argument("--stream", action="store_true", help="jobs ask for token deltas (default: results only)")
     q.add_argument("--submit-jobs", type=int, default=20_000, help="jobs for the submit-rate measurement")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     return parser
 
 
@@ -45,9 +46,13 @@ def run_bench(args: argparse.Namespace) -> int:
     from engine import bench as engine_bench
 
     opts = build_parser().parse_args(args.args)
+    args.debug = getattr(args, "debug", False) or opts.debug  # the top-level error handler reads it
     if not opts.through_queue:
         engine_bench.run(opts)
         return 0
+    engine_bench.check_arguments(opts)
+    if opts.submit_jobs < 1:
+        raise ValueError(f"--submit-jobs must be at least 1, got {opts.submit_jobs}")
     from producer.embedded import RedisServer
 
     server = None if opts.redis_url else RedisServer().start()

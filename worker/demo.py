@@ -15,14 +15,23 @@ PROMPTS = ["The quickest way to learn a language is", "Redis streams are useful 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("demo", help="embedded Redis + worker + a few jobs, end to end")
-    parser.add_argument("--model", default=None, help="default: a tiny built-in model with random weights")
+    parser.add_argument("--model", default=None,
+                        help="HF hub id, local directory or built-in name; default: tiny (the built-in model, "
+                             "random weights)")
     parser.add_argument("--load-format", default=None,
                         help="auto | dummy (default: auto; dummy for the built-in model)")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--num-jobs", type=int, default=12)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--num-jobs", type=positive_int, default=12)
+    parser.add_argument("--max-tokens", type=positive_int, default=32)
     parser.add_argument("--redis-url", default=None, help="default: start an embedded redis-server")
     parser.set_defaults(func=run_demo)
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _jobs(n: int, max_tokens: int) -> list[dict]:

@@ -44,6 +44,7 @@ def local_worker(model: str | None, load_format: str | None = None, device: str 
         say(f"embedded redis-server {server.version()} at {redis_url}")
     worker = thread = None
     try:
+        redis.Redis.from_url(redis_url).ping()  # an unreachable Redis is said before the model loads
         start = time.perf_counter()
         engine = LLMEngine(model, load_format=load_format or "auto", device=device)
         say(f"engine ready in {time.perf_counter() - start:.1f} s ({engine.config.device})")
