@@ -129,12 +129,16 @@ class Worker:
         self._unblock("reader")
 
     def _unblock(self, name: str) -> None:
+        """Wake a thread blocked in a Redis call, from a thread of its own: a hung Redis never answers."""
         client_id = self._client_ids.get(name)
         if client_id is not None:
-            try:
-                self.redis.client_unblock(client_id)
-            except redis.RedisError:
-                pass  # the blocking call times out by itself within a second
+            threading.Thread(target=self._client_unblock, args=(client_id,), daemon=True).start()
+
+    def _client_unblock(self, client_id: int) -> None:
+        try:
+            self.redis.client_unblock(client_id)
+        except redis.RedisError:
+            pass  # the blocking call times out by itself within a second
 
     def _log_kv_capacity(self) -> None:
         """How many tokens the engine's KV cache holds and how many sequences of max_model_len fit at once,
@@ -186,7 +190,7 @@ class Worker:
             log.error("the last results were not written in time; their jobs stay pending for other workers")
         self.closed.set()
         self._unblock("cancels")
-        end = time.monotonic() + 2.0
+        end = time.monotonic() + 1.0  # the reader and the cancels end within a second unless Redis hangs
         for t in others:
             t.join(max(end - time.monotonic(), 0))
 
@@ -195,7 +199,7 @@ class Worker:
             try:
                 target()
             except Exception:
-                log.exception("%s failed; stopping the worker", threading.current_thread().name)
+                log.exception("%s failed; stopping the worker (exit code 1)", threading.current_thread().name)
                 self.failed = True
                 self.stop(now=True)
         return run
