@@ -92,6 +92,9 @@ class EngineConfig:
                               ("attention_backend", ATTENTION_BACKENDS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+        if KV_CACHE_DTYPES[self.kv_cache_dtype] is not None and self.attention_backend == "flash":
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported by attention_backend='flash'; "
+                             "use 'triton' or 'auto'")
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kvcache_block_size",
                      "num_kvcache_blocks"):
@@ -120,9 +123,7 @@ def _positive_int(name: str, value) -> None:
 
 
 def _check_fp8_kv(device: str, attention_backend: str) -> None:
-    """An fp8 KV cache needs the torch or triton backend, and on CUDA a GPU that converts fp8 (sm_89+)."""
-    if attention_backend == "flash":
-        raise ValueError("kv_cache_dtype='fp8' is not supported by attention_backend='flash'; use 'triton' or 'auto'")
+    """An fp8 KV cache (not with flash: _check_options) needs on CUDA a GPU that converts fp8 (sm_89+) for triton."""
     dev = torch.device(device)
     if dev.type == "cuda" and attention_backend != "torch":
         major, minor = torch.cuda.get_device_capability(dev)

@@ -38,15 +38,13 @@ def run_worker(args: argparse.Namespace) -> int:
 
     import redis
 
-    from engine import LLMEngine
-
     server = None if settings.redis_url else embedded_redis()
     url = server.url if server else settings.redis_url
     args.redis_url = url  # the error handler names the Redis it could not reach
     try:
         client = redis.Redis.from_url(url)
-        client.ping()
-        return _serve(settings, LLMEngine(settings.model, **settings.engine_kwargs), client)
+        client.ping()  # before the engine loads, so that a wrong URL is said at once
+        return _serve(settings, client)
     finally:
         if server:
             server.stop()
@@ -73,10 +71,13 @@ def embedded_redis():
     return server
 
 
-def _serve(settings, engine, client) -> int:
-    """Serve until a signal; the engine is shut down however the worker ends."""
+def _serve(settings, client) -> int:
+    """Load the engine and serve until a signal; the engine is shut down however the worker ends."""
+    from engine import LLMEngine
+
     from .loop import Worker, make_metrics
 
+    engine = LLMEngine(settings.model, **settings.engine_kwargs)
     try:
         metrics = make_metrics(settings, os.path.basename(settings.model.rstrip("/")))
         worker = Worker(settings, engine, client, metrics)

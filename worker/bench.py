@@ -53,8 +53,13 @@ def run_bench(args: argparse.Namespace) -> int:
     engine_bench.check_arguments(opts)
     if opts.submit_jobs < 1:
         raise ValueError(f"--submit-jobs must be at least 1, got {opts.submit_jobs}")
+    import redis
+
     from producer.embedded import RedisServer
 
+    if opts.redis_url:
+        args.redis_url = opts.redis_url  # the error handler names the Redis it could not reach
+        redis.Redis.from_url(opts.redis_url).ping()  # before the model loads
     server = None if opts.redis_url else RedisServer().start()
     try:
         record = run_through_queue(opts, opts.redis_url or server.url)
