@@ -123,6 +123,7 @@ def job_kwargs(job: dict | p.JobSpec) -> dict:
 
 def final_args(job_id: str, status: str, error: str) -> tuple[str, str]:
     """The result and end-of-stream JSON for a job that ends without running."""
+    error = p.clean_error(error) if error else error
     result = p.JobResult(job_id=job_id, status=status, error=error).model_dump_json()
     end = p.TokenDelta(finished=True, status=status, error=error).model_dump_json()
     return result, end

@@ -9,7 +9,7 @@ A job is one stream entry with two fields: `job_id` (a string) and `job` (the JS
 from __future__ import annotations
 
 import re
-from typing import Literal, get_type_hints
+from typing import Annotated, Literal, get_type_hints
 
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator,
                       model_validator)
@@ -129,7 +129,7 @@ class JobSpec(_Strict):
 
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[Annotated[int, Field(ge=0, le=sampling_params.INT64_MAX)]] | None = None
     sampling: Sampling = Field(default_factory=Sampling)
     priority: int = 0
     deadline_s: float | None = Field(None, gt=0)  # seconds after enqueue; later → expired, never run

@@ -195,9 +195,13 @@ class ResultWriter:
                 ks, args = [self.keys.job(job.job_id), job.stream], [job.job_id, job.entry_id]
                 hand_back = lambda pipe: self.scripts.handback(keys=ks, args=args, client=pipe)  # noqa: E731
             return _Op(hand_back, lambda reply: self._done(job))
-        status = p.CANCELLED if out.finish_reason == "abort" else p.SUCCEEDED
+        if out.error is not None:  # the engine failed this request alone (its own data raised)
+            status, error = p.FAILED, p.clean_error(out.error)
+        elif out.finish_reason == "abort":
+            status, error = p.CANCELLED, "cancelled while running"
+        else:
+            status, error = p.SUCCEEDED, None
         text = out.text or ""
-        error = "cancelled while running" if status == p.CANCELLED else None
         index = stream.index if stream else 0
         sent = stream.text.sent if stream else ""
         if text.startswith(sent):
