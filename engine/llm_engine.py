@@ -21,8 +21,10 @@ from engine.tokenizer import load_tokenizer
 class LLMEngine:
     """Continuous-batching engine. Drive it with add_request/step, or call generate for a whole batch."""
 
-    def __init__(self, model: str, **kwargs):
-        self.config = config = EngineConfig(model, **kwargs)
+    def __init__(self, model: str | EngineConfig, **kwargs):
+        """`model`: an HF hub id, a local directory or a built-in name, with the EngineConfig options as
+        keyword arguments; or an EngineConfig already built."""
+        self.config = config = model if isinstance(model, EngineConfig) else EngineConfig(model, **kwargs)
         self.runner = self._make_runner(config)
         self.tokenizer = load_tokenizer(config.model_dir)
         self.vocab_size = config.hf_config.vocab_size

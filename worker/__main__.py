@@ -38,13 +38,17 @@ def run_worker(args: argparse.Namespace) -> int:
 
     import redis
 
-    server = None if settings.redis_url else embedded_redis()
-    url = server.url if server else settings.redis_url
-    args.redis_url = url  # the error handler names the Redis it could not reach
+    from engine.config import EngineConfig
+
+    client = None
+    if settings.redis_url:  # a wrong URL is said at once, before anything loads
+        args.redis_url = settings.redis_url  # the error handler names the Redis it could not reach
+        client = redis.Redis.from_url(settings.redis_url)
+        client.ping()
+    config = EngineConfig(settings.model, **settings.engine_kwargs)  # a bad option or model: said before Redis starts
+    server = None if client else embedded_redis()
     try:
-        client = redis.Redis.from_url(url)
-        client.ping()  # before the engine loads, so that a wrong URL is said at once
-        return _serve(settings, client)
+        return _serve(settings, config, client or redis.Redis.from_url(server.url))
     finally:
         if server:
             server.stop()
@@ -71,13 +75,13 @@ def embedded_redis():
     return server
 
 
-def _serve(settings, client) -> int:
+def _serve(settings, config, client) -> int:
     """Load the engine and serve until a signal; the engine is shut down however the worker ends."""
     from engine import LLMEngine
 
     from .loop import Worker, make_metrics
 
-    engine = LLMEngine(settings.model, **settings.engine_kwargs)
+    engine = LLMEngine(config)
     try:
         metrics = make_metrics(settings, os.path.basename(settings.model.rstrip("/")))
         worker = Worker(settings, engine, client, metrics)
