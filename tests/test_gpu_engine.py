@@ -77,16 +77,14 @@ def free_gpu():
     dict(max_num_batched_tokens=256, num_kvcache_blocks=48, kvcache_block_size=16, max_model_len=768),  # chunked, preempted
     dict(max_num_seqs=2),                       # decode batches of <= 2 rows: the GEMV projections, PDL chain
     dict(max_num_seqs=16, gemv_rows=16),        # 3..16 rows: the GEMV's tensor-core kernel
-    dict(max_num_seqs=1, decode_stack=True),    # one row: every layer in the persistent kernel
     dict(tma_rows="1-64"),                      # past the GEMV's rows, the TMA GEMM (Hopper) instead of cuBLAS
-], ids=["graphs", "chunked-preempted", "small-batches", "dot-gemv-batches", "decode-stack", "tma-gemm-batches"])
+], ids=["graphs", "chunked-preempted", "small-batches", "dot-gemv-batches", "tma-gemm-batches"])
 def test_greedy_tokens_equal_transformers_bf16_up_to_near_ties(gpu_checkpoint, hf_model, engine_kwargs, free_gpu,
                                                                monkeypatch):
     """bf16 rounding differs between any two implementations, so on a random model's flat logits two
     greedy runs part at near-ties. Most sequences must agree in full, and where one parts, the two
     tokens must be a near-tie for transformers itself on the shared prefix."""
     from engine.kernels import gemv
-    from engine.layers import stack
 
     engine_kwargs = dict(engine_kwargs)
     if "gemv_rows" in engine_kwargs:
@@ -94,9 +92,6 @@ def test_greedy_tokens_equal_transformers_bf16_up_to_near_ties(gpu_checkpoint, h
         monkeypatch.setattr(gemv, "max_rows", lambda: rows)  # as REDLINE_GEMV_MAX_ROWS would
     if "tma_rows" in engine_kwargs:
         monkeypatch.setenv("REDLINE_TMA_GEMM_ROWS", engine_kwargs.pop("tma_rows"))
-    decode_stack = engine_kwargs.pop("decode_stack", False)
-    if decode_stack:
-        monkeypatch.setattr(stack, "stack_setting", lambda: True)  # as REDLINE_DECODE_STACK=1 would
     prompts = _prompts()
     llm = LLM(str(gpu_checkpoint), device="cuda", dtype="bfloat16", **{"max_model_len": 1024, **engine_kwargs})
     greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW)
@@ -106,9 +101,6 @@ def test_greedy_tokens_equal_transformers_bf16_up_to_near_ties(gpu_checkpoint, h
     if "num_kvcache_blocks" in engine_kwargs:
         assert llm.scheduler.num_preemptions > 0
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
-    if decode_stack:  # the persistent kernel took the model (else the layers ran one by one)
-        built = getattr(llm.runner.model.model, "_decode_stack", None)
-        assert built is not None and built[1] is not stack._UNSUPPORTED
     del llm
     same, gaps = 0, []
     with torch.inference_mode():

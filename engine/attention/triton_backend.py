@@ -10,7 +10,6 @@ from engine.kernels import fused_decode, gemv, paged_decode, paged_prefill, qkv_
 from engine.kernels.launch import pdl_setting
 from engine.kernels.paged_decode import SCHEDULES as DECODE_SCHEDULES
 from engine.kernels.paged_decode import decode_order, plan_decode
-from engine.layers.stack import stack_setting
 
 if TYPE_CHECKING:
     from engine.attention import AttentionMetadata
@@ -42,9 +41,8 @@ class TritonBackend:
         # fused decode's split counters, zero between launches; earlier, smaller sets stay alive for the
         # CUDA graphs that captured them
         self._counters: list[torch.Tensor] = []
-        # REDLINE_PDL, REDLINE_GEMV_MAX_ROWS, REDLINE_DECODE_STACK and REDLINE_EARLY_PAGE: bad values fail
-        # here, not mid-step
-        pdl_setting(), gemv.max_rows(), stack_setting(), fused_decode.early_page()
+        # REDLINE_PDL, REDLINE_GEMV_MAX_ROWS and REDLINE_EARLY_PAGE: bad values fail here, not mid-step
+        pdl_setting(), gemv.max_rows(), fused_decode.early_page()
 
     def qkv_prep(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,

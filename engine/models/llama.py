@@ -18,7 +18,6 @@ from engine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowPar
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel import TPGroup, divide
 from engine.layers.rotary import RotaryEmbedding, rope_settings
-from engine.layers.stack import run_stack
 
 
 class DecoderAttention(nn.Module):
@@ -99,12 +98,8 @@ class DecoderModel(nn.Module):
         if prepare is not None and self.ctx.meta is not None:  # what every layer's attention reads, first
             prepare(self.ctx.meta)
         x, residual = self.embed_tokens(input_ids), None
-        stacked = run_stack(self, x, positions)  # one sequence's decode step: every layer in one kernel
-        if stacked is not None:
-            x, residual = stacked
-        else:
-            for layer in self.layers:
-                x, residual = layer(positions, x, residual)
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
         x, _ = self.norm(x, residual)
         return x
 
