@@ -20,10 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.common import precise_dot
 from engine.kernels.launch import check_trace, launch_dependents, pdl_options, stamp, wait_for_previous
 from engine.kernels.paged_tiles import upcast_dot
 from engine.kernels.qkv_prep import _round
-from engine.kernels.skinny_gemm import _dot
 
 MAX_SLICE = 16384      # weight elements a program holds in registers
 MIN_PROGRAMS = 128     # narrow the slices until N gives about this many programs
@@ -125,7 +125,7 @@ def _dot_rows(x_ptr, stride_xm, offs_m, m_mask, cols, col_mask, K, GATED: tl.con
 def _group_dot(w, x, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """sum over groups g of w[g] @ x[g].T: w [G, BLOCK_N, KG], x [G, rows, KG] -> float32 [BLOCK_N, rows].
     One MMA chain a group, so the warps share the K dimension instead of one warp walking all of it."""
-    return tl.sum(_dot(w, tl.permute(x, (0, 2, 1)), UPCAST, IEEE), axis=0)
+    return tl.sum(precise_dot(w, tl.permute(x, (0, 2, 1)), UPCAST, IEEE), axis=0)
 
 
 @triton.jit
