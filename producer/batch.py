@@ -1,9 +1,9 @@
-"""`redline batch in.jsonl -o out.jsonl`: an OpenAI Batch API input file run through the queue.
+"""An OpenAI Batch API input file run through a queue: the batch's job ids, its files and its runner.
 
-Each input line is a request `{"custom_id", "method": "POST", "url": "/v1/chat/completions" or
-"/v1/completions", "body": {...}}`; each output line, in input order, is `{"id", "custom_id",
-"response": {"status_code", "request_id", "body"}, "error"}` with a chat.completion or text_completion
-body. A bad line becomes an error line; it never stops the batch.
+The line format is `producer.batch_format`; the `redline batch` command, with its local mode (an
+embedded Redis and a worker in the same process), is `worker.batch_cli`. Each input line becomes one
+job; the output has one line per input line, in input order. A bad line becomes an error line; it
+never stops the batch.
 
 A batch resumes: its job ids derive from the input's content (and model and queue), so a rerun keeps
 the lines already in the output, collects the jobs still in Redis and submits only the rest. The output
@@ -11,44 +11,24 @@ file is always the finished prefix of the input, in order; results are awaited i
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from . import protocol as p
+from .batch_format import BatchLine, output_line, parse_line
 from .client import build_job, cancel_call
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 SUBMIT_CHUNK = 500
 POLL_S = 5.0  # every unfinished job's status is also read this often: feed entries can be trimmed away
-# request body field -> wire sampling field
-SAMPLING_FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
-                   "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed", "stop": "stop",
-                   "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos"}
-# body fields not honoured yet -> the values that mean the same as leaving them out (null always does);
-# honouring one is moving it to SAMPLING_FIELDS (and its output into output_line)
-NOT_YET = {"n": (1,), "best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,),
-           "logprobs": (False,), "top_logprobs": (0,), "response_format": ({"type": "text"},),
-           "stream": (False,), "logit_bias": ({},), "echo": (False,), "tools": ([],), "tool_choice": ("none",)}
-INFORMATIONAL = {"model", "user", "metadata"}  # accepted and not used: the worker's model answers
-INPUTS = {"messages", "prompt"}
 
 
 class BatchError(Exception):
     """A mistake the user must fix; the message is one line."""
-
-
-@dataclass
-class BatchLine:
-    custom_id: str | None
-    url: str | None = None
-    job: dict = field(default_factory=dict)
-    error: str | None = None  # the line cannot run: why
 
 
 @dataclass
@@ -66,91 +46,6 @@ class Batch:
 def batch_id(content: bytes, scope: str) -> str:
     """The same input in the same scope (queue, or local model) gets the same id: a rerun finds its jobs."""
     return hashlib.sha256(content + b"\0" + scope.encode()).hexdigest()[:16]
-
-
-def parse_line(raw: str) -> BatchLine:
-    """One input line as a job for `Client.submit_many`, or the reason it cannot be one."""
-    try:
-        req = json.loads(raw)
-    except json.JSONDecodeError as e:
-        return BatchLine(None, error=f"line is not JSON: {e}")
-    if not isinstance(req, dict):
-        return BatchLine(None, error="line is not a JSON object")
-    custom_id = req.get("custom_id")
-    line = BatchLine(custom_id if isinstance(custom_id, str) else None, req.get("url"))
-    body = req.get("body")
-    if line.custom_id is None:
-        line.error = "custom_id must be a string"
-    elif req.get("method", "POST") != "POST":
-        line.error = f"method must be POST, got {_shown(req.get('method'))}"
-    elif line.url not in ENDPOINTS:
-        line.error = f"url must be one of {', '.join(ENDPOINTS)}, got {_shown(line.url)}"
-    elif not isinstance(body, dict):
-        line.error = "body must be a JSON object"
-    else:
-        line.job, line.error = _job(line.url, body)
-    return line
-
-
-def _shown(value, limit: int = 40) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _is_noop(value, noops: tuple) -> bool:
-    # False == 0 in Python: a bool must match a bool (logprobs=0 asks for the sampled token's logprob)
-    return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in noops)
-
-
-def _job(url: str, body: dict) -> tuple[dict, str | None]:
-    unknown = sorted(set(body) - set(SAMPLING_FIELDS) - set(NOT_YET) - INFORMATIONAL - INPUTS)
-    if unknown:
-        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
-        return {}, f"unsupported body fields: {', '.join(u[:30] for u in unknown[:5])}{more}"
-    not_yet = [f"{name}={_shown(body[name])} is not supported yet (leave it out or use {_shown(noops[0])})"
-               for name, noops in NOT_YET.items() if body.get(name) is not None and not _is_noop(body[name], noops)]
-    if not_yet:
-        return {}, "; ".join(not_yet)
-    sampling = {wire: body[name] for name, wire in SAMPLING_FIELDS.items() if body.get(name) is not None}
-    if isinstance(sampling.get("stop"), str):
-        sampling["stop"] = [sampling["stop"]]
-    job: dict = {"sampling": sampling, "stream": False}
-    if url == "/v1/chat/completions":
-        if not isinstance(body.get("messages"), list):
-            return {}, "a chat completion needs messages"
-        job["messages"] = body["messages"]
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            job["prompt"] = prompt
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            job["prompt_token_ids"] = prompt
-        else:
-            return {}, "a completion needs a prompt: a string or a list of token ids"
-    return job, None
-
-
-def output_line(line: BatchLine, request_id: str, result=None, error: str | None = None,
-                model: str = "redline") -> dict:
-    """The output line for one input line: its result, or an error."""
-    out = {"id": f"batch_req_{request_id}", "custom_id": line.custom_id, "response": None, "error": None}
-    error = error or line.error or (result.error if result is not None and not result.ok else None)
-    if error is not None:
-        out["error"] = {"code": getattr(result, "status", None) or "invalid_request", "message": error}
-        return out
-    usage = {"prompt_tokens": result.usage.prompt_tokens, "completion_tokens": result.usage.completion_tokens,
-             "total_tokens": result.usage.prompt_tokens + result.usage.completion_tokens}
-    if line.url == "/v1/chat/completions":
-        choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                  "finish_reason": result.finish_reason}
-        kind = "chat.completion"
-    else:
-        choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason}
-        kind = "text_completion"
-    body = {"id": result.job_id, "object": kind, "created": int(time.time()), "model": model,
-            "choices": [choice], "usage": usage}
-    out["response"] = {"status_code": 200, "request_id": result.job_id, "body": body}
-    return out
 
 
 # ---- files ----
@@ -378,78 +273,3 @@ def run_batch(batch: Batch, client, output, *, kept: int = 0, timeout: float | N
         except redis.RedisError:
             pass
     return summary
-
-
-# ---- the command ----
-
-def register(subparsers) -> None:
-    parser = subparsers.add_parser("batch", help="run an OpenAI Batch API file (JSONL) through the queue")
-    parser.add_argument("input", help="JSONL of requests to /v1/chat/completions or /v1/completions")
-    parser.add_argument("-o", "--output", required=True,
-                        help="JSONL of results, one per input line, in order; an unfinished one is resumed")
-    parser.add_argument("--redis-url", default=None,
-                        help="a queue with running workers; default: run the jobs here (embedded Redis + worker)")
-    parser.add_argument("--queue", default="default", help="with --redis-url: the queue to submit to")
-    parser.add_argument("--model", default=None,
-                        help="without --redis-url: the model to run (default: the tiny built-in random model)")
-    parser.add_argument("--load-format", default=None)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--timeout", type=float, default=None,
-                        help="stop, as Ctrl-C does, when no job has finished for this many seconds")
-    parser.add_argument("--detach", action="store_true",
-                        help="with --redis-url: when stopped, leave unfinished jobs running; a rerun collects them")
-    parser.set_defaults(func=main)
-
-
-def main(args: argparse.Namespace) -> int:
-    start = time.perf_counter()
-    try:
-        summary, total = _run(args)
-    except BatchError as e:
-        print(f"redline batch: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("redline batch: interrupted; run the same command again to resume", file=sys.stderr)
-        return 130
-    if summary.stopped is None:
-        print(f"redline batch: {summary.succeeded} succeeded, {summary.failed} failed in "
-              f"{time.perf_counter() - start:.1f} s; results in {args.output}", file=sys.stderr)
-        return 0  # failed requests are results too: each has its error line in the output
-    jobs = f"{summary.unfinished} unfinished jobs"
-    fate = f"cancelled its {jobs}" if summary.cancelled else f"its {jobs} keep running" if summary.unfinished \
-        else "no job is running"
-    print(f"redline batch: {summary.stopped}; {summary.written} of {total} lines are in {args.output}; {fate}; "
-          f"run the same command again to resume", file=sys.stderr)
-    return 130 if summary.stopped == "interrupted" else 1
-
-
-def _run(args: argparse.Namespace) -> tuple[Summary, int]:
-    from producer import Client
-
-    if args.detach and not args.redis_url:
-        raise BatchError("--detach needs --redis-url: without it the jobs run in this process and end with it")
-    content, lines = read_input(args.input)
-    scope = f"queue {args.queue}" if args.redis_url else f"local {args.model} {args.load_format}"
-    batch = Batch.from_lines(lines, batch_id(content, scope))
-    kept, kept_errors = read_kept(args.output, batch)
-    if kept:
-        print(f"redline batch: resuming: {kept} of {len(lines)} lines are already in {args.output}",
-              file=sys.stderr)
-    try:
-        output = open(args.output, "a")
-    except OSError as e:
-        raise BatchError(f"cannot write {args.output}: {e.strerror or e}") from None
-    options = dict(kept=kept, timeout=args.timeout, detach=args.detach)
-    with output:
-        if args.redis_url:
-            with Client(args.redis_url, args.queue) as client:
-                summary = run_batch(batch, client, output, **options)
-        else:
-            from worker.local import local_worker
-            with local_worker(args.model, args.load_format, args.device,
-                              say=lambda m: print(m, file=sys.stderr)) as local:
-                with Client(local.url, local.queue) as client:
-                    summary = run_batch(batch, client, output, model=args.model or "tiny-random", **options)
-    summary.succeeded += kept - kept_errors
-    summary.failed += kept_errors
-    return summary, len(lines)

@@ -24,7 +24,7 @@ SUBCOMMANDS = {
     "status": "producer.cli",
     "cancel": "producer.cli",
     "dlq": "producer.cli",
-    "batch": "producer.batch",
+    "batch": "worker.batch_cli",
     "bench": "worker.bench",
 }
 MAX_ERROR_CHARS = 500

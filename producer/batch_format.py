@@ -1,0 +1,118 @@
+"""The OpenAI Batch API's line format: an input line as a job, a result as an output line.
+
+Each input line is a request `{"custom_id", "method": "POST", "url": "/v1/chat/completions" or
+"/v1/completions", "body": {...}}`; each output line is `{"id", "custom_id", "response": {"status_code",
+"request_id", "body"}, "error"}` with a chat.completion or text_completion body. A line that cannot run
+gets an error line of its own.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+# request body field -> wire sampling field
+SAMPLING_FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
+                   "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed", "stop": "stop",
+                   "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos"}
+# body fields not honoured yet -> the values that mean the same as leaving them out (null always does);
+# honouring one is moving it to SAMPLING_FIELDS (and its output into output_line)
+NOT_YET = {"n": (1,), "best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,),
+           "logprobs": (False,), "top_logprobs": (0,), "response_format": ({"type": "text"},),
+           "stream": (False,), "logit_bias": ({},), "echo": (False,), "tools": ([],), "tool_choice": ("none",)}
+INFORMATIONAL = {"model", "user", "metadata"}  # accepted and not used: the worker's model answers
+INPUTS = {"messages", "prompt"}
+
+
+@dataclass
+class BatchLine:
+    custom_id: str | None
+    url: str | None = None
+    job: dict = field(default_factory=dict)
+    error: str | None = None  # the line cannot run: why
+
+
+def parse_line(raw: str) -> BatchLine:
+    """One input line as a job for `Client.submit_many`, or the reason it cannot be one."""
+    try:
+        req = json.loads(raw)
+    except json.JSONDecodeError as e:
+        return BatchLine(None, error=f"line is not JSON: {e}")
+    if not isinstance(req, dict):
+        return BatchLine(None, error="line is not a JSON object")
+    custom_id = req.get("custom_id")
+    line = BatchLine(custom_id if isinstance(custom_id, str) else None, req.get("url"))
+    body = req.get("body")
+    if line.custom_id is None:
+        line.error = "custom_id must be a string"
+    elif req.get("method", "POST") != "POST":
+        line.error = f"method must be POST, got {_shown(req.get('method'))}"
+    elif line.url not in ENDPOINTS:
+        line.error = f"url must be one of {', '.join(ENDPOINTS)}, got {_shown(line.url)}"
+    elif not isinstance(body, dict):
+        line.error = "body must be a JSON object"
+    else:
+        line.job, line.error = _job(line.url, body)
+    return line
+
+
+def _shown(value, limit: int = 40) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _is_noop(value, noops: tuple) -> bool:
+    # False == 0 in Python: a bool must match a bool (logprobs=0 asks for the sampled token's logprob)
+    return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in noops)
+
+
+def _job(url: str, body: dict) -> tuple[dict, str | None]:
+    unknown = sorted(set(body) - set(SAMPLING_FIELDS) - set(NOT_YET) - INFORMATIONAL - INPUTS)
+    if unknown:
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        return {}, f"unsupported body fields: {', '.join(u[:30] for u in unknown[:5])}{more}"
+    not_yet = [f"{name}={_shown(body[name])} is not supported yet (leave it out or use {_shown(noops[0])})"
+               for name, noops in NOT_YET.items() if body.get(name) is not None and not _is_noop(body[name], noops)]
+    if not_yet:
+        return {}, "; ".join(not_yet)
+    sampling = {wire: body[name] for name, wire in SAMPLING_FIELDS.items() if body.get(name) is not None}
+    if isinstance(sampling.get("stop"), str):
+        sampling["stop"] = [sampling["stop"]]
+    job: dict = {"sampling": sampling, "stream": False}
+    if url == "/v1/chat/completions":
+        if not isinstance(body.get("messages"), list):
+            return {}, "a chat completion needs messages"
+        job["messages"] = body["messages"]
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            job["prompt"] = prompt
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            job["prompt_token_ids"] = prompt
+        else:
+            return {}, "a completion needs a prompt: a string or a list of token ids"
+    return job, None
+
+
+def output_line(line: BatchLine, request_id: str, result=None, error: str | None = None,
+                model: str = "redline") -> dict:
+    """The output line for one input line: its result, or an error."""
+    out = {"id": f"batch_req_{request_id}", "custom_id": line.custom_id, "response": None, "error": None}
+    error = error or line.error or (result.error if result is not None and not result.ok else None)
+    if error is not None:
+        out["error"] = {"code": getattr(result, "status", None) or "invalid_request", "message": error}
+        return out
+    usage = {"prompt_tokens": result.usage.prompt_tokens, "completion_tokens": result.usage.completion_tokens,
+             "total_tokens": result.usage.prompt_tokens + result.usage.completion_tokens}
+    if line.url == "/v1/chat/completions":
+        choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
+                  "finish_reason": result.finish_reason}
+        kind = "chat.completion"
+    else:
+        choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason}
+        kind = "text_completion"
+    body = {"id": result.job_id, "object": kind, "created": int(time.time()), "model": model,
+            "choices": [choice], "usage": usage}
+    out["response"] = {"status_code": 200, "request_id": result.job_id, "body": body}
+    return out
