@@ -9,7 +9,7 @@ import redis.asyncio as aredis
 from . import protocol as p
 from .client import (build_job, cancel_call, default_url, delta_from_result, job_kwargs, parse_dead,
                      parse_delta, parse_status, remaining, requeue_call, submit_call)
-from .scripts import Scripts
+from .scripts import ClientScripts
 
 
 class AsyncClient:
@@ -20,7 +20,7 @@ class AsyncClient:
         self.url = url or default_url()
         self.redis = redis_client or aredis.Redis.from_url(self.url, socket_timeout=None)
         self.keys = p.Keys(queue)
-        self.scripts = Scripts(self.redis)
+        self.scripts = ClientScripts(self.redis)
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 
 from . import protocol as p
-from .scripts import Scripts
+from .scripts import ClientScripts
 
 
 LOCAL_URL = "redis://localhost:6379/0"
@@ -121,16 +121,8 @@ def job_kwargs(job: dict | p.JobSpec) -> dict:
     return dict(job)
 
 
-def final_args(job_id: str, status: str, error: str) -> tuple[str, str]:
-    """The result and end-of-stream JSON for a job that ends without running."""
-    error = p.clean_error(error) if error else error
-    result = p.JobResult(job_id=job_id, status=status, error=error).model_dump_json()
-    end = p.TokenDelta(finished=True, status=status, error=error).model_dump_json()
-    return result, end
-
-
 def cancel_call(keys: p.Keys, job_id: str) -> tuple[list[str], list]:
-    result, end = final_args(job_id, p.CANCELLED, "cancelled before it started")
+    result, end = p.final_args(job_id, p.CANCELLED, "cancelled before it started")
     ks = [keys.job(job_id), keys.tokens(job_id), keys.done(job_id), keys.results, keys.cancels,
           *keys.all_jobs()]
     return ks, [job_id, result, end, p.RESULT_TTL_S, p.RESULTS_FEED_MAXLEN]
@@ -187,7 +179,7 @@ class Client:
         # no socket timeout: result() and stream() block in Redis for as long as they are asked to
         self.redis = redis_client or redis.Redis.from_url(self.url, socket_timeout=None)
         self.keys = p.Keys(queue)
-        self.scripts = Scripts(self.redis)
+        self.scripts = ClientScripts(self.redis)
 
     def close(self) -> None:
         self.redis.close()

@@ -2,7 +2,7 @@
 
 Everything that crosses Redis is JSON validated by the pydantic models here, and every Redis key is
 built by `Keys`. All keys of one queue share the hash tag `{queue}` so a queue lives in one Redis
-Cluster slot and the Lua scripts in `producer.scripts` may touch any of them atomically.
+Cluster slot and the Lua scripts (`producer.scripts`, `worker.scripts`) may touch any of them atomically.
 
 A job is one stream entry with two fields: `job_id` (a string) and `job` (the JSON of `JobSpec`).
 """
@@ -238,6 +238,14 @@ def clean_error(message: str, limit: int = MAX_ERROR_CHARS) -> str:
     """An error fit to store and print: control characters escaped, one line, at most `limit` characters."""
     text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(message))
     return text if len(text) <= limit else f"{text[:limit - 30]}... ({len(text) - limit + 30:,} more characters)"
+
+
+def final_args(job_id: str, status: str, error: str) -> tuple[str, str]:
+    """The result and end-of-stream JSON for a job that ends without running."""
+    error = clean_error(error) if error else error
+    result = JobResult(job_id=job_id, status=status, error=error).model_dump_json()
+    end = TokenDelta(finished=True, status=status, error=error).model_dump_json()
+    return result, end
 
 
 def decode(value) -> str:

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import redis
 
 from producer import protocol as p
-from producer.client import final_args
-from producer.scripts import Scripts
+
+from .scripts import WorkerScripts
 
 log = logging.getLogger("redline.worker")
 
@@ -141,7 +141,7 @@ def parse_entry(entry: Entry, max_job_bytes: int) -> tuple[str, p.JobSpec | None
 class Consumer:
     """The reader thread's view of the queue."""
 
-    def __init__(self, client: redis.Redis, keys: p.Keys, scripts: Scripts, settings, metrics,
+    def __init__(self, client: redis.Redis, keys: p.Keys, scripts: WorkerScripts, settings, metrics,
                  blocking_client: redis.Redis | None = None) -> None:
         self.redis, self.keys, self.scripts = client, keys, scripts
         self.blocking = blocking_client or client  # for the blocking read only: a connection of its own
@@ -258,8 +258,8 @@ class Consumer:
                 continue
             ks = [self.keys.job(job_id), self.keys.tokens(job_id), self.keys.done(job_id), self.keys.results,
                   entry.stream]
-            cancelled, cancelled_end = final_args(job_id, p.CANCELLED, "cancelled before it started")
-            expired, expired_end = final_args(
+            cancelled, cancelled_end = p.final_args(job_id, p.CANCELLED, "cancelled before it started")
+            expired, expired_end = p.final_args(
                 job_id, p.EXPIRED, f"the deadline of {spec.deadline_s:g} s after enqueue passed before it started"
                 if spec.deadline_s else "")
             self.scripts.start(keys=ks, args=[job_id, entry.entry_id, self.name,
@@ -287,7 +287,7 @@ class Consumer:
         return jobs
 
     def _finish_call(self, pipe, job_id: str, entry: Entry, status: str, error: str) -> None:
-        result, end = final_args(job_id, status, error)
+        result, end = p.final_args(job_id, status, error)
         ks = [self.keys.job(job_id), self.keys.tokens(job_id), self.keys.done(job_id), self.keys.results,
               entry.stream]
         self.scripts.finish(keys=ks, args=[job_id, entry.entry_id, status, result, end,
@@ -299,7 +299,7 @@ class Consumer:
                  f"{self.settings.max_deliveries}): each worker that took it stopped before finishing")
         if last_error:
             error += f"; last error: {_text(last_error)}"
-        result, end = final_args(job_id, p.FAILED, error)
+        result, end = p.final_args(job_id, p.FAILED, error)
         ks = [self.keys.job(job_id), self.keys.tokens(job_id), self.keys.done(job_id), self.keys.results,
               entry.stream, self.keys.dead]
         moved = self.scripts.dead_letter(keys=ks, args=[job_id, entry.entry_id, entry.deliveries, error, result,

@@ -21,10 +21,10 @@ import time
 import redis
 
 from producer import protocol as p
-from producer.scripts import Scripts
 
 from .consumer import Consumer, InFlight, Job
 from .results import STOP, ResultWriter
+from .scripts import WorkerScripts
 from .stats import StatsLog
 
 log = logging.getLogger("redline.worker")
@@ -90,7 +90,7 @@ class Worker:
         self.settings, self.engine, self.redis = settings, engine, client
         self.metrics = metrics or NullMetrics()
         self.keys = p.Keys(settings.queue)
-        self.scripts = Scripts(client)
+        self.scripts = WorkerScripts(client)
         self.in_flight = InFlight()
         self.capacity = Capacity()
         self.commands: queue.SimpleQueue = queue.SimpleQueue()  # ("run", Job) | ("abort", job_id)

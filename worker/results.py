@@ -15,10 +15,9 @@ from typing import Callable
 import redis
 
 from producer import protocol as p
-from producer.client import final_args
-from producer.scripts import Scripts
 
 from .consumer import Consumer, InFlight, Job
+from .scripts import WorkerScripts
 
 log = logging.getLogger("redline.worker")
 
@@ -79,7 +78,7 @@ class _Stream:
 
 
 class ResultWriter:
-    def __init__(self, client: redis.Redis, keys: p.Keys, scripts: Scripts, consumer: Consumer,
+    def __init__(self, client: redis.Redis, keys: p.Keys, scripts: WorkerScripts, consumer: Consumer,
                  in_flight: InFlight, settings, metrics, tokenizer, on_lost: Callable[[list[str]], None]) -> None:
         self.redis, self.keys, self.scripts, self.consumer = client, keys, scripts, consumer
         self.in_flight, self.settings, self.metrics = in_flight, settings, metrics
@@ -183,7 +182,7 @@ class ResultWriter:
             return [_Op(lambda pipe: self.scripts.handback(keys=ks, args=args, client=pipe),
                         lambda reply: self._done(job))]
         status = p.CANCELLED if kind == "cancelled" else p.FAILED
-        result, end = final_args(job.job_id, status, error)
+        result, end = p.final_args(job.job_id, status, error)
         return [self._finish_op(job, status, result, end)]
 
     def _engine_finish_op(self, job: Job, out):
