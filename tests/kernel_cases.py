@@ -177,7 +177,7 @@ def check_shape(shape: Shape, device: str, dtype: torch.dtype = torch.bfloat16) 
         paged_decode(case.q, case.k_cache, case.v_cache, case.seqlens_k, case.block_tables, case.max_seqlen_k,
                      case.scale, out=out, num_splits=splits, cu_seqlens_q=case.cu_seqlens_q,
                      order=None if splits is None else decode_order(case.seqlens_k))
-        results[f"mixed_routed_{f'splits_{splits}_longest_first' if splits else 'balanced'}"] = (
+        results[f"mixed_routed_{f'splits_{splits}_longest_first' if splits else 'default_splits'}"] = (
             relative_error(out, ref), not out.isnan().any().item())
 
     # decode: the last position of every sequence
@@ -187,11 +187,11 @@ def check_shape(shape: Shape, device: str, dtype: torch.dtype = torch.bfloat16) 
     decode_config = None
     if shape.decode_block_n:
         decode_config = DecodeConfig(block_n=shape.decode_block_n, num_warps=4, num_stages=1 if device == "cpu" else 2)
-    for splits in (None, 1, 3, 8):  # None: the balanced schedule; a split count: the grid
+    for splits in (None, 1, 3, 8):  # None: the split count choose_num_splits picks
         out = torch.full_like(dec.q, float("nan"))
         paged_decode(dec.q, dec.k_cache, dec.v_cache, dec.seqlens_k, dec.block_tables, dec.max_seqlen_k,
                      dec.scale, out=out, num_splits=splits, config=decode_config)
-        results[f"decode_{f'splits_{splits}' if splits else 'balanced'}"] = (
+        results[f"decode_{f'splits_{splits}' if splits else 'default_splits'}"] = (
             relative_error(out, dec_ref), not out.isnan().any().item())
         if splits is None:
             continue
@@ -242,11 +242,10 @@ def check_decode_padding(device: str, dtype: torch.dtype = torch.bfloat16) -> di
     tables[-1] = 0
     ref = reference_attention(dec)
     results = {}
-    for splits, schedule in ((None, "grid"), (1, "grid"), (4, "grid"), (None, "balanced")):
+    for splits in (None, 1, 4):
         out = torch.full_like(q, float("nan"))
-        paged_decode(q, dec.k_cache, dec.v_cache, seqlens, tables, 37, dec.scale, out=out, num_splits=splits,
-                     schedule=schedule)
-        results[f"padded_decode_{splits or schedule}"] = (relative_error(out[:2], ref),
+        paged_decode(q, dec.k_cache, dec.v_cache, seqlens, tables, 37, dec.scale, out=out, num_splits=splits)
+        results[f"padded_decode_{splits or 'default_splits'}"] = (relative_error(out[:2], ref),
                                                           bool(torch.isfinite(out).all().item()))
     k_cache = dec.k_cache.clone()
     v_cache = dec.v_cache.clone()
@@ -256,96 +255,41 @@ def check_decode_padding(device: str, dtype: torch.dtype = torch.bfloat16) -> di
     return results
 
 
-# The balanced decode schedule on CPU: at most 16 programs (4 "SMs" x 4) aiming at 64 items of
-# 16-position tiles unless the case says otherwise. (name, heads, KV heads, head dim, page,
-# q_lens (None: all decodes), k_lens, (programs_per_sm, items_per_program) or None, what it exercises)
-BALANCED_CASES = [
-    ("gqa1_d64_unequal", 4, 4, 64, 16, None, [1, 5, 300, 17], None, "long_chunks"),
-    ("gqa2_d128_page8", 4, 2, 128, 8, None, [70, 33, 129, 2, 45], None, "many_chunks"),
-    ("gqa4_d64_page32", 8, 2, 64, 32, None, [97, 1, 250, 64, 31, 18], None, "many_chunks"),
-    ("short_wide_batch", 4, 2, 64, 16, None, [(7 * i) % 41 + 1 for i in range(20)], None, "items_over_target"),
-    ("gqa8_d128", 8, 1, 128, 16, None, [150, 3, 77], None, "many_chunks"),
-    ("batch1", 4, 2, 64, 16, None, [300], None, "merge_loops"),
-    ("few_programs", 8, 2, 64, 16, None, [90, 200, 7, 33], (1, 1), "long_chunks"),
-    ("mixed", 8, 2, 64, 16, [1, 9, 1, 30, 1], [20, 40, 300, 30, 7], None, "many_chunks"),
+# Decode batches of unequal lengths: (name, heads, KV heads, head dim, page, q_lens (None: all decodes), k_lens)
+UNEQUAL_CASES = [
+    ("gqa1_d64_unequal", 4, 4, 64, 16, None, [1, 5, 300, 17]),
+    ("gqa2_d128_page8", 4, 2, 128, 8, None, [70, 33, 129, 2, 45]),
+    ("gqa4_d64_page32", 8, 2, 64, 32, None, [97, 1, 250, 64, 31, 18]),
+    ("short_wide_batch", 4, 2, 64, 16, None, [(7 * i) % 41 + 1 for i in range(20)]),
+    ("gqa8_d128", 8, 1, 128, 16, None, [150, 3, 77]),
+    ("batch1", 4, 2, 64, 16, None, [300]),
+    ("mixed", 8, 2, 64, 16, [1, 9, 1, 30, 1], [20, 40, 300, 30, 7]),
 ]
 
 
-def balanced_chunks(q_lens: list[int], k_lens: list[int], num_kv_heads: int, target_items: int,
-                    block_n: int) -> tuple[int, list[int]]:
-    """The chunk length and chunks per sequence the balanced decode kernel derives on the device."""
-    lens = [k if q == 1 else 0 for q, k in zip(q_lens, k_lens)]
-    chunk_len = block_n * max(1, -(-sum(lens) * num_kv_heads // (target_items * block_n)))
-    return chunk_len, [max(1, -(-k // chunk_len)) if q == 1 else 0 for q, k in zip(q_lens, lens)]
-
-
-def check_balanced_decode(device: str, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """The balanced decode schedule against the reference and the grid schedule on unequal batches."""
+def check_unequal_decode(device: str, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Split-KV decode against the reference on batches of unequal lengths, longest sequence first; in a
+    mixed batch it leaves the prefill rows to the prefill kernel."""
     from engine.kernels import paged_decode, paged_prefill
-    from engine.kernels import DecodeConfig
-    from engine.kernels.paged_decode import MERGE_TILE, _num_sms, balanced_schedule, default_decode_config
+    from engine.kernels.paged_decode import decode_order
 
     results = {}
-    for name, heads, kv_heads, head_dim, page, q_lens, k_lens, schedule_knobs, exercises in BALANCED_CASES:
+    for name, heads, kv_heads, head_dim, page, q_lens, k_lens in UNEQUAL_CASES:
         q_lens = q_lens or [1] * len(k_lens)
         case = make_case(q_lens, k_lens, heads, kv_heads, head_dim, page, dtype, device, seed=len(name))
         ref = reference_attention(case)
-        config = default_decode_config(case.q)
-        programs_per_sm, items_per_program = schedule_knobs or (4, 4)
-        config = DecodeConfig(config.block_n, config.num_warps, config.num_stages,
-                              programs_per_sm=programs_per_sm, items_per_program=items_per_program)
-        _, target_items = balanced_schedule(len(k_lens), kv_heads, case.max_seqlen_k, config,
-                                            _num_sms(case.q.device))
-        chunk_len, chunks = balanced_chunks(q_lens, k_lens, kv_heads, target_items, config.block_n)
-        holds = {"long_chunks": chunk_len > config.block_n, "many_chunks": max(chunks) > 4,
-                 "merge_loops": max(chunks) > MERGE_TILE,
-                 "items_over_target": sum(chunks) * kv_heads > target_items}[exercises]
-        if device == "cpu":  # the cases are sized for the CPU's schedule; a GPU has more programs
-            results[f"{name}_exercises_{exercises}"] = (0.0 if holds else 1.0, True)
         mixed = case.cu_seqlens_q if max(q_lens) > 1 else None
-        outs = {}
-        for schedule in ("balanced", "grid"):
-            out = torch.full_like(case.q, float("nan"))
-            paged_decode(case.q, case.k_cache, case.v_cache, case.seqlens_k, case.block_tables, case.max_seqlen_k,
-                         case.scale, out=out, config=config, cu_seqlens_q=mixed, schedule=schedule)
-            outs[schedule] = out
+        out = torch.full_like(case.q, float("nan"))
+        paged_decode(case.q, case.k_cache, case.v_cache, case.seqlens_k, case.block_tables, case.max_seqlen_k,
+                     case.scale, out=out, cu_seqlens_q=mixed, order=decode_order(case.seqlens_k))
         if mixed is not None:  # decode leaves the prefill rows alone; prefill fills them in
             decode_rows = torch.tensor([q == 1 for q in q_lens for _ in range(q)], device=device)
-            untouched = outs["balanced"][~decode_rows].isnan().all().item()
+            untouched = out[~decode_rows].isnan().all().item()
             results[f"{name}_leaves_prefill_rows"] = (0.0 if untouched else 1.0, True)
-            for out in outs.values():
-                paged_prefill(case.q, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seqlens_k,
-                              case.block_tables, case.max_seqlen_q, case.scale, out=out, skip_decodes=True)
-        results[f"{name}_balanced"] = (relative_error(outs["balanced"], ref), not outs["balanced"].isnan().any().item())
-        results[f"{name}_grid_agrees"] = (relative_error(outs["balanced"], outs["grid"]),
-                                          not outs["grid"].isnan().any().item())
-    results.update(check_plan_rewritten(device, dtype))
+            paged_prefill(case.q, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seqlens_k,
+                          case.block_tables, case.max_seqlen_q, case.scale, out=out, skip_decodes=True)
+        results[f"{name}_decode"] = (relative_error(out, ref), not out.isnan().any().item())
     return results
-
-
-def check_plan_rewritten(device: str, dtype: torch.dtype) -> dict:
-    """A decode graph's plan lives in fixed memory that every step rewrites: a batch of longer sequences
-    first (more chunk rows), the table then poisoned with rows naming sequence 0, then the plan rewritten
-    for shorter lengths. Rows past the new last chunk must say "no chunk" and the decode must be right."""
-    from engine.kernels import DecodeConfig, paged_decode
-    from engine.kernels.paged_decode import plan_decode
-
-    long_lens, short_lens = [300, 250, 280], [20, 3, 41]
-    config = DecodeConfig(block_n=16, num_warps=4, num_stages=1, programs_per_sm=4, items_per_program=4) \
-        if device == "cpu" else None
-    case = make_case([1] * 3, short_lens, 4, 2, 64, 16, dtype, device, seed=11)
-    plan = plan_decode(torch.tensor(long_lens, dtype=torch.int32, device=device), 2, 512, config=config)
-    long_chunks = int(plan.chunk_offsets[-1].item())
-    plan.table.zero_()
-    plan_decode(case.seqlens_k, 2, 512, config=config, out=plan)
-    chunks = int(plan.chunk_offsets[-1].item())
-    stale = int((plan.table[chunks:, 0] != -1).sum().item())
-    out = torch.full_like(case.q, float("nan"))
-    paged_decode(case.q, case.k_cache, case.v_cache, case.seqlens_k, case.block_tables, 512, case.scale,
-                 out=out, config=config, schedule="balanced", plan=plan)
-    return {"plan_rewrite_has_fewer_chunks": (0.0 if chunks < long_chunks else 1.0, True),
-            "plan_rewrite_rows_past_last_chunk_identical": (float(stale), True),
-            "plan_rewrite_decode": (relative_error(out, reference_attention(case)), not out.isnan().any().item())}
 
 
 def check_backend_contract(device: str, dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -421,7 +365,15 @@ def _check_attention_layer_decode(triton_backend, torch_backend, device: str, dt
     norms = [RMSNorm(head_dim, 1e-6).to(device) for _ in range(2)]
     for n in norms:
         n.weight.data = (torch.rand(head_dim, generator=gen) + 0.5).to(dtype).to(device)
-    outs, caches = [], []
+    outs, caches, fused = [], [], []
+    decode_from_qkv = triton_backend.decode_from_qkv
+
+    def recorded(*args, **kwargs):  # whether the triton layer took the one-kernel path
+        out = decode_from_qkv(*args, **kwargs)
+        fused.append(out is not None)
+        return out
+
+    triton_backend.decode_from_qkv = recorded
     saved = os.environ.get("REDLINE_COMPILE")
     os.environ["REDLINE_COMPILE"] = "0"  # the eager layers, rounding at every op as the kernels emulate
     try:
@@ -436,7 +388,8 @@ def _check_attention_layer_decode(triton_backend, torch_backend, device: str, dt
             del os.environ["REDLINE_COMPILE"]
         else:
             os.environ["REDLINE_COMPILE"] = saved
-    return {"layer_decode_fused_path": (float(not triton_backend.fuses_decode), True),
+        del triton_backend.decode_from_qkv
+    return {"layer_decode_fused_path": (float(fused != [True]), True),
             "layer_decode": (relative_error(outs[0], outs[1]), not outs[0].isnan().any().item()),
             "layer_decode_k_cache": (relative_error(caches[0][0], caches[1][0]), True),
             "layer_decode_store_v": (float((caches[0][1] != caches[1][1]).sum().item()), True)}
@@ -547,11 +500,11 @@ def check_fp8_cache(device: str, dtype: torch.dtype = torch.bfloat16) -> dict:
     results["fp8_mixed_routed"] = (relative_error(out, ref), not out.isnan().any().item())
     dec = fp8(make_case([1] * 4, [37, 5, 130, 64], 8, 2, 128, 16, dtype, device, seed=22))
     dec_ref = reference_attention(dec)
-    for splits, schedule in ((None, "grid"), (1, "grid"), (3, "grid"), (None, "balanced")):
+    for splits in (None, 1, 3):
         out = run(lambda o: paged_decode(dec.q, dec.k_cache, dec.v_cache, dec.seqlens_k, dec.block_tables,
-                                         dec.max_seqlen_k, dec.scale, out=o, num_splits=splits, schedule=schedule),
+                                         dec.max_seqlen_k, dec.scale, out=o, num_splits=splits),
                   dec.q)
-        results[f"fp8_decode_{splits or schedule}"] = (relative_error(out, dec_ref), not out.isnan().any().item())
+        results[f"fp8_decode_{splits or 'default_splits'}"] = (relative_error(out, dec_ref), not out.isnan().any().item())
 
     # stores: K/V as strided views of a qkv buffer, from subnormal to past fp8's largest value (448; the
     # kernels saturate there, torch's cast does on CPU but gives NaN from 480 up on CUDA), ties included
@@ -649,8 +602,8 @@ def _main() -> None:
             results[shape.name] = check_shape(shape, "cpu")
     if "padding" in names or not sys.argv[1:]:
         results["padding"] = check_decode_padding("cpu")
-    if "balanced" in names or not sys.argv[1:]:
-        results["balanced"] = check_balanced_decode("cpu")
+    if "unequal" in names or not sys.argv[1:]:
+        results["unequal"] = check_unequal_decode("cpu")
     if "qkv_prep" in names or not sys.argv[1:]:
         try:
             results["qkv_prep"] = {**check_qkv_prep("cpu"),

@@ -15,8 +15,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from interpreter import run_under_interpreter  # noqa: E402
-from kernel_cases import (CPU_SHAPES, GPU_SHAPES, check_balanced_decode, check_decode_padding,  # noqa: E402
-                          check_fp8_cache, check_norm_act, check_qkv_prep, check_shape)
+from kernel_cases import (CPU_SHAPES, GPU_SHAPES, check_decode_padding,  # noqa: E402
+                          check_fp8_cache, check_norm_act, check_qkv_prep, check_shape,
+                          check_unequal_decode)
 
 REL_TOL = 1e-2
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -54,14 +55,14 @@ def test_decode_padding_rows_stay_finite_under_interpreter(interpreted):
 
 
 @needs_triton
-def test_balanced_decode_matches_reference_and_grid_schedule_under_interpreter(interpreted):
-    assert_results(interpreted["balanced"])
+def test_decode_of_unequal_lengths_matches_reference_under_interpreter(interpreted):
+    assert_results(interpreted["unequal"])
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_balanced_decode_matches_reference_and_grid_schedule_on_gpu():
-    assert_results(check_balanced_decode("cuda"))
+def test_decode_of_unequal_lengths_matches_reference_on_gpu():
+    assert_results(check_unequal_decode("cuda"))
 
 
 @needs_triton
@@ -69,7 +70,7 @@ def test_triton_backend_matches_torch_backend_under_interpreter(interpreted):
     assert_results(interpreted["backend"])
 
 
-FP8_CHECKS = ("fp8_prefill", "fp8_mixed_routed", "fp8_decode_balanced", "fp8_store_kvcache",
+FP8_CHECKS = ("fp8_prefill", "fp8_mixed_routed", "fp8_decode_default_splits", "fp8_store_kvcache",
               "fp8_qknorm_gqa7_d128_k_exact_share", "fp8_qknorm_gqa7_d128_store_v", "fp8_backend_forward")
 
 

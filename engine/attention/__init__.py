@@ -22,9 +22,8 @@ class AttentionMetadata:
     max_seqlen_k: int
     is_decode: bool              # every query length is 1
     # what TritonBackend derives from the lengths once per forward pass for all its layers: the
-    # sequences longest first (grid decode schedule), or the chunk table (balanced schedule)
+    # sequences longest first
     decode_order: torch.Tensor | None = None
-    decode_plan: object | None = None
     # some query row is one token long (decode); False lets a prefill-only step skip the decode kernels
     has_decode_rows: bool = True
 

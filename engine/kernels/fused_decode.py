@@ -1,6 +1,6 @@
 """Decode attention straight from the packed qkv projection: one kernel where there were three.
 
-The split-KV decode kernel (paged_decode.py, grid schedule) with the work of the kernels on either side
+The split-KV decode kernel (paged_decode.py) with the work of the kernels on either side
 of it folded in:
 
 - before: qkv preparation (qkv_prep.py). Each program normalises and rotates its KV head's query heads
@@ -12,7 +12,7 @@ of it folded in:
   KV head's query heads (the merge kernel's arithmetic) and resets the counter for the next launch.
 
 So a layer's decode attention is one launch in the chain of kernels that a batch-1 step waits on,
-instead of three. Prefill, mixed batches and the balanced schedule keep the separate kernels.
+instead of three. Prefill and mixed batches keep the separate kernels.
 """
 from __future__ import annotations
 
@@ -189,7 +189,7 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
                  num_splits: int | None = None, config: DecodeConfig | None = None,
                  trace: torch.Tensor | None = None, after_gemv: bool | None = None) -> torch.Tensor:
     """Attention output [B, H, D] of one new token per sequence, from its qkv row [B, (H + 2 Hkv) D]:
-    what qkv_prep followed by paged_decode (grid schedule) computes, K/V stored the same way.
+    what qkv_prep followed by paged_decode computes, K/V stored the same way.
 
     counters: int32 zeros, at least B x Hkv of them, left zero again; one set per stream of launches
     (the caller keeps it). Other arguments as in qkv_prep and paged_decode.

@@ -2,15 +2,8 @@
 
 Every program reads one contiguous range of a sequence's KV positions for all query heads of one KV
 head (packed as rows of one tl.dot) and leaves the output, or a partial output with its log-sum-exp
-that a second kernel merges. Two schedules hand out the ranges:
-
-- grid (default): (sequence, KV head, split), num_splits ranges per sequence; the longest sequence
-  sets the tail.
-- balanced (REDLINE_DECODE_SCHEDULE=balanced): once per step, one small kernel (plan_decode) picks one
-  chunk length for the whole batch, so that it makes about SMs x programs_per_sm x items_per_program
-  (chunk, KV head) items, and writes a table of the chunks; every layer's decode then runs the grid
-  (KV head, chunk row) over that table. A long sequence is spread over many programs, and every
-  program reads at most one chunk. A sequence of one chunk is written directly.
+that a second kernel merges. The grid is (KV head, sequence, split), num_splits ranges per sequence,
+the sequences' programs started longest first where an order is given.
 
 CUDA-graph safe: grids and scratch sizes come from Python ints (batch, max_seqlen_k), and ranges are
 derived from the lengths on the device, so one captured launch is correct for any lengths.
@@ -18,7 +11,6 @@ derived from the lengths on the device, so one captured launch is correct for an
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -29,12 +21,7 @@ from engine.kernels.launch import launch_dependents, pdl_options, wait_for_previ
 from engine.kernels.paged_tiles import (LOG2E, check_paged_inputs, group_pad, kv_tile_offsets, mma,
                                        page_tile_offsets, query_for_cache, upcast_dot)
 
-SCHEDULES = ("balanced", "grid")
-MERGE_TILE = 16  # partials a merge program reads at once; it loops for more
 MAX_GRID_SEQS = 65535  # the grid's sequence axis is its second (CUDA caps it there)
-# balanced schedule, a chunk table row: sequence (-1: no chunk), query token, start, end, the sequence's
-# chunk count; padded to 8 int32 so a row is one 32-byte sector
-PLAN_COLS = tl.constexpr(8)
 
 
 @dataclass(frozen=True)
@@ -42,9 +29,8 @@ class DecodeConfig:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
-    grid_programs_per_sm: int = 4  # grid schedule: split sequences until about this many programs per SM
-    programs_per_sm: int = 4     # balanced schedule: the plan aims at SMs x programs_per_sm x items_per_program
-    items_per_program: int = 8   # (chunk, KV head) items a step
+    # split sequences until about this many programs an SM: 8, 16, 32 within 3% of 4 (H200, batches 32-256, db83747)
+    grid_programs_per_sm: int = 4
     # the fused decode kernel's K/V loop after the GEMV (one or two rows: engine/kernels/fused_decode.py);
     # num_stages holds elsewhere. 1: the batch-1 decode graph measured 1.6-1.8% faster than with 3, batch 2
     # the same (docs/kernels-notes.md, "Empty KV ranges, and the K/V loop's pipeline stages")
@@ -101,7 +87,7 @@ def _attend_range(q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset, off
 
 @triton.jit
 def grid_program(order_ptr, ORDERED: tl.constexpr):
-    """Grid schedule: (KV head, sequence, split) of this program. The KV head varies fastest, then the
+    """(KV head, sequence, split) of this program. The KV head varies fastest, then the
     sequence: programs start in that order, so with ORDERED (order_ptr: the sequences by decreasing
     length) the longest ranges start first and the shortest fill the tail."""
     seq = tl.program_id(1)
@@ -112,7 +98,7 @@ def grid_program(order_ptr, ORDERED: tl.constexpr):
 
 @triton.jit
 def split_range(seqlen, split, num_splits, BLOCK_N: tl.constexpr):
-    """Grid schedule: (positions per split, whole KV tiles; start, end) of one split of a sequence."""
+    """(positions per split, whole KV tiles; start, end) of one split of a sequence."""
     per_split = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     return per_split, start, tl.minimum(start + per_split, seqlen)
@@ -159,119 +145,25 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _decode_plan_kernel(
-    seqlens_k_ptr, cu_seqlens_q_ptr, plan_ptr, chunk_offsets_ptr, num_seqs, num_rows, num_kv_heads, target_items,
-    B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, ROW_TILE: tl.constexpr, MIXED: tl.constexpr, PDL: tl.constexpr,
-):
-    """One program: cut the batch's decode rows into chunks of one length (whole KV tiles, long enough
-    that the batch makes at most about target_items (chunk, KV head) items) and write the chunk table,
-    one row per chunk: (sequence, query token, start, end, the sequence's chunk count); rows past the
-    last chunk get sequence -1. Each sequence's first chunk row goes to chunk_offsets for the merge."""
-    launch_dependents(PDL)
-    wait_for_previous(PDL)
-    offs_b = tl.arange(0, B_PAD)
-    in_batch = offs_b < num_seqs
-    is_decode = in_batch
-    tokens = offs_b
-    if MIXED:  # sequences of more than one query token are the prefill kernel's: no chunks
-        tokens = tl.load(cu_seqlens_q_ptr + offs_b, mask=in_batch, other=0)
-        q_end = tl.load(cu_seqlens_q_ptr + offs_b + 1, mask=in_batch, other=0)
-        is_decode = in_batch & (q_end - tokens == 1)
-    lens = tl.load(seqlens_k_ptr + offs_b, mask=is_decode, other=0)
-    total = tl.sum(lens.to(tl.int64), 0) * num_kv_heads
-    chunk_len = (BLOCK_N * tl.maximum(1, tl.cdiv(total, target_items * BLOCK_N))).to(tl.int32)
-    # a zero-length sequence still gets one (empty) chunk, so its output is written
-    chunks = tl.where(is_decode, tl.maximum(tl.cdiv(lens, chunk_len), 1), 0)
-    first = tl.cumsum(chunks, 0) - chunks
-    total_chunks = tl.sum(chunks, 0)
-    tl.store(chunk_offsets_ptr + offs_b, first, mask=in_batch)
-    tl.store(chunk_offsets_ptr + num_seqs, total_chunks)
-    for j in range(0, tl.max(chunks, 0)):
-        row = plan_ptr + (first + j).to(tl.int64) * PLAN_COLS
-        has = j < chunks
-        start = j * chunk_len
-        tl.store(row, offs_b, mask=has)
-        tl.store(row + 1, tokens, mask=has)
-        tl.store(row + 2, start, mask=has)
-        tl.store(row + 3, tl.minimum(start + chunk_len, lens), mask=has)
-        tl.store(row + 4, chunks, mask=has)
-    for r0 in range(total_chunks, num_rows, ROW_TILE):
-        rows = r0 + tl.arange(0, ROW_TILE)
-        tl.store(plan_ptr + rows.to(tl.int64) * PLAN_COLS, -1, mask=rows < num_rows)
-
-
-@triton.jit
-def _decode_chunk_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seqlens_k_ptr, block_tables_ptr, cu_seqlens_q_ptr,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_page, stride_slot, stride_khead, stride_bt,
-    qk_scale, num_heads, part_out_ptr, part_lse_ptr, plan_ptr,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, MIXED: tl.constexpr, PDL: tl.constexpr,
-):
-    """Balanced schedule: program (KV head, chunk row) attends over the chunk the plan put in that row."""
-    launch_dependents(PDL)
-    wait_for_previous(PDL)
-    kv_head = tl.program_id(0)  # neighbouring programs: one chunk's KV heads, adjacent in the cache
-    chunk = tl.program_id(1)
-    row = plan_ptr + chunk.to(tl.int64) * PLAN_COLS
-    seq = tl.load(row)
-    if seq < 0:
-        return
-    token = tl.load(row + 1)
-    start = tl.load(row + 2)
-    end = tl.load(row + 3)
-    seq_chunks = tl.load(row + 4)
-    offs_g = tl.arange(0, GROUP_PAD)
-    head = kv_head * GROUP + offs_g
-    g_mask = offs_g < GROUP
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + token.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    out, lse = _attend_range(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
-                             kv_head * stride_khead, offs_d, start, end, qk_scale, stride_page, stride_slot, 0,
-                             GROUP_PAD, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, UPCAST, False)
-    if seq_chunks == 1:
-        o_ptrs = out_ptr + token.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
-    else:
-        # scratch layout: part_out [chunk rows, H, BLOCK_D], part_lse [chunk rows, H] (log2 domain)
-        prow = chunk.to(tl.int64) * num_heads + head
-        tl.store(part_out_ptr + prow[:, None] * BLOCK_D + offs_d[None, :], out, mask=g_mask[:, None])
-        tl.store(part_lse_ptr + prow, lse, mask=g_mask)
-
-
-@triton.jit
 def _decode_merge_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, chunk_offsets_ptr, cu_seqlens_q_ptr,
+    part_out_ptr, part_lse_ptr, out_ptr, cu_seqlens_q_ptr,
     stride_ot, stride_oh, num_heads, num_splits,
-    TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BALANCED: tl.constexpr, MIXED: tl.constexpr, PDL: tl.constexpr,
+    TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MIXED: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Merge one (sequence, head)'s partial outputs by their log-sum-exp, TILE partials at a time."""
+    """Merge one (sequence, head)'s partial outputs, at [seq, head, 0..num_splits-1], by their
+    log-sum-exp, TILE partials at a time."""
     launch_dependents(PDL)
     wait_for_previous(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     token = seq
-    if BALANCED:  # partials at chunk rows first..first+count-1; one chunk was written directly
-        first = tl.load(chunk_offsets_ptr + seq)
-        count = tl.load(chunk_offsets_ptr + seq + 1) - first
-        if count <= 1:
+    if MIXED:
+        token = tl.load(cu_seqlens_q_ptr + seq)
+        if tl.load(cu_seqlens_q_ptr + seq + 1) - token != 1:
             return
-        row0 = first.to(tl.int64) * num_heads + head
-        row_step = num_heads
-        if MIXED:
-            token = tl.load(cu_seqlens_q_ptr + seq)
-    else:  # partials at [seq, head, 0..num_splits-1]
-        if MIXED:
-            token = tl.load(cu_seqlens_q_ptr + seq)
-            if tl.load(cu_seqlens_q_ptr + seq + 1) - token != 1:
-                return
-        count = num_splits
-        row0 = (seq.to(tl.int64) * num_heads + head) * num_splits
-        row_step = 1
+    count = num_splits
+    row0 = (seq.to(tl.int64) * num_heads + head) * num_splits
+    row_step = 1
     offs_t = tl.arange(0, TILE)
     offs_d = tl.arange(0, BLOCK_D)
     m = tl.full([], -1.0e30, dtype=tl.float32)  # finite: a padding sequence's partials are all -inf
@@ -295,7 +187,7 @@ def _decode_merge_kernel(
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, block_n: int,
                       num_sms: int, programs_per_sm: int = 4) -> int:
-    """Grid schedule: enough programs for about `programs_per_sm` per SM (one program streams its range
+    """Enough programs for about `programs_per_sm` per SM (one program streams its range
     serially, so an SM needs several in flight to keep memory busy, and short ranges shorten the tail
     that unequal lengths leave), each split at least two KV tiles long."""
     programs = num_seqs * num_kv_heads
@@ -311,54 +203,6 @@ def decode_order(seqlens_k: torch.Tensor) -> torch.Tensor:
     return torch.argsort(seqlens_k, descending=True).to(torch.int32)
 
 
-def balanced_schedule(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, config: DecodeConfig,
-                      num_sms: int) -> tuple[int, int]:
-    """Balanced schedule: (rows of the chunk table, target number of (chunk, KV head) items).
-
-    The target is about `items_per_program` items for each of `programs_per_sm` programs an SM, and
-    no more than the batch could fill with one-tile chunks. The plan's chunk length is at least
-    sum(lengths) x KV heads / target, so the batch makes fewer than target / KV heads + num_seqs
-    chunks: the table's (and the partial scratch's) rows.
-    """
-    most_items = num_seqs * num_kv_heads * max(1, triton.cdiv(max_seqlen_k, config.block_n))
-    target = max(1, min(num_sms * config.programs_per_sm, most_items)) * config.items_per_program
-    return target // num_kv_heads + num_seqs + 1, target
-
-
-@dataclass
-class DecodePlan:
-    """The balanced schedule's chunks of one batch: written on the device by one small kernel, read by
-    every layer's decode (the lengths are the same in all layers of a step)."""
-    table: torch.Tensor          # [rows, PLAN_COLS] int32
-    chunk_offsets: torch.Tensor  # [B + 1] int32: each sequence's first chunk row, then the chunk count
-    num_kv_heads: int
-
-
-def plan_decode(seqlens_k: torch.Tensor, num_kv_heads: int, max_seqlen_k: int,
-                cu_seqlens_q: torch.Tensor | None = None, config: DecodeConfig | None = None,
-                out: DecodePlan | None = None) -> DecodePlan:
-    """The balanced schedule's chunk table for a batch (no host sync; CUDA-graph safe: its size comes
-    from the batch size and max_seqlen_k only). `out`: a plan of the same sizes to rewrite in place."""
-    num_seqs = seqlens_k.shape[0]
-    if not 0 < num_seqs <= MAX_GRID_SEQS:
-        raise ValueError(f"decode batches of 1 to {MAX_GRID_SEQS} sequences, got {num_seqs}")
-    config = config or default_decode_config(seqlens_k)
-    rows, target = balanced_schedule(num_seqs, num_kv_heads, max_seqlen_k, config, _num_sms(seqlens_k.device))
-    if rows > MAX_GRID_SEQS:
-        raise ValueError(f"the balanced decode schedule's {rows} chunk rows exceed the grid's {MAX_GRID_SEQS}")
-    if out is None:
-        out = DecodePlan(torch.empty(rows, PLAN_COLS.value, dtype=torch.int32, device=seqlens_k.device),
-                         torch.empty(num_seqs + 1, dtype=torch.int32, device=seqlens_k.device), num_kv_heads)
-    table, chunk_offsets = out.table, out.chunk_offsets
-    assert table.shape == (rows, PLAN_COLS.value) and chunk_offsets.shape == (num_seqs + 1,), "plan of other sizes"
-    b_pad = triton.next_power_of_2(num_seqs)
-    _decode_plan_kernel[(1,)](
-        seqlens_k, seqlens_k if cu_seqlens_q is None else cu_seqlens_q, table, chunk_offsets, num_seqs, rows,
-        num_kv_heads, target, B_PAD=b_pad, BLOCK_N=config.block_n, ROW_TILE=max(16, min(1024, b_pad)),
-        MIXED=cu_seqlens_q is not None, num_warps=4, **pdl_options(seqlens_k))
-    return out
-
-
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
@@ -366,42 +210,28 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+CUDA_DECODE_CONFIG = DecodeConfig()
+CPU_DECODE_CONFIG = DecodeConfig(block_n=16, num_warps=4, num_stages=1)
+
+
 def default_decode_config(t: torch.Tensor) -> DecodeConfig:
-    """The decode kernels' tiles and schedule sizes for tensors on t's device."""
-    if t.device.type != "cuda":
-        return DecodeConfig(block_n=16, num_warps=4, num_stages=1)
-    return _cuda_decode_config()
-
-
-@functools.cache
-def _cuda_decode_config() -> DecodeConfig:
-    """REDLINE_DECODE_PROGRAMS_PER_SM sets the grid schedule's programs per SM (for measurements)."""
-    value = os.environ.get("REDLINE_DECODE_PROGRAMS_PER_SM", "")
-    if not value:
-        return DecodeConfig()
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"REDLINE_DECODE_PROGRAMS_PER_SM must be a positive integer, got {value!r}")
-    return DecodeConfig(grid_programs_per_sm=int(value))
+    """The decode kernels' tiles and split sizing for tensors on t's device."""
+    return CUDA_DECODE_CONFIG if t.device.type == "cuda" else CPU_DECODE_CONFIG
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  seqlens_k: torch.Tensor, block_tables: torch.Tensor, max_seqlen_k: int,
                  scale: float, out: torch.Tensor | None = None, num_splits: int | None = None,
                  config: DecodeConfig | None = None, cu_seqlens_q: torch.Tensor | None = None,
-                 schedule: str = "grid", order: torch.Tensor | None = None,
-                 plan: DecodePlan | None = None) -> torch.Tensor:
+                 order: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence (q: [B, H, D]) over its paged context of seqlens_k[b] positions.
 
     With cu_seqlens_q, q is a varlen batch: only its one-token sequences are computed (into their
-    rows of `out`), the rest are left for paged_prefill(..., skip_decodes=True). `schedule` is
-    "balanced" or "grid"; an explicit num_splits means the grid schedule with that many splits.
-    `order` (grid schedule): a permutation of the B sequences, the order their programs start in;
-    decode_order(seqlens_k) puts the longest first, so unequal lengths leave a shorter tail. The
-    results do not depend on it. `plan` (balanced schedule): plan_decode's chunks of this batch, made
-    here when not given; the same config and cu_seqlens_q must make it.
+    rows of `out`), the rest are left for paged_prefill(..., skip_decodes=True). num_splits: ranges
+    per sequence (default: choose_num_splits). `order`: a permutation of the B sequences, the order
+    their programs start in; decode_order(seqlens_k) puts the longest first, so unequal lengths leave
+    a shorter tail. The results do not depend on it.
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"decode schedule {schedule!r} is not one of {SCHEDULES}")
     num_heads, num_kv_heads, group = check_paged_inputs(q, k_cache, v_cache)
     num_seqs, head_dim = seqlens_k.shape[0], q.shape[2]
     mixed = cu_seqlens_q is not None
@@ -413,44 +243,28 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     config = config or default_decode_config(q)
     block_d = max(16, triton.next_power_of_2(head_dim))
     cu_seqlens_q = cu_seqlens_q if mixed else seqlens_k  # a placeholder pointer when not mixed
-    shared_args = (q, k_cache, v_cache, out, seqlens_k, block_tables, cu_seqlens_q,
-                   q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                   k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-                   scale * LOG2E, num_heads)
-    constants = dict(GROUP=group, GROUP_PAD=max(16, group_pad(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-                     PAGE_SIZE=k_cache.shape[1], BLOCK_N=config.block_n, UPCAST=upcast_dot(q), MIXED=mixed,
-                     num_warps=config.num_warps, num_stages=config.num_stages)
     if order is not None:
         assert order.shape == (num_seqs,) and order.device == q.device, "order: one index per sequence"
     if num_seqs > MAX_GRID_SEQS:
         raise ValueError(f"decode batches of at most {MAX_GRID_SEQS} sequences, got {num_seqs}")
-    balanced = num_splits is None and schedule == "balanced"
-    if balanced:
-        plan = plan or plan_decode(seqlens_k, num_kv_heads, max_seqlen_k, cu_seqlens_q if mixed else None, config)
-        assert plan.num_kv_heads == num_kv_heads and plan.chunk_offsets.shape[0] == num_seqs + 1, "plan of another batch"
-        rows = plan.table.shape[0]
-        part_out = torch.empty(rows, num_heads, block_d, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(rows, num_heads, dtype=torch.float32, device=q.device)
-        chunk_offsets = plan.chunk_offsets
-        _decode_chunk_kernel[(num_kv_heads, rows)](
-            *shared_args, part_out, part_lse, plan.table, **constants, **pdl_options(q))
-        merge_tile, num_splits = MERGE_TILE, 0
-    else:
-        if num_splits is None:
-            num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seqlen_k, config.block_n,
-                                           _num_sms(q.device), config.grid_programs_per_sm)
-        shape = (num_seqs, num_heads, num_splits)
-        part_out = torch.empty(*shape, block_d, dtype=torch.float32, device=q.device) if num_splits > 1 else out
-        part_lse = torch.empty(shape, dtype=torch.float32, device=q.device) if num_splits > 1 else out
-        chunk_offsets = seqlens_k  # unused
-        _decode_split_kernel[(num_kv_heads, num_seqs, num_splits)](
-            *shared_args, part_out, part_lse, num_splits, seqlens_k if order is None else order,
-            DIRECT=num_splits == 1, ORDERED=order is not None, **constants, **pdl_options(q))
-        if num_splits == 1:
-            return out
-        merge_tile = triton.next_power_of_2(num_splits)
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seqlen_k, config.block_n,
+                                       _num_sms(q.device), config.grid_programs_per_sm)
+    shape = (num_seqs, num_heads, num_splits)
+    part_out = torch.empty(*shape, block_d, dtype=torch.float32, device=q.device) if num_splits > 1 else out
+    part_lse = torch.empty(shape, dtype=torch.float32, device=q.device) if num_splits > 1 else out
+    _decode_split_kernel[(num_kv_heads, num_seqs, num_splits)](
+        q, k_cache, v_cache, out, seqlens_k, block_tables, cu_seqlens_q,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        scale * LOG2E, num_heads, part_out, part_lse, num_splits, seqlens_k if order is None else order,
+        DIRECT=num_splits == 1, GROUP=group, GROUP_PAD=max(16, group_pad(group)), HEAD_DIM=head_dim,
+        BLOCK_D=block_d, PAGE_SIZE=k_cache.shape[1], BLOCK_N=config.block_n, UPCAST=upcast_dot(q), MIXED=mixed,
+        ORDERED=order is not None, num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(q))
+    if num_splits == 1:
+        return out
     _decode_merge_kernel[(num_seqs, num_heads)](
-        part_out, part_lse, out, chunk_offsets, cu_seqlens_q, out.stride(0), out.stride(1), num_heads, num_splits,
-        TILE=merge_tile, HEAD_DIM=head_dim, BLOCK_D=block_d, BALANCED=balanced, MIXED=mixed, num_warps=4,
+        part_out, part_lse, out, cu_seqlens_q, out.stride(0), out.stride(1), num_heads, num_splits,
+        TILE=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, BLOCK_D=block_d, MIXED=mixed, num_warps=4,
         **pdl_options(q))
     return out
