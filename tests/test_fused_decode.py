@@ -53,36 +53,6 @@ def test_fused_decode_with_fp8_cache_equals_qkv_prep_then_decode_on_gpu():
     assert_results(results)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("lens", [[700], [700, 90, 1500]], ids=["early_reads", "reads_after_wait"])
-def test_fused_decode_trace_stamps_every_program_in_order_and_leaves_the_output_alone(lens):
-    """trace= (scripts/decode_chain_trace.py): every program stamps each point up to its ticket, in order,
-    one program a (sequence, KV head) stamps the merge, and the output is the untraced launch's."""
-    from engine.kernels.fused_decode import TRACE_POINTS, TRACE_WIDTH, fused_decode
-
-    heads, kv_heads, splits = 16, 8, 8
-    qkv, positions, slots, seqlens, tables, caches, cos, sin, (qw, kw) = _problem(
-        heads, kv_heads, 128, 256, lens, True, 0, torch.bfloat16, "cuda", 0)
-    trace = torch.zeros(kv_heads * len(lens) * splits, TRACE_WIDTH, dtype=torch.int64, device="cuda")
-    outs = []
-    for traced in (None, trace):
-        k_cache, v_cache = (c.clone() for c in caches)
-        counters = torch.zeros(len(lens) * kv_heads, dtype=torch.int32, device="cuda")
-        outs.append(fused_decode(qkv, positions, cos, sin, qw, kw, 1e-6, k_cache, v_cache, slots, seqlens, tables,
-                                 max(lens), 128 ** -0.5, heads, kv_heads, counters, num_splits=splits, trace=traced))
-    assert torch.equal(outs[0], outs[1])
-    stamps = trace[:, :len(TRACE_POINTS)]
-    ticket = TRACE_POINTS.index("ticket")
-    assert (stamps[:, : ticket + 1] > 0).all(), "a program skipped a point"
-    assert (stamps[:, 1: ticket + 1] >= stamps[:, :ticket]).all(), "points out of order"
-    merged = stamps[:, -1] > 0
-    assert int(merged.sum()) == len(lens) * kv_heads
-    assert (stamps[merged, -1] >= stamps[merged, ticket]).all()
-    sms = trace[:, -1]
-    assert ((sms >= 0) & (sms < torch.cuda.get_device_properties(0).multi_processor_count)).all()
-
-
 @needs_triton
 def test_first_page_is_read_early_for_one_sequence_after_the_gemv_only(monkeypatch):
     from engine.kernels.fused_decode import early_page_applies

@@ -133,8 +133,6 @@ def test_mismatched_inputs_are_rejected_with_the_reason():
         gemv(torch.zeros(2, 16), w, norm=(torch.zeros(3, 16), torch.ones(16), 1e-6))
     with pytest.raises(ValueError, match="block_n must be a power of two"):
         gemv(torch.zeros(2, 16), w, block_n=3)
-    with pytest.raises(ValueError, match=r"trace must be a contiguous int64 tensor of at least \[1, 4\]"):
-        gemv(torch.zeros(2, 16), w, block_n=8, trace=torch.zeros(1, 3, dtype=torch.int64))
 
 
 def test_the_tensor_core_kernel_refuses_a_slice_it_cannot_hold():
@@ -262,27 +260,6 @@ def test_a_chain_of_pdl_kernels_replays_in_a_cuda_graph_in_stream_order(rows):
             mp.setenv("REDLINE_PDL", "0")
             ref = chain(x.clone())
         assert torch.equal(out, ref)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("rows", [1, 2])
-def test_gemv_trace_stamps_every_program_in_order_and_leaves_the_output_alone(rows):
-    """trace= (scripts/decode_chain_trace.py): every program stamps its start, its wait's return and its last
-    store, in that order, with its SM, and the output is the untraced launch's."""
-    N, K = 1024, 3072
-    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
-    x = torch.randn(rows, 2 * K, device="cuda", dtype=torch.bfloat16)
-    programs = -(-N // slice_rows(N, K))
-    trace = torch.zeros(programs, gemv_module.TRACE_WIDTH, dtype=torch.int64, device="cuda")
-    assert torch.equal(gemv(x, w, gated=True), gemv(x, w, gated=True, trace=trace))
-    stamps = trace[:, :len(gemv_module.TRACE_POINTS)]
-    assert (stamps > 0).all(), "a program skipped a point"
-    assert (stamps[:, 1:] >= stamps[:, :-1]).all(), "points out of order"
-    sms = trace[:, -1]
-    assert ((sms >= 0) & (sms < torch.cuda.get_device_properties(0).multi_processor_count)).all()
-    with pytest.raises(ValueError, match="trace must be"):
-        gemv(x, w, gated=True, trace=trace[:-1])
 
 
 if __name__ == "__main__":

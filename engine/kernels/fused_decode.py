@@ -22,17 +22,12 @@ import triton.language as tl
 
 from engine.config import switch_setting
 from engine.kernels.gemv import max_rows as gemv_max_rows
-from engine.kernels.launch import check_trace, launch_dependents, pdl_options, stamp, wait_for_previous
+from engine.kernels.launch import launch_dependents, pdl_options, wait_for_previous
 from engine.kernels.paged_decode import (MAX_GRID_SEQS, DecodeConfig, _attend_range, _num_sms,
                                          choose_num_splits, default_decode_config, grid_program, split_range)
 from engine.kernels.paged_tiles import LOG2E, check_paged_inputs, group_pad, prefetch_page_tile, to_cache, upcast_dot
 from engine.kernels.qkv_prep import _norm_rope, _round
 
-# trace=: a row of TRACE_WIDTH int64 per program (see fused_decode): the global timer (ns) at these points,
-# in the order a program passes them, then the SM it ran on
-TRACE_POINTS = ("start", "waited", "queries", "stored", "attended", "ticket", "merged")
-TRACE_WIDTH = len(TRACE_POINTS) + 1
-TRACE_SLOTS = tl.constexpr(TRACE_WIDTH)
 # float32 partial values the merging program loads at once: 8,192 is the two query heads of a Qwen3-0.6B KV
 # head over 32 splits, 64 registers a thread at 4 warps
 MERGE_VALUES = 8192
@@ -42,16 +37,15 @@ MERGE_VALUES = 8192
 def _fused_decode_kernel(
     qkv_ptr, positions_ptr, slot_mapping_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr,
     k_cache_ptr, v_cache_ptr, out_ptr, seqlens_k_ptr, block_tables_ptr,
-    part_out_ptr, part_lse_ptr, counters_ptr, order_ptr, trace_ptr,
+    part_out_ptr, part_lse_ptr, counters_ptr, order_ptr,
     stride_t, stride_cos, stride_ot, stride_oh, stride_page, stride_slot, stride_khead, stride_bt,
     qk_scale, eps, num_heads, num_kv_heads, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    UPCAST: tl.constexpr, HAS_NORM: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr,
+    UPCAST: tl.constexpr, HAS_NORM: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr,
     EARLY: tl.constexpr, EARLY_PAGE: tl.constexpr, PREFETCH: tl.constexpr, MERGE_HEADS: tl.constexpr,
     SKIP_EMPTY: tl.constexpr,
 ):
-    stamp(trace_ptr, 0, TRACE_SLOTS, TRACE)
     launch_dependents(PDL)
     if not EARLY:
         wait_for_previous(PDL)
@@ -76,7 +70,6 @@ def _fused_decode_kernel(
                                stride_page, stride_slot, PAGE_SIZE, BLOCK_N, HEAD_DIM)
     if EARLY:
         wait_for_previous(PDL)
-    stamp(trace_ptr, 1, TRACE_SLOTS, TRACE)
 
     # the queries of this KV head, normed and rotated as qkv_prep does, halves joined into [GROUP_PAD, D]
     row = qkv_ptr + seq.to(tl.int64) * stride_t
@@ -99,7 +92,6 @@ def _fused_decode_kernel(
     v2 = tl.load(v_lo + HALF, mask=new_mask, other=0.0)
     q1, q2 = _norm_rope(q1, q2, q_weight_ptr, cos, sin, offs_half, all_half, eps, HEAD_DIM, HAS_NORM, HALF, dtype)
     q = tl.reshape(tl.permute(tl.join(q1.to(dtype), q2.to(dtype)), (0, 2, 1)), (GROUP_PAD, HEAD_DIM))
-    stamp(trace_ptr, 2, TRACE_SLOTS, TRACE)
 
     if holds_new:  # normed and rotated as qkv_prep does, then stored
         k1, k2 = _norm_rope(k1, k2, k_weight_ptr, cos, sin, offs_half, all_half, eps, HEAD_DIM, HAS_NORM, HALF, dtype)
@@ -111,13 +103,11 @@ def _fused_decode_kernel(
         tl.store(v_cache_ptr + dst, to_cache(v1, cache_dtype))
         tl.store(v_cache_ptr + dst + HALF, to_cache(v2, cache_dtype))
     tl.debug_barrier()  # the program's own stores are visible to all its threads' cache reads below
-    stamp(trace_ptr, 3, TRACE_SLOTS, TRACE)
 
     offs_d = tl.arange(0, HEAD_DIM)
     out, lse = _attend_range(q, k_cache_ptr, v_cache_ptr, block_table_row,
                              kv_head * stride_khead, offs_d, start, end, qk_scale, stride_page, stride_slot,
                              first_page, GROUP_PAD, HEAD_DIM, HEAD_DIM, PAGE_SIZE, BLOCK_N, UPCAST, EARLY_PAGE)
-    stamp(trace_ptr, 4, TRACE_SLOTS, TRACE)
     if SPLITS_PAD == 1:
         o_ptrs = out_ptr + seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(dtype), mask=g_mask[:, None])
@@ -137,14 +127,10 @@ def _fused_decode_kernel(
             tl.debug_barrier()  # every thread's partial stored before the ticket releases them
             counter = counters_ptr + seq * num_kv_heads + kv_head
             ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            stamp(trace_ptr, 5, TRACE_SLOTS, TRACE)
             if ticket == takers - 1:
                 tl.store(counter, 0)
                 _merge_group(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_heads, num_splits, used,
                              stride_ot, stride_oh, GROUP, HEAD_DIM, SPLITS_PAD, MERGE_HEADS)
-                stamp(trace_ptr, 6, TRACE_SLOTS, TRACE)
-        else:
-            stamp(trace_ptr, 5, TRACE_SLOTS, TRACE)
 
 
 @triton.jit
@@ -187,7 +173,7 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
                  seqlens_k: torch.Tensor, block_tables: torch.Tensor, max_seqlen_k: int, scale: float,
                  num_heads: int, num_kv_heads: int, counters: torch.Tensor, order: torch.Tensor | None = None,
                  num_splits: int | None = None, config: DecodeConfig | None = None,
-                 trace: torch.Tensor | None = None, after_gemv: bool | None = None) -> torch.Tensor:
+                 after_gemv: bool | None = None) -> torch.Tensor:
     """Attention output [B, H, D] of one new token per sequence, from its qkv row [B, (H + 2 Hkv) D]:
     what qkv_prep followed by paged_decode computes, K/V stored the same way.
 
@@ -196,9 +182,6 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
 
     after_gemv: whether the engine's GEMV computed qkv (it lets this kernel start early, and the kernel
     then reads its inputs before its wait); None: taken to be so for up to REDLINE_GEMV_MAX_ROWS rows.
-
-    trace: int64 [programs, TRACE_WIDTH] (programs: KV heads x sequences x splits, KV head fastest) for
-    scripts/decode_chain_trace.py: each program writes the global timer at TRACE_POINTS and its SM.
     """
     head_dim = k_cache.shape[3]
     if not fits(head_dim):
@@ -231,19 +214,17 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
     has_norm = q_weight is not None
     if order is not None:
         assert order.shape == (num_seqs,) and order.device == qkv.device, "order: one index per sequence"
-    programs = num_kv_heads * num_seqs * num_splits
-    check_trace(trace, programs, TRACE_WIDTH)
     page_early = early_page_applies(early, num_seqs, k_cache, config)
     _fused_decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         qkv, positions, slot_mapping, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos,
         k_cache, v_cache, out, seqlens_k, block_tables, part_out, part_lse, counters,
-        seqlens_k if order is None else order, trace if trace is not None else counters,
+        seqlens_k if order is None else order,
         qkv.stride(0), cos.stride(0), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         scale * LOG2E, eps, num_heads, num_kv_heads, num_splits,
         GROUP=group, GROUP_PAD=max(16, group_pad(group)), HEAD_DIM=head_dim, HALF=head_dim // 2,
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=config.block_n, SPLITS_PAD=triton.next_power_of_2(num_splits),
-        UPCAST=upcast_dot(qkv), HAS_NORM=has_norm, ORDERED=order is not None, TRACE=trace is not None,
+        UPCAST=upcast_dot(qkv), HAS_NORM=has_norm, ORDERED=order is not None,
         EARLY=early, EARLY_PAGE=page_early, PREFETCH=page_early and prefetch_applies(qkv),
         MERGE_HEADS=merge_heads(group, triton.next_power_of_2(num_splits), head_dim), SKIP_EMPTY=num_seqs == 1,
         num_warps=config.num_warps, num_stages=loop_stages(config, early),

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.common import precise_dot
-from engine.kernels.launch import check_trace, launch_dependents, pdl_options, stamp, wait_for_previous
+from engine.kernels.launch import launch_dependents, pdl_options, wait_for_previous
 from engine.kernels.paged_tiles import upcast_dot
 from engine.kernels.qkv_prep import _round
 
@@ -46,20 +46,14 @@ DOT_SIXTEEN_WARPS_ABOVE = 65536
 # Past DOT_ABOVE_ROWS rows the layers take gemv only for weights of at most DOT_MAX_N rows: the LM head's
 # (vocabulary-sized) product is faster in cuBLAS there (0.115 against 0.130 ms at 4 rows, H100).
 DOT_MAX_N = 65536
-# trace=: a row of TRACE_WIDTH int64 per program, the global timer (ns) when it starts, when its wait for
-# the kernel before returns and when its last store is issued, then its SM (scripts/decode_chain_trace.py)
-TRACE_POINTS = ("start", "waited", "done")
-TRACE_WIDTH = len(TRACE_POINTS) + 1
-TRACE_SLOTS = tl.constexpr(TRACE_WIDTH)
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                 res_ptr, norm_w_ptr, res_out_ptr, stride_rm, stride_rom, eps, trace_ptr,
+                 res_ptr, norm_w_ptr, res_out_ptr, stride_rm, stride_rom, eps,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                 ROWS: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
-    stamp(trace_ptr, 0, TRACE_SLOTS, TRACE)
+                 ROWS: tl.constexpr, PDL: tl.constexpr):
     if ROWS > 1:
         launch_dependents(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -82,7 +76,6 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
     if ROWS == 1:
         launch_dependents(PDL)
     wait_for_previous(PDL)  # x is written by an earlier kernel; the weights never are
-    stamp(trace_ptr, 1, TRACE_SLOTS, TRACE)
     w = w.to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     for m in tl.static_range(ROWS):  # unrolled, so every row's loads issue before the first row's sums
@@ -102,7 +95,6 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
         if HAS_BIAS:
             acc += bias
         tl.store(out_ptr + m * stride_om + offs_n, acc.to(dtype), mask=n_mask)
-    stamp(trace_ptr, 2, TRACE_SLOTS, TRACE)
 
 
 @triton.jit
@@ -130,15 +122,14 @@ def _group_dot(w, x, UPCAST: tl.constexpr, IEEE: tl.constexpr):
 
 @triton.jit
 def _gemv_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                     res_ptr, norm_w_ptr, res_out_ptr, stride_rm, stride_rom, eps, trace_ptr,
+                     res_ptr, norm_w_ptr, res_out_ptr, stride_rm, stride_rom, eps,
                      BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, K1: tl.constexpr, G1: tl.constexpr,
                      K2: tl.constexpr, G2: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr,
                      GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
+                     UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     """gemv for more rows on the tensor cores. The weight slice is held as two parts, columns [0, K1) and
     [K1, K1 + K2) (K1 the largest power of two not above K, K2 a power of two covering the rest, or 0), each
     [groups, BLOCK_N, columns of a group]; x is read after the wait in the same shape, BLOCK_M rows."""
-    stamp(trace_ptr, 0, TRACE_SLOTS, TRACE)
     launch_dependents(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -160,7 +151,6 @@ def _gemv_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n).to(tl.float32)
     wait_for_previous(PDL)  # x is written by an earlier kernel; the weights never are
-    stamp(trace_ptr, 1, TRACE_SLOTS, TRACE)
     dtype = out_ptr.dtype.element_ty
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
@@ -194,7 +184,6 @@ def _gemv_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride
         acc += bias[:, None]
     tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(dtype),
              mask=n_mask[:, None] & m_mask[None, :])
-    stamp(trace_ptr, 2, TRACE_SLOTS, TRACE)
 
 
 def slice_rows(N: int, K: int) -> int:
@@ -224,8 +213,7 @@ def dot_fits(K: int, block_n: int | None = None) -> bool:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          gated: bool = False, norm: "tuple[torch.Tensor | None, torch.Tensor, float] | None" = None,
-         block_n: int | None = None, num_warps: int | None = None, trace: torch.Tensor | None = None,
-         dot: bool | None = None):
+         block_n: int | None = None, num_warps: int | None = None, dot: bool | None = None):
     """F.linear(x, weight, bias) for x [M, K] with few rows (each costs every program a pass over its
     slice) and weight [N, K], K contiguous; output in x's dtype. gated: x is [M, 2K], packed [gate | up],
     and the product is with silu(gate) * up (the SiLU·mul kernel fused in).
@@ -235,8 +223,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     without a residual.
 
     block_n, num_warps: the weight rows a program holds (a power of two) and its warps, in place of the
-    defaults (slice_rows; 8 warps above EIGHT_WARPS_ABOVE elements), for sweeps. trace: int64
-    [programs, TRACE_WIDTH] (programs: cdiv(N, block_n)), written as TRACE_POINTS says.
+    defaults (slice_rows; 8 warps above EIGHT_WARPS_ABOVE elements).
 
     dot: the tensor-core kernel (True), the row loop on CUDA cores (False), or (None) the tensor cores above
     DOT_ABOVE_ROWS rows where the slice fits (dot_fits) and no block_n is given."""
@@ -264,27 +251,24 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if dot is None:
         dot = M > DOT_ABOVE_ROWS and block_n is None and dot_fits(K)
     if dot and M:
-        return _gemv_dot(x, weight, bias, out, gated, residual, norm_weight, eps, res_out, block_n, num_warps, trace)
+        return _gemv_dot(x, weight, bias, out, gated, residual, norm_weight, eps, res_out, block_n, num_warps)
     block_n = block_n or slice_rows(N, K)
     block_k = triton.next_power_of_2(K)
     if block_n < 1 or block_n & (block_n - 1) or block_n * block_k > 4 * MAX_SLICE:
         raise ValueError(f"block_n must be a power of two of at most {4 * MAX_SLICE // block_k} rows, got {block_n}")
     programs = triton.cdiv(N, block_n)
-    check_trace(trace, programs, TRACE_WIDTH)
     if M:
         res_in, res_to = (residual, res_out) if residual is not None else (x, x)  # placeholders without one
         _gemv_kernel[(programs,)](
             x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), weight.stride(0),
             out.stride(0), res_in, norm_weight if norm_weight is not None else weight, res_to, res_in.stride(0),
-            res_to.stride(0), eps, trace if trace is not None else out,
-            BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % block_n == 0, EVEN_K=K == block_k,
+            res_to.stride(0), eps, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % block_n == 0, EVEN_K=K == block_k,
             HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None, HAS_RESIDUAL=residual is not None,
-            ROWS=M, TRACE=trace is not None,
-            num_warps=num_warps or (8 if block_n * block_k > EIGHT_WARPS_ABOVE else 4), **pdl_options(x))
+            ROWS=M, num_warps=num_warps or (8 if block_n * block_k > EIGHT_WARPS_ABOVE else 4), **pdl_options(x))
     return out if res_out is None else (out, res_out)
 
 
-def _gemv_dot(x, weight, bias, out, gated, residual, norm_weight, eps, res_out, block_n, num_warps, trace):
+def _gemv_dot(x, weight, bias, out, gated, residual, norm_weight, eps, res_out, block_n, num_warps):
     M, (N, K) = x.shape[0], weight.shape
     block_n = block_n or dot_block_n(K)
     if block_n < 1 or block_n & (block_n - 1) or not dot_fits(K, block_n):
@@ -295,16 +279,14 @@ def _gemv_dot(x, weight, bias, out, gated, residual, norm_weight, eps, res_out, 
     held = (block_n + block_m * (2 if gated else 1)) * (k1 + k2)
     num_warps = num_warps or (16 if held > DOT_SIXTEEN_WARPS_ABOVE else 8)
     programs = triton.cdiv(N, block_n)
-    check_trace(trace, programs, TRACE_WIDTH)
     res_in, res_to = (residual, res_out) if residual is not None else (x, x)  # placeholders without one
     _gemv_dot_kernel[(programs,)](
         x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), weight.stride(0),
         out.stride(0), res_in, norm_weight if norm_weight is not None else weight, res_to, res_in.stride(0),
-        res_to.stride(0), eps, trace if trace is not None else out,
-        BLOCK_N=block_n, BLOCK_M=block_m, K1=k1, G1=min(num_warps, k1 // 16),
+        res_to.stride(0), eps, BLOCK_N=block_n, BLOCK_M=block_m, K1=k1, G1=min(num_warps, k1 // 16),
         K2=k2, G2=min(num_warps, max(1, k2 // 16)), EVEN_N=N % block_n == 0, HAS_BIAS=bias is not None,
         GATED=gated, NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, UPCAST=upcast_dot(x),
-        IEEE=x.dtype == torch.float32, TRACE=trace is not None, num_warps=num_warps, **pdl_options(x))
+        IEEE=x.dtype == torch.float32, num_warps=num_warps, **pdl_options(x))
     return out if res_out is None else (out, res_out)
 
 

@@ -27,10 +27,6 @@ try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # a Triton without grid dependency control: kernels are never launched with PDL
     gdc_launch_dependents = gdc_wait = None
-try:  # read by traced kernels only (stamp)
-    from triton.language.extra.cuda import globaltimer, smid
-except ImportError:
-    globaltimer = smid = None
 
 
 @triton.jit
@@ -45,26 +41,6 @@ def wait_for_previous(PDL: tl.constexpr):
     """Wait until the previous kernel on the stream has completed and its writes are visible."""
     if PDL:
         gdc_wait()
-
-
-@triton.jit
-def stamp(trace_ptr, slot: tl.constexpr, WIDTH: tl.constexpr, TRACE: tl.constexpr):
-    """With TRACE (a compile-time switch of traced kernels, off in the engine): the global timer (ns) at
-    point `slot` into this program's row of WIDTH int64 in trace_ptr (programs in grid order, axis 0
-    fastest); at slot 0 also the SM, into the row's last column."""
-    if TRACE:
-        program = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
-        row = trace_ptr + program.to(tl.int64) * WIDTH
-        tl.store(row + slot, globaltimer())
-        if slot == 0:
-            tl.store(row + WIDTH - 1, smid().to(tl.int64))
-
-
-def check_trace(trace: torch.Tensor | None, programs: int, width: int) -> None:
-    """A kernel's trace= argument: None, or room for `programs` rows of `width` int64 stamps."""
-    if trace is not None and (trace.dtype != torch.int64 or not trace.is_contiguous()
-                              or trace.numel() < programs * width):
-        raise ValueError(f"trace must be a contiguous int64 tensor of at least [{programs}, {width}]")
 
 
 def pdl_setting() -> bool:
