@@ -109,14 +109,6 @@ class EngineConfig:
         return (self.max_model_len + self.kvcache_block_size - 1) // self.kvcache_block_size
 
 
-def switch_setting(name: str, default: str) -> bool:
-    """An on/off environment setting: "1" on, "0" off, unset `default`; anything else is an error naming it."""
-    value = os.environ.get(name, default)
-    if value not in ("0", "1"):
-        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
-    return value == "1"
-
-
 def _positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -16,7 +16,6 @@ import torch
 
 from engine import graph_edges
 from engine.attention import AttentionMetadata
-from engine.config import switch_setting
 from engine.layers.sampler import _gumbel_kernels
 
 GRAPH_SIZES = [1, 2, 4, 8] + list(range(16, 1025, 16))
@@ -116,7 +115,7 @@ class DecodeGraphs:
         self._temperatures_of = None  # the tensor self.temperatures holds a copy of
         self._tokens_sampled = None   # the view of self.tokens the last sampling replay returned
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.edges_moved: dict[int, dict[str, int]] = {}  # REDLINE_GRAPH_EDGES=launch: per size, per kernel
+        self.edges_moved: dict[int, dict[str, int]] = {}  # edges opened at launch: per size, per kernel
         self.outputs: dict[int, torch.Tensor] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self._capture_all(cfg.max_model_len)
@@ -215,11 +214,6 @@ def prefill_graph_sizes(config) -> list[int]:
 def prefill_graph_size(num_tokens: int, sizes: list[int]) -> int | None:
     """The smallest captured token count that holds a prefill of num_tokens, or None past the largest."""
     return next((s for s in sizes if s >= num_tokens), None)
-
-
-def prefill_graphs_setting() -> bool:
-    """REDLINE_PREFILL_GRAPHS=0 turns the prefill graphs off (for measurements); they are on by default."""
-    return switch_setting("REDLINE_PREFILL_GRAPHS", "1")
 
 
 def fill_padded_prefill(a: dict[str, np.ndarray], inputs, size: int) -> None:

@@ -11,21 +11,15 @@ once every block of the GEMM has begun. The dependent's blocks can then be place
 wave and wait there. Its wait still returns only after the GEMM has completed, so the results are those
 of stream order. Edges from other kernels keep their trigger.
 
-REDLINE_GRAPH_EDGES: "launch" (rewritten as above; the default) or "capture" (the edges as captured).
-REDLINE_GRAPH_EDGES_ROWS=N rewrites every such edge only in the graphs of batches of at most N rows (default
-96; "all"). On the H100 the rewrite took 4-8% off a 0.6B decode step at 8-64 rows, 1% at 96, and cost 1-2% at
-128 and 256 (docs/kernels-notes.md, "cuBLAS's GEMMs let the next kernel in at their launch").
-REDLINE_GRAPH_EDGES_PAST_ROWS sets what the larger graphs get: "small" (the default: only the edges into
-kernels that are not attention, so the norms and SiLU·mul; -0.3 to -2.8% a decode step at 128-256 rows,
-nano-bench -1.1%) or "none" (edges as captured).
-The driver is called through ctypes (libcuda's graph API, CUDA 12.3 and later).
+Graphs of up to ALL_EDGES_MAX_ROWS rows get every such edge rewritten; larger ones only the edges into
+kernels that are not attention (the norms and SiLU·mul). The driver is called through ctypes (libcuda's
+graph API, CUDA 12.3 and later).
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 import logging
-import os
 from dataclasses import dataclass
 
 KERNEL_NODE = 0               # CU_GRAPH_NODE_TYPE_KERNEL
@@ -33,35 +27,16 @@ PROGRAMMATIC = 1              # CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
 PORT_PROGRAMMATIC = 1         # CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC: all blocks triggered or exited
 PORT_LAUNCH_ORDER = 2         # CU_GRAPH_KERNEL_NODE_PORT_LAUNCH_ORDER: all blocks begun
 logger = logging.getLogger(__name__)
-SETTINGS = ("capture", "launch")
-DEFAULT_ROWS = "96"
+# Every edge from a GEMM rewritten took 4-8% off a 0.6B decode step at 8-64 rows, 1% at 96, and cost 1-2% at
+# 128 and 256 (H100, 6379109); past this, the edges into attention stay as captured.
+ALL_EDGES_MAX_ROWS = 96
 
 
-def setting() -> str:
-    value = os.environ.get("REDLINE_GRAPH_EDGES", "launch")
-    if value not in SETTINGS:
-        raise ValueError(f"REDLINE_GRAPH_EDGES must be one of {', '.join(SETTINGS)}; got {value!r}")
-    return value
-
-
-PAST_ROWS_SCOPES = ("none", "small")
-DEFAULT_PAST_ROWS = "small"
-
-
-def rewrites(batch_rows: int) -> str | None:
+def rewrites(batch_rows: int) -> str:
     """Which edges the decode graph of this batch size gets rewritten: "all" (every programmatic edge from a
-    GEMM), "small" (those into kernels other than attention), or None (none)."""
-    if setting() != "launch":
-        return None
-    limit = os.environ.get("REDLINE_GRAPH_EDGES_ROWS", DEFAULT_ROWS)
-    if limit != "all" and not limit.isdigit():
-        raise ValueError(f"REDLINE_GRAPH_EDGES_ROWS must be a number of rows or 'all'; got {limit!r}")
-    if limit == "all" or batch_rows <= int(limit):
-        return "all"
-    past = os.environ.get("REDLINE_GRAPH_EDGES_PAST_ROWS", DEFAULT_PAST_ROWS)
-    if past not in PAST_ROWS_SCOPES:
-        raise ValueError(f"REDLINE_GRAPH_EDGES_PAST_ROWS must be one of {', '.join(PAST_ROWS_SCOPES)}; got {past!r}")
-    return None if past == "none" else past
+    GEMM), or past ALL_EDGES_MAX_ROWS rows "small" (those into kernels other than attention: -0.3 to -2.8% a
+    decode step at 128-256 rows, nano-bench -1.1% on the H100, d03d38d)."""
+    return "all" if batch_rows <= ALL_EDGES_MAX_ROWS else "small"
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import gc
-import os
 from dataclasses import dataclass
 
 import torch
@@ -69,7 +68,6 @@ class ModelRunner:
             # segment would pin all of it, and the KV sizing below would see the GPU as nearly full.
             gc.collect()
             torch.cuda.empty_cache()
-        _choose_blas(self.device)
         self.dtype = config.torch_dtype
         self.kv_dtype = config.kv_torch_dtype
         self.block_size = config.kvcache_block_size
@@ -93,10 +91,10 @@ class ModelRunner:
         """Decode CUDA graphs, where the device and backend allow (tensor-parallel ranks call this together),
         and on one GPU the graphs of one sequence's prefill steps."""
         if self.device.type == "cuda" and not self.config.enforce_eager and getattr(self.ctx.backend, "supports_cuda_graphs", False):
-            from engine.cuda_graphs import DecodeGraphs, PrefillGraphs, prefill_graph_sizes, prefill_graphs_setting
+            from engine.cuda_graphs import DecodeGraphs, PrefillGraphs, prefill_graph_sizes
             self.graphs = DecodeGraphs(self)
             sizes = prefill_graph_sizes(self.config)
-            if self.tp.size == 1 and sizes and prefill_graphs_setting():
+            if self.tp.size == 1 and sizes:
                 self.prefill_graphs = PrefillGraphs(self, sizes)
 
     def shutdown(self, return_to_driver: bool = True) -> None:
@@ -390,18 +388,6 @@ class SampledTokens:
             return lists[0], None
         chosen, top = lists[1], lists[2:] or [None, None]
         return lists[0], (chosen, top[0], top[1])
-
-
-def _choose_blas(device: torch.device) -> None:
-    """REDLINE_BLAS=cublas or cublaslt picks PyTorch's GEMM library (for measurements; unset: PyTorch's
-    default). Every tensor-parallel rank inherits rank 0's environment."""
-    name = os.environ.get("REDLINE_BLAS")
-    if name is None:
-        return
-    if name not in ("cublas", "cublaslt"):
-        raise ValueError(f"REDLINE_BLAS must be 'cublas' or 'cublaslt', got {name!r}")
-    if device.type == "cuda":
-        torch.backends.cuda.preferred_blas_library(name)
 
 
 def _pending(rows: list[int], src: list[int]) -> dict:

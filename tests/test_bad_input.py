@@ -82,12 +82,6 @@ def test_bad_engine_options_are_clear_errors(kwargs, message):
         LLM(TINY_MODEL_DIR, **{"load_format": "dummy", "device": "cpu", **kwargs})
 
 
-def test_bad_blas_setting_is_a_clear_error(monkeypatch):
-    monkeypatch.setenv("REDLINE_BLAS", "mkl")
-    with pytest.raises(ValueError, match="REDLINE_BLAS must be 'cublas' or 'cublaslt', got 'mkl'"):
-        LLM(str(TINY_MODEL_DIR), device="cpu")
-
-
 class _FailingTokenizer:
     """The engine's tokenizer, except that decoding a given token raises: an error that belongs to the one
     request whose stop strings make the engine decode it (no valid request reaches this any other way)."""

@@ -54,7 +54,7 @@ def test_fused_decode_with_fp8_cache_equals_qkv_prep_then_decode_on_gpu():
 
 
 @needs_triton
-def test_first_page_is_read_early_for_one_sequence_after_the_gemv_only(monkeypatch):
+def test_first_page_is_read_early_for_one_sequence_after_the_gemv_only():
     from engine.kernels.fused_decode import early_page_applies
     from engine.kernels.paged_decode import DecodeConfig
 
@@ -63,41 +63,32 @@ def test_first_page_is_read_early_for_one_sequence_after_the_gemv_only(monkeypat
     assert not early_page_applies(True, 2, cache, config)          # two rows measured slower
     assert not early_page_applies(False, 1, cache, config)         # after cuBLAS: nothing read early
     assert not early_page_applies(True, 1, torch.zeros(4, 32, 1, 16), config)  # a tile spans pages
-    monkeypatch.setenv("REDLINE_EARLY_PAGE", "0")
-    assert not early_page_applies(True, 1, cache, config)
-    monkeypatch.setenv("REDLINE_EARLY_PAGE", "yes")
-    with pytest.raises(ValueError, match="REDLINE_EARLY_PAGE"):
-        early_page_applies(True, 1, cache, config)
 
 
 @needs_triton
-def test_first_tile_prefetch_follows_its_setting_and_is_never_taken_off_the_gpu(monkeypatch):
+def test_first_tile_prefetch_is_never_taken_off_the_gpu():
     from engine.kernels.fused_decode import prefetch_applies
 
-    cpu = torch.zeros(1)
-    monkeypatch.setenv("REDLINE_DECODE_PREFETCH", "1")
-    assert not prefetch_applies(cpu)  # the interpreter has no prefetch instruction
-    monkeypatch.setenv("REDLINE_DECODE_PREFETCH", "on")
-    with pytest.raises(ValueError, match="REDLINE_DECODE_PREFETCH"):
-        prefetch_applies(cpu)
+    assert not prefetch_applies(torch.zeros(1))  # the interpreter has no prefetch instruction
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("lens", [[700], [64], [1]], ids=["ragged", "one_tile", "one_position"])
 def test_first_tile_prefetch_leaves_one_sequence_decode_unchanged(monkeypatch, lens):
-    """REDLINE_DECODE_PREFETCH=1 queues each program's first K/V tile into L2 before its wait (one sequence
-    after the GEMV): the output and both caches equal those without it, for ranges that end inside a tile,
-    fill one tile exactly, or hold one position (most programs' ranges empty)."""
-    from engine.kernels.fused_decode import fused_decode, prefetch_applies
+    """The first K/V tile queued into L2 before the wait (one sequence after the GEMV, on the GPU): the output
+    and both caches equal those without it, for ranges that end inside a tile, fill one tile exactly, or hold
+    one position (most programs' ranges empty)."""
+    from engine.kernels import fused_decode as kernel
+    from engine.kernels.fused_decode import fused_decode
 
     heads, kv_heads, splits = 16, 8, 32
     qkv, positions, slots, seqlens, tables, caches, cos, sin, (qw, kw) = _problem(
         heads, kv_heads, 128, 256, lens, True, 0, torch.bfloat16, "cuda", 5)
     results = []
-    for setting in ("0", "1"):
-        monkeypatch.setenv("REDLINE_DECODE_PREFETCH", setting)
-        assert prefetch_applies(qkv) == (setting == "1")
+    assert kernel.prefetch_applies(qkv)
+    for prefetch in (False, True):
+        monkeypatch.setattr(kernel, "prefetch_applies", lambda qkv, on=prefetch: on)
         k_cache, v_cache = (c.clone() for c in caches)
         counters = torch.zeros(kv_heads, dtype=torch.int32, device="cuda")
         out = fused_decode(qkv, positions, cos, sin, qw, kw, 1e-6, k_cache, v_cache, slots, seqlens, tables,

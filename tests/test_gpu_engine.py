@@ -77,21 +77,20 @@ def free_gpu():
     dict(max_num_batched_tokens=256, num_kvcache_blocks=48, kvcache_block_size=16, max_model_len=768),  # chunked, preempted
     dict(max_num_seqs=2),                       # decode batches of <= 2 rows: the GEMV projections, PDL chain
     dict(max_num_seqs=16, gemv_rows=16),        # 3..16 rows: the GEMV's tensor-core kernel
-    dict(tma_rows="1-64"),                      # past the GEMV's rows, the TMA GEMM (Hopper) instead of cuBLAS
+    dict(tma_min_rows=1),                       # past the GEMV's rows, the TMA GEMM (Hopper) instead of cuBLAS
 ], ids=["graphs", "chunked-preempted", "small-batches", "dot-gemv-batches", "tma-gemm-batches"])
 def test_greedy_tokens_equal_transformers_bf16_up_to_near_ties(gpu_checkpoint, hf_model, engine_kwargs, free_gpu,
                                                                monkeypatch):
     """bf16 rounding differs between any two implementations, so on a random model's flat logits two
     greedy runs part at near-ties. Most sequences must agree in full, and where one parts, the two
     tokens must be a near-tie for transformers itself on the shared prefix."""
-    from engine.kernels import gemv
+    from engine.kernels import gemv, tma_gemm
 
     engine_kwargs = dict(engine_kwargs)
     if "gemv_rows" in engine_kwargs:
-        rows = engine_kwargs.pop("gemv_rows")
-        monkeypatch.setattr(gemv, "max_rows", lambda: rows)  # as REDLINE_GEMV_MAX_ROWS would
-    if "tma_rows" in engine_kwargs:
-        monkeypatch.setenv("REDLINE_TMA_GEMM_ROWS", engine_kwargs.pop("tma_rows"))
+        monkeypatch.setattr(gemv, "MAX_ROWS", engine_kwargs.pop("gemv_rows"))
+    if "tma_min_rows" in engine_kwargs:
+        monkeypatch.setattr(tma_gemm, "MIN_ROWS", engine_kwargs.pop("tma_min_rows"))
     prompts = _prompts()
     llm = LLM(str(gpu_checkpoint), device="cuda", dtype="bfloat16", **{"max_model_len": 1024, **engine_kwargs})
     greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW)
@@ -119,78 +118,90 @@ def test_greedy_tokens_equal_transformers_bf16_up_to_near_ties(gpu_checkpoint, h
     assert all(g < 0.1 for g in gaps), f"a divergence that is no near-tie: gaps {sorted(gaps)}"
 
 
-def _tokens_under_each(gpu_checkpoint, monkeypatch, variable: str, values: tuple[str, ...], prompts,
-                       check=None, **engine_kwargs) -> dict[str, list[list[int]]]:
+def _tokens_under_each(gpu_checkpoint, variants: dict, prompts, check=None,
+                       **engine_kwargs) -> dict[str, list[list[int]]]:
     """Tokens of sampled (seeded) and greedy requests, alternating, from an engine with CUDA graphs built
-    under each value of an environment variable; check(llm, value) runs on each engine first."""
+    under each variant: {name: [(module, attribute, replacement), ...]}, an empty list for the engine as it
+    is; check(llm, name) runs on each engine first."""
     params = [SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=MAX_NEW)
               for i in range(len(prompts))]
     tokens = {}
-    for value in values:
-        monkeypatch.setenv(variable, value)
-        llm = LLM(str(gpu_checkpoint), device="cuda", dtype="bfloat16", max_model_len=1024, **engine_kwargs)
-        assert llm.runner.graphs is not None
-        if check is not None:
-            check(llm, value)
-        tokens[value] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        del llm
-        gc.collect()
+    for name, replacements in variants.items():
+        with pytest.MonkeyPatch.context() as patch:
+            for module, attribute, value in replacements:
+                patch.setattr(module, attribute, value)
+            llm = LLM(str(gpu_checkpoint), device="cuda", dtype="bfloat16", max_model_len=1024, **engine_kwargs)
+            assert llm.runner.graphs is not None
+            if check is not None:
+                check(llm, name)
+            tokens[name] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            del llm
+            gc.collect()
     return tokens
 
 
 def test_programmatic_dependent_launch_keeps_every_token(gpu_checkpoint, monkeypatch, free_gpu):
-    """REDLINE_PDL changes when the decode kernels start, never what they compute: with CUDA graphs and
-    small batches (GEMV projections, here up to 8 rows), sampled (seeded) and greedy tokens equal those
-    without it."""
-    from engine.kernels import gemv
+    """PDL changes when the decode kernels start, never what they compute: with CUDA graphs and small
+    batches (GEMV projections, here up to 8 rows), sampled (seeded) and greedy tokens equal those of the
+    same kernels launched without it."""
+    from engine.kernels import gemv, launch
 
-    monkeypatch.setattr(gemv, "max_rows", lambda: 8)  # as REDLINE_GEMV_MAX_ROWS=8 would
-    tokens = _tokens_under_each(gpu_checkpoint, monkeypatch, "REDLINE_PDL", ("0", "1"), _prompts(n=24, seed=5),
-                                max_num_seqs=8)
-    assert tokens["1"] == tokens["0"]
+    monkeypatch.setattr(gemv, "MAX_ROWS", 8)
+    tokens = _tokens_under_each(gpu_checkpoint, {"pdl": [], "no_pdl": [(launch, "device_has_pdl", lambda i: False)]},
+                                _prompts(n=24, seed=5), max_num_seqs=8)
+    assert tokens["pdl"] == tokens["no_pdl"]
 
 
 def test_graph_edges_opened_at_launch_keep_every_token(gpu_checkpoint, monkeypatch, free_gpu):
-    """REDLINE_GRAPH_EDGES=launch lets the PDL kernels after cuBLAS's GEMMs in earlier, never changes what
-    they compute: sampled (seeded) and greedy tokens equal those of the graphs as captured, and the graphs
-    of batches past the GEMV's rows had edges moved (from the GEMMs; cuBLAS computes every projection here,
+    """Edges opened at launch let the PDL kernels after cuBLAS's GEMMs in earlier, never change what they
+    compute: sampled (seeded) and greedy tokens equal those of the graphs as captured, and the graphs of
+    batches past the GEMV's rows had edges moved (from the GEMMs; cuBLAS computes every projection here,
     none the TMA GEMM, whose kernels start their successors themselves)."""
-    from engine.kernels import gemv
+    from engine import graph_edges
+    from engine.kernels import gemv, tma_gemm
 
-    monkeypatch.setenv("REDLINE_TMA_GEMM_ROWS", "0")
+    monkeypatch.setattr(tma_gemm, "MAX_ROWS", 0)
 
-    def check(llm, edges):
+    def check(llm, variant):
         moved = llm.runner.graphs.edges_moved
-        if edges == "launch":
-            past_gemv = [bs for bs in llm.runner.graphs.sizes if bs > gemv.max_rows()]
+        if variant == "opened":
+            past_gemv = [bs for bs in llm.runner.graphs.sizes if bs > gemv.MAX_ROWS]
             assert past_gemv and all(sum(moved[bs].values()) > 0 for bs in past_gemv), moved
         else:
-            assert moved == {}
+            assert not any(moved.values()), moved
 
-    tokens = _tokens_under_each(gpu_checkpoint, monkeypatch, "REDLINE_GRAPH_EDGES", ("capture", "launch"),
+    tokens = _tokens_under_each(gpu_checkpoint, {"opened": [], "captured": [(graph_edges, "to_open_at_launch",
+                                                                            lambda edges, scope="all": [])]},
                                 _prompts(n=32, seed=11), check=check, max_num_seqs=32)
-    assert tokens["launch"] == tokens["capture"]
+    assert tokens["opened"] == tokens["captured"]
 
 
 def test_graph_edges_past_the_rows_limit_keep_every_token(gpu_checkpoint, monkeypatch, free_gpu):
-    """Past REDLINE_GRAPH_EDGES_ROWS (here 4), REDLINE_GRAPH_EDGES_PAST_ROWS=small opens only the edges from
-    the GEMMs into the norms and SiLU·mul: those graphs had edges moved, and the tokens equal those of the
-    same graphs as captured ("none")."""
-    monkeypatch.setenv("REDLINE_TMA_GEMM_ROWS", "0")
-    monkeypatch.setenv("REDLINE_GRAPH_EDGES_ROWS", "4")
+    """Past ALL_EDGES_MAX_ROWS (here 4) only the edges from the GEMMs into the norms and SiLU·mul open at
+    launch: those graphs had edges moved, and the tokens equal those of the same graphs as captured."""
+    from engine import graph_edges
+    from engine.kernels import tma_gemm
 
-    def check(llm, scope):
+    monkeypatch.setattr(tma_gemm, "MAX_ROWS", 0)
+    monkeypatch.setattr(graph_edges, "ALL_EDGES_MAX_ROWS", 4)
+    open_at_launch = graph_edges.to_open_at_launch
+
+    def small_scope_captured(edges, scope="all"):
+        return open_at_launch(edges, scope) if scope == "all" else []
+
+    def check(llm, variant):
         moved = llm.runner.graphs.edges_moved
         past = [bs for bs in llm.runner.graphs.sizes if bs > 4]
         assert past, llm.runner.graphs.sizes
-        if scope == "small":
+        if variant == "small":
             assert all(sum(moved[bs].values()) > 0 for bs in past), moved
         else:
-            assert not any(bs in moved for bs in past), moved
+            assert not any(moved.get(bs) for bs in past), moved
 
-    tokens = _tokens_under_each(gpu_checkpoint, monkeypatch, "REDLINE_GRAPH_EDGES_PAST_ROWS", ("none", "small"),
+    tokens = _tokens_under_each(gpu_checkpoint, {"small": [], "captured": [(graph_edges, "to_open_at_launch",
+                                                                           small_scope_captured)]},
                                 _prompts(n=32, seed=13), check=check, max_num_seqs=32)
-    assert tokens["small"] == tokens["none"]
+    assert tokens["small"] == tokens["captured"]
 
 
 def test_an_engine_dropped_without_shutdown_leaves_the_next_one_its_kv_cache(gpu_checkpoint, free_gpu):

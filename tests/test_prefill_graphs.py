@@ -9,13 +9,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
-import pytest
 import torch
 
 from engine import LLM
 from engine.attention import AttentionMetadata
-from engine.cuda_graphs import (PREFILL_GRAPH_TOKENS, fill_padded_prefill, prefill_graph_size, prefill_graph_sizes,
-                                prefill_graphs_setting)
+from engine.cuda_graphs import PREFILL_GRAPH_TOKENS, fill_padded_prefill, prefill_graph_size, prefill_graph_sizes
 from engine.model_runner import StepInputs
 
 BLOCK = 8
@@ -36,16 +34,6 @@ def test_the_graphs_captured_are_those_within_the_token_budget_and_the_context()
     assert sizes(16384, 64) == [16, 32, 64]
     assert sizes(100, 4096) == [16, 32, 64]
     assert sizes(8, 4096) == []  # no graph: the runner keeps every prefill eager
-
-
-def test_prefill_graphs_setting_rejects_what_is_not_0_or_1(monkeypatch):
-    monkeypatch.setenv("REDLINE_PREFILL_GRAPHS", "0")
-    assert prefill_graphs_setting() is False
-    monkeypatch.delenv("REDLINE_PREFILL_GRAPHS")
-    assert prefill_graphs_setting() is True
-    monkeypatch.setenv("REDLINE_PREFILL_GRAPHS", "yes")
-    with pytest.raises(ValueError, match="REDLINE_PREFILL_GRAPHS must be 0 or 1"):
-        prefill_graphs_setting()
 
 
 def _chunk(tokens: list[int], start: int, end: int, table: list[int]) -> StepInputs:

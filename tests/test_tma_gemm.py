@@ -1,8 +1,8 @@
-"""tma_linear (engine/kernels/tma_gemm.py) against F.linear, and the settings that route projections to it.
+"""tma_linear (engine/kernels/tma_gemm.py) against F.linear, and the rows the layers route to it.
 
 The kernel is Gluon code for Hopper's copy engine and warpgroup MMAs: it has no interpreter path, so its
-cases are marked `gpu` (and skip on a GPU that is no Hopper). The row-range setting, the configs and the
-layers' routing on CPU run everywhere.
+cases are marked `gpu` (and skip on a GPU that is no Hopper). The configs and the layers' routing on CPU run
+everywhere.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 from engine.kernels import tma_gemm  # noqa: E402
-from engine.kernels.tma_gemm import TmaConfig, default_config, rows_setting, takes, tma_linear  # noqa: E402
+from engine.kernels.tma_gemm import TmaConfig, default_config, takes, tma_linear  # noqa: E402
 from engine.layers import fusion  # noqa: E402
 
 SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (200, 96)]  # 0.6B projections, and ragged
@@ -24,19 +24,6 @@ def hopper() -> bool:
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
-@pytest.mark.parametrize("value, expected", [("0", (1, 0)), ("33-64", (33, 64)), ("1-1", (1, 1))])
-def test_rows_setting_reads_a_range(monkeypatch, value, expected):
-    monkeypatch.setenv("REDLINE_TMA_GEMM_ROWS", value)
-    assert rows_setting() == expected
-
-
-@pytest.mark.parametrize("value", ["64", "64-33", "0-8", "a-b", ""])
-def test_rows_setting_refuses_what_is_no_range(monkeypatch, value):
-    monkeypatch.setenv("REDLINE_TMA_GEMM_ROWS", value)
-    with pytest.raises(ValueError, match="REDLINE_TMA_GEMM_ROWS"):
-        rows_setting()
 
 
 @pytest.mark.parametrize("M", [1, 17, 64, 65, 256])
@@ -52,7 +39,7 @@ def test_default_config_splits_k_evenly_and_fits_shared_memory(M, N, K):
 
 
 def test_layers_keep_cpu_rows_off_the_kernel(monkeypatch):
-    monkeypatch.setenv("REDLINE_TMA_GEMM_ROWS", "1-64")
+    monkeypatch.setattr(tma_gemm, "MIN_ROWS", 1)
     x, w = torch.randn(8, 64), torch.randn(32, 64)
     assert not takes(x, w)
     assert torch.equal(fusion.linear(x, w), F.linear(x, w))
@@ -81,8 +68,7 @@ def test_tma_linear_matches_f_linear_and_writes_every_element(M, N, K):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not hopper(), reason="needs a Hopper GPU and Triton with Gluon")
-def test_tma_linear_replays_in_a_cuda_graph_with_new_inputs(monkeypatch):
-    monkeypatch.setenv("REDLINE_TMA_GEMM_ROWS", "1-64")
+def test_tma_linear_replays_in_a_cuda_graph_with_new_inputs():
     x = torch.randn(40, 2048, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16) / 2048 ** 0.5
     assert takes(x, w) and default_config(40, 1024, 2048).split > 1

@@ -5,8 +5,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.kernels import fused_decode, gemv, paged_decode, paged_prefill, qkv_prep, store_kvcache
-from engine.kernels.launch import pdl_setting
+from engine.kernels import fused_decode, paged_decode, paged_prefill, qkv_prep, store_kvcache
 from engine.kernels.paged_decode import decode_order
 
 if TYPE_CHECKING:
@@ -24,8 +23,6 @@ class TritonBackend:
         # fused decode's split counters, zero between launches; earlier, smaller sets stay alive for the
         # CUDA graphs that captured them
         self._counters: list[torch.Tensor] = []
-        # REDLINE_PDL, REDLINE_GEMV_MAX_ROWS and REDLINE_EARLY_PAGE: bad values fail here, not mid-step
-        pdl_setting(), gemv.max_rows(), fused_decode.early_page()
 
     def qkv_prep(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,

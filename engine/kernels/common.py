@@ -3,6 +3,12 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton import knobs
+
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels under its CPU interpreter (TRITON_INTERPRET=1, as Triton itself reads it)."""
+    return bool(knobs.runtime.interpret)
 
 
 @triton.jit

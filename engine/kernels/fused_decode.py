@@ -20,8 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.config import switch_setting
-from engine.kernels.gemv import max_rows as gemv_max_rows
+from engine.kernels import gemv
 from engine.kernels.launch import launch_dependents, pdl_options, wait_for_previous
 from engine.kernels.paged_decode import (MAX_GRID_SEQS, DecodeConfig, _attend_range, _num_sms,
                                          choose_num_splits, default_decode_config, grid_program, split_range)
@@ -181,7 +180,7 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
     (the caller keeps it). Other arguments as in qkv_prep and paged_decode.
 
     after_gemv: whether the engine's GEMV computed qkv (it lets this kernel start early, and the kernel
-    then reads its inputs before its wait); None: taken to be so for up to REDLINE_GEMV_MAX_ROWS rows.
+    then reads its inputs before its wait); None: taken to be so for up to gemv.MAX_ROWS rows.
     """
     head_dim = k_cache.shape[3]
     if not fits(head_dim):
@@ -205,7 +204,7 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
                                        _num_sms(qkv.device), config.grid_programs_per_sm)
     # early reads where the qkv projection is the GEMV, whose programs let this kernel start before it
     # completes (-0.024 ms a batch-1 step); after cuBLAS they gained nothing and cost 0.4-0.7% at 16-64 rows
-    early = num_seqs <= gemv_max_rows() if after_gemv is None else after_gemv
+    early = num_seqs <= gemv.MAX_ROWS if after_gemv is None else after_gemv
     if num_splits > 1:
         part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=qkv.device)
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=qkv.device)
@@ -244,24 +243,18 @@ def merge_heads(group: int, splits_pad: int, head_dim: int) -> int:
 def early_page_applies(early: bool, num_seqs: int, k_cache: torch.Tensor, config: DecodeConfig) -> bool:
     """Whether a program reads its range's first page before its wait: where it reads its other inputs
     early (after the GEMV), for one sequence (the batch-1 decode graph measured 2.3-2.9% faster, two rows 2.3%
-    slower: docs/kernels-notes.md), pages holding whole tiles, and REDLINE_EARLY_PAGE not 0."""
-    return early and num_seqs == 1 and k_cache.shape[1] % config.block_n == 0 and early_page()
-
-
-def early_page() -> bool:
-    """REDLINE_EARLY_PAGE: "1" (the default) reads the first page of a program's range before its wait
-    where early_page_applies; "0" after the wait, in the K/V loop."""
-    return switch_setting("REDLINE_EARLY_PAGE", "1")
+    slower; fa0c667), and pages holding whole tiles."""
+    return early and num_seqs == 1 and k_cache.shape[1] % config.block_n == 0
 
 
 def prefetch_applies(qkv: torch.Tensor) -> bool:
     """Whether a program that reads its first page early also queues that tile into L2 before its wait
-    (the batch-1 decode graph 0.5% faster on the H100: docs/kernels-notes.md): REDLINE_DECODE_PREFETCH
-    "1" (the default) or "0", and only on a CUDA GPU (the interpreter has no prefetch instruction)."""
-    return switch_setting("REDLINE_DECODE_PREFETCH", "1") and qkv.is_cuda
+    (the batch-1 decode graph 0.5% faster on the H100, c40fd60): on a CUDA GPU only (the interpreter has no
+    prefetch instruction)."""
+    return qkv.is_cuda
 
 
 def loop_stages(config: DecodeConfig, early: bool) -> int:
     """Pipeline stages of the K/V loop: config.stages_after_gemv where the qkv projection is the GEMV (up to
-    REDLINE_GEMV_MAX_ROWS rows), config.num_stages elsewhere."""
+    gemv.MAX_ROWS rows), config.num_stages elsewhere."""
     return config.stages_after_gemv if early else config.num_stages

@@ -13,9 +13,6 @@ rounds once, as cuBLAS does.
 """
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -28,11 +25,11 @@ from engine.kernels.qkv_prep import _round
 MAX_SLICE = 16384      # weight elements a program holds in registers
 MIN_PROGRAMS = 128     # narrow the slices until N gives about this many programs
 EIGHT_WARPS_ABOVE = 8192  # slices of more elements than this take 8 warps, others 4
-# x rows up to which the layers take this kernel (REDLINE_GEMV_MAX_ROWS). Up to 2 rows each row is a pass
+# x rows up to which the layers take this kernel. Up to 2 rows each row is a pass
 # over the slice on CUDA cores: on the H100 a 0.6B decode step is 36% faster than with cuBLAS at 1 row and
 # 14% at 2. Past them the tensor-core kernel below: 6% faster at 3-4 rows, 15-27% slower at 8-16 (each
 # program reads every x row, as many bytes as its weight slice at 16 rows; docs/kernels-notes.md), so 4.
-DEFAULT_MAX_ROWS = 4
+MAX_ROWS = 4
 ROW_LIMIT = 32  # the row loop is unrolled: one compiled variant per row count, so few rows only
 # Above DOT_ABOVE_ROWS rows gemv runs on the tensor cores (_gemv_dot_kernel): a program holds a
 # [block_n, K] weight slice (block_n 16, or 8 past DOT_WIDE_K columns) and multiplies all rows at once.
@@ -290,20 +287,11 @@ def _gemv_dot(x, weight, bias, out, gated, residual, norm_weight, eps, res_out, 
     return out if res_out is None else (out, res_out)
 
 
-@functools.cache
-def max_rows() -> int:
-    """REDLINE_GEMV_MAX_ROWS: rows up to which the layers use gemv (0: never)."""
-    value = os.environ.get("REDLINE_GEMV_MAX_ROWS", str(DEFAULT_MAX_ROWS))
-    if not value.isdigit() or int(value) > ROW_LIMIT:
-        raise ValueError(f"REDLINE_GEMV_MAX_ROWS must be an integer from 0 to {ROW_LIMIT}, got {value!r}")
-    return int(value)
-
-
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the layers use gemv for this x and weight (for a gated x, pass either half of it)."""
     N, K = weight.shape
     rows = x.shape[0] if x.dim() == 2 else 0
-    return (x.is_cuda and 0 < rows <= max_rows() and x.dtype == weight.dtype
+    return (x.is_cuda and 0 < rows <= MAX_ROWS and x.dtype == weight.dtype
             and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1 and weight.stride(1) == 1
             and triton.next_power_of_2(K) <= MAX_SLICE
             and (rows <= DOT_ABOVE_ROWS or (dot_fits(K) and N <= DOT_MAX_N)))

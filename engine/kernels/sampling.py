@@ -16,20 +16,19 @@ slices is the whole row's token.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from engine.kernels.common import interpreted
 from engine.kernels.paged_decode import _num_sms
 
 NO_COLUMN = tl.constexpr(2**31 - 1)  # sorts after every real column in the tie-break
 SERIES_BELOW = tl.constexpr(0.05)    # v below this: -log(1 - v) from its series
 DEFAULT_BLOCK = 2048
 DEFAULT_WARPS = 4
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # no libdevice under the interpreter
+INTERPRETED = interpreted()  # no libdevice under the interpreter
 
 
 @triton.jit

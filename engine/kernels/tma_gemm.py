@@ -15,14 +15,13 @@ first), stores y and resets the ticket.
 It matches cuBLAS call for call rather than beating it (~6 µs a projection either way,
 scripts/tma_gemm_time.py). In the engine's decode graphs it gains where its early weight requests overlap
 the kernels between the projections, and where its gated epilogue (silu(gate) * up) replaces the SiLU·mul
-kernel: 3-9% a step at 24-64 rows, which is where the layers take it (REDLINE_TMA_GEMM_ROWS).
+kernel: 3-9% a step at 24-64 rows, which is where the layers take it (MIN_ROWS to MAX_ROWS).
 
 CUDA-graph safe. `TmaConfig` holds the tile shape; `default_config` picks one from the shape.
 """
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -37,6 +36,7 @@ try:
 except ImportError:  # a Triton without Gluon's Hopper module: the kernel is never used
     gluon = gl = None
 
+from engine.kernels.common import interpreted
 from engine.kernels.launch import pdl_options
 
 
@@ -55,7 +55,7 @@ class TmaConfig:
 
 @functools.cache
 def _device_ok(device_index: int) -> bool:
-    if gl is None or os.environ.get("TRITON_INTERPRET") == "1":
+    if gl is None or interpreted():
         return False
     return torch.cuda.get_device_capability(device_index)[0] == 9
 
@@ -89,37 +89,17 @@ MAX_N = 65536
 MAX_K = 3072
 
 
-# Decode graphs of the 0.6B shape on the H100, against cuBLAS: 24-64 rows 1-9% faster, 8 rows 4% slower,
-# 80-256 rows 0.5-19% slower (docs/kernels-notes.md).
-DEFAULT_ROWS = "24-64"
-
-
-@functools.cache
-def _parse_rows(value: str) -> tuple[int, int]:
-    if value == "0":
-        return (1, 0)
-    try:
-        low, high = (int(v) for v in value.split("-"))
-    except ValueError:
-        low, high = 0, -1
-    if not 1 <= low <= high:
-        raise ValueError(f"REDLINE_TMA_GEMM_ROWS must be a row range LOW-HIGH such as 33-64, or 0 for off; "
-                         f"got {value!r}")
-    return low, high
-
-
-def rows_setting() -> tuple[int, int]:
-    """REDLINE_TMA_GEMM_ROWS, "LOW-HIGH": decode projections of LOW to HIGH rows (that the GEMV does not
-    take) run in this kernel on Hopper GPUs, the others in cuBLAS (default DEFAULT_ROWS); "0" leaves them all
-    to cuBLAS."""
-    return _parse_rows(os.environ.get("REDLINE_TMA_GEMM_ROWS", DEFAULT_ROWS))
+# Decode projections of MIN_ROWS to MAX_ROWS rows (that the GEMV does not take) run here on Hopper GPUs. Decode
+# graphs of the 0.6B shape on the H100, against cuBLAS: 24-64 rows 1-9% faster, 8 rows 4% slower, 80-256 rows
+# 0.5-19% slower; nano-bench -0.7% (36a900d).
+MIN_ROWS = 24
+MAX_ROWS = 64
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the layers run x @ weight.T here: a row count in REDLINE_TMA_GEMM_ROWS on a Hopper GPU, bf16
-    or fp16 operands with rows the copy engine can address (16-byte aligned), a weight within MAX_N x MAX_K."""
-    low, high = rows_setting()
-    if x.dim() != 2 or not low <= x.shape[0] <= high or not available(x):
+    """Whether the layers run x @ weight.T here: MIN_ROWS to MAX_ROWS rows on a Hopper GPU, bf16 or fp16
+    operands with rows the copy engine can address (16-byte aligned), a weight within MAX_N x MAX_K."""
+    if x.dim() != 2 or not MIN_ROWS <= x.shape[0] <= MAX_ROWS or not available(x):
         return False
     if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float16):
         return False

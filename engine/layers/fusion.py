@@ -100,8 +100,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _tma_for(x: torch.Tensor, weight: torch.Tensor):
-    """engine.kernels.tma_gemm where it takes these rows (a decode batch in REDLINE_TMA_GEMM_ROWS on a Hopper
-    GPU), else None."""
+    """engine.kernels.tma_gemm where it takes these rows (a decode batch of 24-64 rows on a Hopper GPU), else
+    None."""
     kernels = _kernels_for(x, weight, "tma_gemm")
     return kernels if kernels is not None and kernels.takes(x, weight) else None
 
