@@ -20,6 +20,9 @@ DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfl
 # "auto": the model's dtype; "fp8" (= "fp8_e4m3"): one byte an element, values cast with saturation and no
 # scale, as vLLM's kv_cache_dtype="fp8" without calibrated scales
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+# "engine": on GPUs, the engine's symmetric-memory all-reduce kernels (decode steps) and copy-engine sums
+# (large prefill steps); "nccl": every all-reduce in NCCL
+TP_ALL_REDUCES = ("engine", "nccl")
 
 
 @dataclass
@@ -41,6 +44,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     async_scheduling: bool | None = None  # default: on for GPUs (CPU work overlaps the GPU's)
     seed: int = 0
+    tp_all_reduce: str = "engine"  # TP_ALL_REDUCES: "nccl" keeps every tensor-parallel all-reduce in NCCL
     # resolved in __post_init__
     model_dir: str = field(init=False)
     hf_config: object = field(init=False, repr=False)
@@ -89,7 +93,7 @@ class EngineConfig:
     def _check_options(self) -> None:
         """The values that need no model: checked before anything is resolved or downloaded."""
         for name, choices in (("load_format", LOAD_FORMATS), ("dtype", DTYPES), ("kv_cache_dtype", KV_CACHE_DTYPES),
-                              ("attention_backend", ATTENTION_BACKENDS)):
+                              ("attention_backend", ATTENTION_BACKENDS), ("tp_all_reduce", TP_ALL_REDUCES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         if KV_CACHE_DTYPES[self.kv_cache_dtype] is not None and self.attention_backend == "flash":
@@ -107,6 +111,15 @@ class EngineConfig:
     @property
     def max_blocks_per_seq(self) -> int:
         return (self.max_model_len + self.kvcache_block_size - 1) // self.kvcache_block_size
+
+
+def set_tensor_parallel_gpu_environment() -> None:
+    """The environment a GPU tensor-parallel engine's processes run in (its spawned ranks inherit it), where
+    the user has not set it: NCCL errors do not end the process (rank 0 aborts the communicator itself, CUDA
+    graphs first), and symmetric memory makes no NVLink multicast objects (the all-reduce kernels reach their
+    peers' buffers through plain peer mappings; multicast would only take resources)."""
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 
 def _positive_int(name: str, value) -> None:

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, set_tensor_parallel_gpu_environment
 from engine.layers.parallel import rank_group
 from engine.layers.sampler import SamplingTensors
 from engine.model_runner import ModelRunner, SampledTokens, StepInputs
@@ -72,11 +72,8 @@ class TPDriver:
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialized in this process (is another tensor-parallel "
                                "engine still running?); shut that engine down before starting this one")
-        if backend == "nccl":  # the driver aborts the communicator itself, graphs first; the default ends the process
-            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
-            # the all-reduce kernel reaches its peers' buffers through plain peer mappings; NVLink multicast objects
-            # would only take resources (the spawned ranks inherit this)
-            os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        if backend == "nccl":
+            set_tensor_parallel_gpu_environment()
         self._workers = workers = _Workers(backend)
         if backend == "gloo":  # the ranks share the cores; idle threads spinning would starve the peer's collectives
             workers.saved_num_threads = torch.get_num_threads()
@@ -91,7 +88,8 @@ class TPDriver:
                                     timeout=timedelta(seconds=GROUP_TIMEOUT_S), **_device_id(backend, 0))
             workers.group = dist.group.WORLD
             tp = workers.tp = rank_group(0, size, backend, config.torch_dtype, peer_exited=workers.rank_died,
-                                         large_capacity=_large_all_reduce_capacity(config))
+                                         large_capacity=_large_all_reduce_capacity(config),
+                                         all_reduce=config.tp_all_reduce)
             self.runner = workers.rank0 = ModelRunner(config, tp, capture_graphs=False)
             workers.collect("ready", expect=self.runner.num_kvcache_blocks, timeout=GROUP_TIMEOUT_S)
             workers.send(("capture",))
@@ -488,7 +486,8 @@ def _start_rank(rank: int, size: int, backend: str, port: int, config_kwargs: di
     dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                             timeout=timedelta(seconds=GROUP_TIMEOUT_S), **_device_id(backend, rank))
     return ModelRunner(config, rank_group(rank, size, backend, config.torch_dtype,
-                                          large_capacity=_large_all_reduce_capacity(config)),
+                                          large_capacity=_large_all_reduce_capacity(config),
+                                          all_reduce=config.tp_all_reduce),
                        capture_graphs=False)
 
 

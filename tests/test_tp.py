@@ -14,6 +14,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.distributed import RankFailedError
+from tests.conftest import make_checkpoint
 
 MAX_NEW = 20
 # a KV cache this small preempts sequences; the repeated prompts hit the prefix cache
@@ -49,16 +50,15 @@ def _run(llm: LLM, prompts, params) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def _run_on_two_gpus(script: str, checkpoint, mode: str, timeout: float, **settings: str) -> dict:
-    """Run `script` (argv: checkpoint, prompts as JSON) in a fresh process with REDLINE_TP_ALL_REDUCE=mode
-    and any other environment `settings`; its last stdout line, as JSON. GPU engines run in processes of
-    their own (see docs/tensor-parallel.md)."""
+def _run_on_two_gpus(script: str, checkpoint, mode: str, timeout: float, prompts=None) -> dict:
+    """Run `script` (argv: checkpoint, prompts as JSON, tp_all_reduce) in a fresh process with tp_all_reduce
+    `mode`; its last stdout line, as JSON. GPU engines run in processes of their own (see
+    docs/tensor-parallel.md)."""
     import subprocess
     import sys
 
-    env = dict(os.environ, REDLINE_TP_ALL_REDUCE=mode, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-               **settings)
-    proc = subprocess.run([sys.executable, "-c", script, str(checkpoint), json.dumps(_prompts())],
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    proc = subprocess.run([sys.executable, "-c", script, str(checkpoint), json.dumps(prompts or _prompts()), mode],
                           capture_output=True, text=True, env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -213,7 +213,8 @@ def test_engine_after_a_failed_one_starts_and_matches_tp1(qwen3_checkpoint):
 _TP2_GPU_TOKENS = """
 import json, sys
 from engine import LLM, SamplingParams
-llm = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=256, gpu_memory_utilization=0.3)
+llm = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=256, gpu_memory_utilization=0.3,
+          tp_all_reduce=sys.argv[3])
 tp = llm.runner.runner.tp
 outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
 print(json.dumps({"one_shot": tp.one_shot is not None, "pushed_calls": tp.pushed.calls if tp.pushed else 0,
@@ -228,38 +229,26 @@ llm.shutdown()
                     reason="needs 2 GPUs")
 def test_symmetric_memory_all_reduce_gives_nccl_tokens_on_two_gpus(qwen3_checkpoint):
     """Both sum the two ranks' parts in rank order, so the tokens must agree exactly (CUDA graphs on)."""
-    runs = {mode: _run_on_two_gpus(_TP2_GPU_TOKENS, qwen3_checkpoint, mode, timeout=500) for mode in ("symm", "nccl")}
-    assert runs["symm"]["one_shot"] and not runs["nccl"]["one_shot"]
-    assert runs["symm"]["tokens"] == runs["nccl"]["tokens"]
+    runs = {mode: _run_on_two_gpus(_TP2_GPU_TOKENS, qwen3_checkpoint, mode, timeout=500) for mode in ("engine", "nccl")}
+    assert runs["engine"]["one_shot"] and not runs["nccl"]["one_shot"]
+    assert runs["engine"]["tokens"] == runs["nccl"]["tokens"]
 
 
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                     reason="needs 2 GPUs")
-def test_chunked_nccl_all_reduce_leaves_two_gpu_tokens_unchanged(qwen3_checkpoint):
-    """The chunk-by-chunk NCCL all-reduce (TPGroup.partial_linear), here for every projection of more than
-    one row, gives the tokens of summing whole outputs."""
-    plain = _run_on_two_gpus(_TP2_GPU_TOKENS, qwen3_checkpoint, "nccl", timeout=500, REDLINE_TP_OVERLAP_CHUNKS="1")
-    chunked = _run_on_two_gpus(_TP2_GPU_TOKENS, qwen3_checkpoint, "nccl", timeout=500,
-                               REDLINE_TP_OVERLAP_MIN_ROWS="2", REDLINE_TP_OVERLAP_CHUNKS="3")
-    assert not plain["one_shot"] and not chunked["one_shot"]
-    assert chunked["tokens"] == plain["tokens"]
-
-
-@pytest.mark.gpu
-@pytest.mark.timeout(600)
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                    reason="needs 2 GPUs")
-def test_copy_engine_all_reduce_gives_nccl_tokens_on_two_gpus(qwen3_checkpoint):
-    """Prefill projections of more than 32 rows summed by the copy engines (CopyEngineSum, chunks of
-    rows, flags, the fused receiving kernel) give NCCL's tokens: both sum in rank order."""
-    runs = {large: _run_on_two_gpus(_TP2_GPU_TOKENS, qwen3_checkpoint, "symm", timeout=500,
-                                    REDLINE_TP_ONE_SHOT_MAX_BYTES="4096", REDLINE_TP_OVERLAP_MIN_ROWS="2",
-                                    REDLINE_TP_COPY_CHUNKS="3", REDLINE_TP_LARGE_ALL_REDUCE=large)
-            for large in ("copy", "nccl")}
-    assert runs["copy"]["pushed_calls"] > 0 and runs["nccl"]["pushed_calls"] == 0
-    assert runs["copy"]["tokens"] == runs["nccl"]["tokens"]
+def test_copy_engine_all_reduce_gives_nccl_tokens_on_two_gpus(tmp_path):
+    """A prefill step of 2,400 rows at hidden 4096 all-reduces more than the one-shot kernel's 8 MiB: its
+    row-parallel projections are summed by the copy engines (CopyEngineSum, chunks of rows, flags, the fused
+    receiving kernel) and give NCCL's tokens, both summing in rank order."""
+    wide = make_checkpoint("qwen3", tmp_path / "wide", hidden_size=4096)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 500) for _ in range(200)] for _ in range(12)]
+    runs = {mode: _run_on_two_gpus(_TP2_GPU_TOKENS, wide, mode, timeout=500, prompts=prompts)
+            for mode in ("engine", "nccl")}
+    assert runs["engine"]["pushed_calls"] > 0 and runs["nccl"]["pushed_calls"] == 0
+    assert runs["engine"]["tokens"] == runs["nccl"]["tokens"]
 
 
 _TP2_GPU_KILL = """
@@ -267,7 +256,9 @@ import json, os, signal, sys, time
 import psutil
 from engine import LLM, SamplingParams
 from engine.distributed import RankFailedError
-llm = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=256, gpu_memory_utilization=0.3)
+from tests.conftest import make_checkpoint
+llm = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=256, gpu_memory_utilization=0.3,
+          tp_all_reduce=sys.argv[3])
 pid, steps, launch, killed = llm.runner.worker_pids[0], [0], llm.runner.launch, []
 def launch_then_kill(*args):
     steps[0] += 1
@@ -288,14 +279,16 @@ del llm, launch  # the failed engine's GPU memory goes with it (the saved bound 
 import gc, torch
 gc.collect()
 torch.cuda.empty_cache()
-fresh = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=256, gpu_memory_utilization=0.3)
+fresh = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=256, gpu_memory_utilization=0.3,
+            tp_all_reduce=sys.argv[3])
 outs = fresh.generate(json.loads(sys.argv[2])[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
 result["fresh_tokens"] = sum(len(o.token_ids) for o in outs)
 fresh.shutdown()  # a normal shutdown releases the group too: one more engine in this process
 del fresh, outs
 gc.collect()
 torch.cuda.empty_cache()
-third = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=256, gpu_memory_utilization=0.3)
+third = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=256, gpu_memory_utilization=0.3,
+            tp_all_reduce=sys.argv[3])
 outs = third.generate(json.loads(sys.argv[2])[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
 result["third_tokens"] = sum(len(o.token_ids) for o in outs)
 third.shutdown()
@@ -307,11 +300,11 @@ print(json.dumps(result))
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                     reason="needs 2 GPUs")
-@pytest.mark.parametrize("mode", ["nccl", "symm"])
+@pytest.mark.parametrize("mode", ["nccl", "engine"])
 def test_killed_rank_on_gpus_makes_generate_raise_and_a_fresh_engine_start(qwen3_checkpoint, mode):
     """NCCL and the symmetric-memory kernels wait forever on a dead peer: rank 0 must still raise within
     seconds (CUDA graphs on), end the other rank, release its communicator, and the same process must be
-    able to start a new engine (and, after that one's normal shutdown, another; with symm these use NCCL,
+    able to start a new engine (and, after that one's normal shutdown, another; with "engine" these use NCCL,
     see docs/tensor-parallel.md)."""
     result = _run_on_two_gpus(_TP2_GPU_KILL, qwen3_checkpoint, mode, timeout=360)
     assert "rank 1" in result.get("raised", "") and "SIGKILL" in result["raised"], result
@@ -427,8 +420,7 @@ def test_ranks_agree_to_skip_symmetric_memory_when_one_of_them_cannot_use_it(tmp
     assert any("another tensor-parallel rank cannot use symmetric memory" in w for w in warned1), warned1
 
 
-def test_unknown_tp_all_reduce_mode_is_a_clear_error(qwen3_checkpoint, monkeypatch):
-    monkeypatch.setenv("REDLINE_TP_ALL_REDUCE", "fast")
-    with pytest.raises(ValueError, match="REDLINE_TP_ALL_REDUCE must be 'nccl' or 'symm', got 'fast'"):
-        LLM(str(qwen3_checkpoint), device="cpu", tensor_parallel_size=2)
+def test_unknown_tp_all_reduce_mode_is_a_clear_error(qwen3_checkpoint):
+    with pytest.raises(ValueError, match="tp_all_reduce must be one of engine, nccl, got 'fast'"):
+        LLM(str(qwen3_checkpoint), device="cpu", tensor_parallel_size=2, tp_all_reduce="fast")
     assert _spawned_children() == []

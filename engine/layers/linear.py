@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from engine.layers.fusion import linear, silu_and_mul, silu_and_mul_linear
-from engine.layers.parallel import SINGLE, PushedSum, ReducingSum, TPGroup, divide
+from engine.layers.parallel import SINGLE, PushedSum, TPGroup, divide
 
 
 class _Linear(nn.Module):
@@ -79,7 +79,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(_Linear):
     """Input features split across ranks; outputs are summed over ranks. With reduce_results=False each
-    rank returns its own part, for a later layer to sum (see RMSNorm's `tp`), or a ReducingSum: its sum
+    rank returns its own part, for a later layer to sum (see RMSNorm's `tp`), or a PushedSum: its sum
     already on its way (large inputs, see TPGroup.partial_linear)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE,
@@ -97,10 +97,10 @@ class RowParallelLinear(_Linear):
 
     load_full = weight_loader
 
-    def forward(self, x: torch.Tensor) -> "torch.Tensor | ReducingSum":
+    def forward(self, x: torch.Tensor) -> "torch.Tensor | PushedSum":
         return self._reduced(self.tp.partial_linear(x, self.weight, self.bias))
 
-    def forward_silu_and_mul(self, gate_up: torch.Tensor) -> "torch.Tensor | ReducingSum":
+    def forward_silu_and_mul(self, gate_up: torch.Tensor) -> "torch.Tensor | PushedSum":
         """forward(silu_and_mul(gate_up)); the activation is fused into the projection where this rank's
         part is a plain product (always for decode rows; see TPGroup.partial_linear)."""
         if self.tp.is_plain_product(gate_up):
@@ -110,4 +110,4 @@ class RowParallelLinear(_Linear):
     def _reduced(self, out):
         if not self.reduce_results:
             return out
-        return out.wait() if isinstance(out, (ReducingSum, PushedSum)) else self.tp.all_reduce(out)
+        return out.wait() if isinstance(out, PushedSum) else self.tp.all_reduce(out)

@@ -1,7 +1,6 @@
 """Which tensor-parallel rank a layer lives on, passed to layers explicitly (no process globals)."""
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -12,15 +11,15 @@ import torch.nn.functional as F
 
 from engine.layers.fusion import add_rms_norm, linear
 
-# small all-reduces (decode steps) go through symmetric memory up to this size; larger ones through NCCL
+# all-reduces (a decode step's) go through the one-shot kernel up to this size: a Qwen3-8B decode step of 256
+# sequences moves 2 MB a call; prefill steps of more than 1,024 rows at hidden 4096 go past it
 ONE_SHOT_MAX_BYTES = 8 << 20
-# with OVERLAP_CHUNKS > 1, row-parallel projections of at least OVERLAP_MIN_ROWS rows whose sum goes through
-# NCCL (prefill steps) run in that many row chunks, each chunk's all-reduce under the next chunk's GEMM
-# (ReducingSum). Off by default: on 2x H200 over NVLink it saved nothing (docs/tensor-parallel.md)
-OVERLAP_CHUNKS = 1
-OVERLAP_MIN_ROWS = 1024
+# row-parallel projections of at least this many rows (prefill steps) whose sum is too large for the one-shot
+# kernel have it started beside their GEMM by the copy engines (CopyEngineSum)
+LARGE_MIN_ROWS = 1024
 CHUNK_ROW_MULTIPLE = 16
-# row chunks of a row-parallel projection whose sum the copy engines carry (CopyEngineSum)
+# row chunks of a row-parallel projection whose sum the copy engines carry: 4 measured 0.04 s faster on the
+# 8B shape's TP=2 nano-bench, inside what one run tells (2x H200, f984691)
 COPY_CHUNKS = 2
 
 
@@ -43,22 +42,6 @@ def _chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         else:
             torch.addmm(bias, x[first:first + step], weight.t(), out=part)
         yield index, first, part
-
-
-class ReducingSum:
-    """A row-parallel projection's output whose sum over ranks is on its way: the rows were computed in
-    chunks, and each chunk's all-reduce was started (asynchronously) as soon as its rows were queued, so
-    it runs while the next chunk's GEMM does. wait() orders the current stream (on CPU: the host) after
-    every chunk's sum and returns the summed tensor."""
-
-    def __init__(self, out: torch.Tensor, works: list):
-        self.out, self.works = out, works
-
-    def wait(self) -> torch.Tensor:
-        for work in self.works:
-            work.wait()
-        self.works = []
-        return self.out
 
 
 class PushedSum:
@@ -199,8 +182,7 @@ class OneShotAllReduce:
         self.rank, self.world_size = rank, world_size
         self.slot_capacity = capacity  # elements of one rank's part
         self._keep = keep  # the rendezvous handle: peers map the buffer
-        # every call launches this many programs (the same on every rank: they inherit rank 0's environment)
-        self.programs = _env_int("REDLINE_TP_AR_PROGRAMS", PROGRAMS)
+        self.programs = PROGRAMS  # every call of every rank launches as many programs
         self.state = torch.zeros(self.programs, dtype=torch.int32, device=buffer.device)  # calls so far
         self.stop = torch.zeros(1, dtype=torch.int32, device=buffer.device)
         self._one = torch.ones(1, dtype=torch.int32, pin_memory=True)
@@ -314,8 +296,6 @@ class TPGroup:
     # set on rank 0 when a peer's process exited: no collective may be queued after that, since it would
     # wait for the dead peer (and could queue behind the communicator's abort)
     peer_exited: threading.Event | None = field(default=None, compare=False, repr=False)
-    overlap_chunks: int = OVERLAP_CHUNKS
-    overlap_min_rows: int = OVERLAP_MIN_ROWS
     pushed: CopyEngineSum | None = field(default=None, compare=False, repr=False)
 
     def _check_peers(self) -> None:
@@ -341,17 +321,16 @@ class TPGroup:
     def is_plain_product(self, x: torch.Tensor) -> bool:
         """Whether partial_linear of x is a plain F.linear with nothing started beside it: one rank, decode
         rows, or a CUDA graph being captured."""
-        return (self.size == 1 or x.dim() != 2 or x.shape[0] < self.overlap_min_rows
+        return (self.size == 1 or x.dim() != 2 or x.shape[0] < LARGE_MIN_ROWS
                 or (x.is_cuda and torch.cuda.is_current_stream_capturing()))
 
     def partial_linear(self, x: torch.Tensor, weight: torch.Tensor,
-                       bias: torch.Tensor | None) -> "torch.Tensor | ReducingSum | PushedSum":
+                       bias: torch.Tensor | None) -> "torch.Tensor | PushedSum":
         """This rank's part of a row-parallel projection, F.linear(x, weight, bias), for a later
         all_reduce(_add_rms_norm) to sum over ranks. Where that sum is too large for the one-shot kernel
-        and x has at least overlap_min_rows rows, the sum is started here instead, chunk by chunk: by the
-        copy engines where the ranks share symmetric memory (a PushedSum), else, with overlap_chunks > 1,
-        by NCCL or gloo (a ReducingSum). Never while a CUDA graph is being captured (decode steps, which
-        the one-shot kernel sums)."""
+        and x has at least LARGE_MIN_ROWS rows, the copy engines start it here, chunk by chunk (a
+        PushedSum), where the ranks share symmetric memory. Never while a CUDA graph is being captured
+        (decode steps, which the one-shot kernel sums)."""
         if self.is_plain_product(x):
             return linear(x, weight, bias)
         rows = x.shape[0]
@@ -360,22 +339,14 @@ class TPGroup:
         if self.pushed is not None and self.pushed.takes(rows * weight.shape[0], x.dtype):
             self._check_peers()
             return self.pushed.start(x, weight, bias)
-        if self.overlap_chunks < 2:
-            return F.linear(x, weight, bias)
-        self._check_peers()
-        out = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
-        works = [dist.all_reduce(part, async_op=True)
-                 for _, _, part in _chunked_linear(x, weight, bias, out, self.overlap_chunks)]
-        return ReducingSum(out, works)
+        return F.linear(x, weight, bias)
 
-    def all_reduce_add_rms_norm(self, x: "torch.Tensor | ReducingSum | PushedSum", residual: torch.Tensor,
+    def all_reduce_add_rms_norm(self, x: "torch.Tensor | PushedSum", residual: torch.Tensor,
                                 weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """add_rms_norm (engine/layers/fusion.py) of the sum of `x` over ranks: (normed rows, new residual).
         x and residual may be overwritten: use the results. One kernel through symmetric memory where it
-        fits; x may also be a ReducingSum or a PushedSum (partial_linear), whose sum is on its way (a
-        PushedSum's is finished fused with the residual add and the norm, in one kernel)."""
-        if isinstance(x, ReducingSum):
-            return add_rms_norm(x.wait(), residual, weight, eps)
+        fits; x may also be a PushedSum (partial_linear), whose sum is on its way and is finished fused
+        with the residual add and the norm, in one kernel."""
         if isinstance(x, PushedSum):
             self._check_peers()
             if residual.shape == x.out.shape and residual.is_contiguous() and weight.is_contiguous():
@@ -418,51 +389,24 @@ SINGLE = TPGroup()
 
 
 def rank_group(rank: int, size: int, backend: str, dtype: torch.dtype,
-               peer_exited: threading.Event | None = None, large_capacity: int = 0) -> TPGroup:
+               peer_exited: threading.Event | None = None, large_capacity: int = 0,
+               all_reduce: str = "engine") -> TPGroup:
     """This rank's TPGroup, once the process group exists; collective (every rank calls it together).
 
-    On GPUs, all-reduces of decode-step size go through symmetric memory (OneShotAllReduce: faster decode
-    steps, and the one after each row-parallel projection fused with the residual add and the next
-    RMSNorm) unless REDLINE_TP_ALL_REDUCE=nccl keeps every all-reduce in NCCL; where a rank cannot map
-    its peers' memory, every rank uses NCCL, with a warning. REDLINE_TP_OVERLAP_CHUNKS (1: off) and
-    REDLINE_TP_OVERLAP_MIN_ROWS set how the larger row-parallel projections overlap their all-reduce with
-    their GEMM (TPGroup.partial_linear). With symmetric memory, those of up to `large_capacity` elements
-    (a prefill step's rows × hidden size) are carried by the copy engines in REDLINE_TP_COPY_CHUNKS row
-    chunks (CopyEngineSum), unless REDLINE_TP_LARGE_ALL_REDUCE=nccl leaves them to NCCL.
-    REDLINE_TP_ONE_SHOT_MAX_BYTES sets the largest all-reduce the one-shot kernel takes (8 MiB).
+    all_reduce="engine" (EngineConfig.tp_all_reduce), on GPUs: all-reduces of decode-step size go through
+    symmetric memory (OneShotAllReduce: faster decode steps, and the one after each row-parallel projection
+    fused with the residual add and the next RMSNorm), and the larger ones of up to `large_capacity`
+    elements (a prefill step's rows × hidden size) are carried by the copy engines (CopyEngineSum); where a
+    rank cannot map its peers' memory, every rank uses NCCL, with a warning. "nccl": every all-reduce in
+    NCCL (gloo on CPU either way).
     """
-    mode = os.environ.get("REDLINE_TP_ALL_REDUCE", "symm")
-    if mode not in ("nccl", "symm"):
-        raise ValueError(f"REDLINE_TP_ALL_REDUCE must be 'nccl' or 'symm', got {mode!r}")
-    large = os.environ.get("REDLINE_TP_LARGE_ALL_REDUCE", "copy")
-    if large not in ("nccl", "copy"):
-        raise ValueError(f"REDLINE_TP_LARGE_ALL_REDUCE must be 'copy' or 'nccl', got {large!r}")
-    chunks = _env_int("REDLINE_TP_OVERLAP_CHUNKS", OVERLAP_CHUNKS)
-    min_rows = _env_int("REDLINE_TP_OVERLAP_MIN_ROWS", OVERLAP_MIN_ROWS)
-    copy_chunks = _env_int("REDLINE_TP_COPY_CHUNKS", COPY_CHUNKS)
-    one_shot_bytes = _env_int("REDLINE_TP_ONE_SHOT_MAX_BYTES", ONE_SHOT_MAX_BYTES)
     one_shot = pushed = None
-    if size > 1 and backend == "nccl" and mode == "symm":
+    if size > 1 and backend == "nccl" and all_reduce == "engine":
         device = torch.device("cuda", rank)
-        one_shot = OneShotAllReduce.create(device, dtype, rank, size, one_shot_bytes)
-        if one_shot is not None and large == "copy" and large_capacity > 0:
-            pushed = CopyEngineSum.create(device, dtype, rank, size, large_capacity, copy_chunks)
-    return TPGroup(rank, size, one_shot, peer_exited, overlap_chunks=chunks, overlap_min_rows=min_rows,
-                   pushed=pushed)
-
-
-def _env_int(name: str, default: int) -> int:
-    """A positive integer setting from the environment (every rank inherits rank 0's)."""
-    text = os.environ.get(name)
-    if text is None:
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {text!r}")
-    return value
+        one_shot = OneShotAllReduce.create(device, dtype, rank, size)
+        if one_shot is not None and large_capacity > 0:
+            pushed = CopyEngineSum.create(device, dtype, rank, size, large_capacity, COPY_CHUNKS)
+    return TPGroup(rank, size, one_shot, peer_exited, pushed=pushed)
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
