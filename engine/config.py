@@ -44,6 +44,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     async_scheduling: bool | None = None  # default: on for GPUs (CPU work overlaps the GPU's)
     seed: int = 0
+    # False: the layers' norms, activations and projections run as plain PyTorch ops (no torch.compile, none
+    # of the engine's Triton layer kernels; attention keeps its backend), to debug
+    fused_layers: bool = True
     tp_all_reduce: str = "engine"  # TP_ALL_REDUCES: "nccl" keeps every tensor-parallel all-reduce in NCCL
     # resolved in __post_init__
     model_dir: str = field(init=False)

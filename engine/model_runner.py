@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,7 @@ import torch.distributed as dist
 from engine.attention import AttentionMetadata, ForwardContext, get_backend, has_decode_rows
 from engine.config import EngineConfig
 from engine.layers.attention import Attention
+from engine.layers.fusion import PlainTorch
 from engine.layers.parallel import TPGroup
 from engine.layers.sampler import (SamplingTensors, compute_logprobs, draw_seed, pick_token, sample,
                                    samples_by_argmax, shard_best)
@@ -68,6 +70,8 @@ class ModelRunner:
             # segment would pin all of it, and the KV sizing below would see the GPU as nearly full.
             gc.collect()
             torch.cuda.empty_cache()
+        # entered wherever the model runs: its kernels and compiled chains, or plain PyTorch (fused_layers=False)
+        self.layer_mode = nullcontext() if config.fused_layers else PlainTorch()
         self.dtype = config.torch_dtype
         self.kv_dtype = config.kv_torch_dtype
         self.block_size = config.kvcache_block_size
@@ -92,10 +96,11 @@ class ModelRunner:
         and on one GPU the graphs of one sequence's prefill steps."""
         if self.device.type == "cuda" and not self.config.enforce_eager and getattr(self.ctx.backend, "supports_cuda_graphs", False):
             from engine.cuda_graphs import DecodeGraphs, PrefillGraphs, prefill_graph_sizes
-            self.graphs = DecodeGraphs(self)
-            sizes = prefill_graph_sizes(self.config)
-            if self.tp.size == 1 and sizes:
-                self.prefill_graphs = PrefillGraphs(self, sizes)
+            with self.layer_mode:
+                self.graphs = DecodeGraphs(self)
+                sizes = prefill_graph_sizes(self.config)
+                if self.tp.size == 1 and sizes:
+                    self.prefill_graphs = PrefillGraphs(self, sizes)
 
     def shutdown(self, return_to_driver: bool = True) -> None:
         """Give the device memory back now: the CUDA graphs, the KV cache and the weights are dropped and
@@ -177,7 +182,8 @@ class ModelRunner:
         tokens = [[i % vocab for i in range(seq_len)] for _ in range(num_seqs)]
         inputs = _prefill_inputs(tokens, self.block_size, blocks_per_seq)
         hidden = self.forward(inputs)
-        self.model.compute_logits(hidden[inputs.logits_indices.to(self.device)])
+        with self.layer_mode:
+            self.model.compute_logits(hidden[inputs.logits_indices.to(self.device)])
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(self.device) - before - scratch.numel() * scratch.element_size()
         del scratch, hidden
@@ -261,7 +267,8 @@ class ModelRunner:
             max_seqlen_q=inputs.max_seqlen_q, max_seqlen_k=inputs.max_seqlen_k, is_decode=inputs.is_decode,
             has_decode_rows=inputs.is_decode or has_decode_rows(inputs.cu_seqlens_q))
         try:
-            return self.model(input_ids, to(inputs.positions))
+            with self.layer_mode:
+                return self.model(input_ids, to(inputs.positions))
         finally:
             self.ctx.meta = None
 
@@ -275,7 +282,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
-        return self.model.compute_logits(self._sampled_rows(hidden, inputs))
+        with self.layer_mode:
+            return self.model.compute_logits(self._sampled_rows(hidden, inputs))
 
     def _sampled_rows(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
         index = inputs.logits_indices
@@ -342,7 +350,8 @@ class ModelRunner:
         """Token ids [S], sampled on each rank's vocabulary slice: the best of every rank's candidates.
         temperatures: rank 0's [S]; the other ranks pass None and receive them (unless every row is greedy)."""
         head = self.model.lm_head
-        logits = head.local_logits(self._sampled_rows(hidden, inputs))
+        with self.layer_mode:
+            logits = head.local_logits(self._sampled_rows(hidden, inputs))
         if plan.greedy:
             temperatures = None
         else:  # rank 0 holds them on its device only, with no host copy to send along with the step
@@ -354,7 +363,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample_async(self, logits: torch.Tensor, st: SamplingTensors, num_logprobs: int) -> "SampledTokens":
-        token_ids = sample(logits, st, self.generator, self.seed_generator)
+        with self.layer_mode:
+            token_ids = sample(logits, st, self.generator, self.seed_generator)
         self.last_sampled = token_ids
         parts = [token_ids]
         if num_logprobs >= 0:

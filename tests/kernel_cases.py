@@ -348,6 +348,7 @@ def _check_attention_layer_decode(triton_backend, torch_backend, device: str, dt
     takes its one-kernel path (decode_from_qkv), the torch one the eager layers; outputs and caches."""
     from engine.attention import AttentionMetadata, ForwardContext
     from engine.layers.attention import Attention
+    from engine.layers.fusion import plain_torch
     from engine.layers.norm import RMSNorm
     from engine.layers.rotary import RotaryEmbedding
 
@@ -374,20 +375,15 @@ def _check_attention_layer_decode(triton_backend, torch_backend, device: str, dt
         return out
 
     triton_backend.decode_from_qkv = recorded
-    saved = os.environ.get("REDLINE_COMPILE")
-    os.environ["REDLINE_COMPILE"] = "0"  # the eager layers, rounding at every op as the kernels emulate
     try:
-        for backend in (triton_backend, torch_backend):
-            layer = Attention(heads, kv_heads, head_dim, head_dim ** -0.5, ForwardContext(backend))
-            layer.k_cache, layer.v_cache = case.k_cache.clone(), case.v_cache.clone()
-            layer.ctx.meta = meta
-            outs.append(layer(qkv, positions, rotary, norms[0], norms[1]))
-            caches.append((layer.k_cache, layer.v_cache))
+        with plain_torch():  # the eager layers, rounding at every op as the kernels emulate
+            for backend in (triton_backend, torch_backend):
+                layer = Attention(heads, kv_heads, head_dim, head_dim ** -0.5, ForwardContext(backend))
+                layer.k_cache, layer.v_cache = case.k_cache.clone(), case.v_cache.clone()
+                layer.ctx.meta = meta
+                outs.append(layer(qkv, positions, rotary, norms[0], norms[1]))
+                caches.append((layer.k_cache, layer.v_cache))
     finally:
-        if saved is None:
-            del os.environ["REDLINE_COMPILE"]
-        else:
-            os.environ["REDLINE_COMPILE"] = saved
         del triton_backend.decode_from_qkv
     return {"layer_decode_fused_path": (float(fused != [True]), True),
             "layer_decode": (relative_error(outs[0], outs[1]), not outs[0].isnan().any().item()),
@@ -402,6 +398,7 @@ def check_qkv_prep(device: str, dtype: torch.dtype = torch.bfloat16, cache_dtype
     `*_q_exact_share` is the share of query elements that differ from the eager layers' at all.
     """
     from engine.kernels import qkv_prep
+    from engine.layers.fusion import plain_torch
     from engine.layers.norm import RMSNorm
     from engine.layers.rotary import RotaryEmbedding
 
@@ -429,17 +426,10 @@ def check_qkv_prep(device: str, dtype: torch.dtype = torch.bfloat16, cache_dtype
         q_ref, k_ref = q_ref.reshape(-1, heads, head_dim), k_ref.reshape(-1, kv_heads, head_dim)
         v_ref = v_ref.reshape(-1, kv_heads, head_dim)
         # the eager layers (torch.compile'd chains round once at the end, eager ops at every step)
-        saved = os.environ.get("REDLINE_COMPILE")
-        os.environ["REDLINE_COMPILE"] = "0"
-        try:
+        with plain_torch():
             if has_norm:
                 q_ref, k_ref = norms[0](q_ref), norms[1](k_ref)
             q_ref, k_ref = rotary(positions, q_ref, k_ref)
-        finally:
-            if saved is None:
-                del os.environ["REDLINE_COMPILE"]
-            else:
-                os.environ["REDLINE_COMPILE"] = saved
         cache_ref = [c.clone() for c in caches]
         keep = slots >= 0
         cache_ref[0].view(-1, kv_heads, head_dim)[slots[keep]] = k_ref[keep].to(cache_ref[0].dtype)
@@ -555,9 +545,7 @@ def check_norm_act(device: str, dtype: torch.dtype = torch.bfloat16) -> dict:
     from engine.layers import fusion
 
     results = {}
-    saved = os.environ.get("REDLINE_COMPILE")
-    os.environ["REDLINE_COMPILE"] = "0"  # the fusion functions below run their eager torch path
-    try:
+    with fusion.plain_torch():  # the fusion functions below run their eager torch path
         for rows, hidden in ((1, 64), (5, 96), (3, 1024)):
             name = f"rms_{rows}x{hidden}"
             gen = torch.Generator().manual_seed(rows * hidden)
@@ -578,11 +566,6 @@ def check_norm_act(device: str, dtype: torch.dtype = torch.bfloat16) -> dict:
             if dtype == torch.bfloat16:
                 results[f"{name}_add_exact_share"] = (float((out != ref).float().mean().item()), True)
                 results[f"silu_{rows}x{hidden}_exact_share"] = (float((act != act_ref).float().mean().item()), True)
-    finally:
-        if saved is None:
-            del os.environ["REDLINE_COMPILE"]
-        else:
-            os.environ["REDLINE_COMPILE"] = saved
     return results
 
 

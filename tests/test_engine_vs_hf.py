@@ -86,3 +86,24 @@ def test_async_scheduling_keeps_tokens_identical(reference):
     assert got == expected + expected[-6:]
     assert llm.scheduler.num_preemptions > 0 and llm.block_manager.num_cache_hits > 0
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+def test_plain_torch_layers_keep_tokens_identical(reference):
+    """fused_layers=False (a debugging option) runs the model inside fusion.plain_torch(); the tokens are
+    transformers' all the same."""
+    from engine.layers import fusion
+
+    model_dir, prompts, expected = reference
+    llm = LLM(str(model_dir), device="cpu", kvcache_block_size=8, fused_layers=False)
+    modes = []
+    decoder = llm.runner.model.model
+    forward = decoder.forward
+
+    def recorded(*args):
+        modes.append(fusion._PLAIN_TORCH.get())
+        return forward(*args)
+
+    decoder.forward = recorded
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
+    assert [o.token_ids for o in outs] == expected
+    assert modes and all(modes)

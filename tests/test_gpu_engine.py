@@ -42,11 +42,10 @@ def _prompts(n=32, seed=3):
     return [(shared if i % 2 else []) + [rng.randrange(3, 500) for _ in range(rng.randint(5, 400))] for i in range(n)]
 
 
-@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager-ops"])
-def test_prompt_logits_match_transformers_bf16(gpu_checkpoint, hf_model, hf_fp32, compiled, monkeypatch):
-    monkeypatch.setenv("REDLINE_COMPILE", "1" if compiled else "0")
+@pytest.mark.parametrize("fused", [True, False], ids=["compiled", "eager-ops"])
+def test_prompt_logits_match_transformers_bf16(gpu_checkpoint, hf_model, hf_fp32, fused):
     llm = LLM(str(gpu_checkpoint), device="cuda", dtype="bfloat16", kvcache_block_size=16,
-              num_kvcache_blocks=512, enforce_eager=True)
+              num_kvcache_blocks=512, enforce_eager=True, fused_layers=fused)
     runner = llm.runner
     errors = []
     for prompt in _prompts(6):

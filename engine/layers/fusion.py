@@ -4,16 +4,38 @@ RMSNorm (with the residual add) and SiLU·mul run as the engine's Triton kernels
 and so do the projections of small decode batches (engine/kernels/gemv.py), which take the norm or the
 SiLU·mul before them into their prologue;
 the other chains are compiled by torch.compile once (dynamic shapes) the first time they see a CUDA
-tensor. Set REDLINE_COMPILE=0 to keep everything eager.
+tensor. Inside plain_torch() everything stays eager PyTorch: the model runner enters it for an engine
+built with fused_layers=False (EngineConfig), tests for a reference of eager ops.
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 import importlib
-import os
 
 import torch
 import torch.nn.functional as F
+
+# True inside plain_torch(): a context variable, so that engines in one process keep their own
+_PLAIN_TORCH = contextvars.ContextVar("redline_plain_torch", default=False)
+
+
+class PlainTorch:
+    """Context manager (reusable, reentrant): the functions here take their eager PyTorch path inside it."""
+
+    def __init__(self):
+        self._tokens: list[contextvars.Token] = []
+
+    def __enter__(self) -> None:
+        self._tokens.append(_PLAIN_TORCH.set(True))
+
+    def __exit__(self, *exc) -> None:
+        _PLAIN_TORCH.reset(self._tokens.pop())
+
+
+def plain_torch() -> PlainTorch:
+    """`with plain_torch():` no Triton kernel and no torch.compile in the functions here."""
+    return PlainTorch()
 
 
 def fused(fn):
@@ -21,7 +43,7 @@ def fused(fn):
 
     def run(x: torch.Tensor, *args):
         nonlocal compiled
-        if x.is_cuda and os.environ.get("REDLINE_COMPILE", "1") != "0":
+        if x.is_cuda and not _PLAIN_TORCH.get():
             if compiled is None:
                 # round where eager torch rounds, so fused and eager results agree bit for bit in bf16
                 compiled = torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})
@@ -42,9 +64,9 @@ def _kernel_module(name: str):
 
 
 def _kernels_for(x: torch.Tensor, weight: torch.Tensor | None = None, name: str = "norm_act"):
-    """The Triton kernel module `name` if its kernels apply to x (CUDA, fusion on, weight of x's dtype),
-    else None."""
-    if not x.is_cuda or os.environ.get("REDLINE_COMPILE", "1") == "0":
+    """The Triton kernel module `name` if its kernels apply to x (CUDA, outside plain_torch(), weight of x's
+    dtype), else None."""
+    if not x.is_cuda or _PLAIN_TORCH.get():
         return None
     if weight is not None and weight.dtype != x.dtype:
         return None
