@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import subprocess
 import sys
@@ -56,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="auto: the model's dtype; fp8: a one-byte KV cache (lossy, opt-in)")
     e.add_argument("--device", default="auto")
+    r = parser.add_argument_group("record")
+    r.add_argument("--commit", default=None,
+                   help="the commit the JSON record names (default: git rev-parse --short HEAD of this checkout)")
 
 
 def resolve_model(model: str) -> str:
@@ -162,9 +164,10 @@ def gpu_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
-def git_commit() -> str:
-    if os.environ.get("REDLINE_COMMIT"):
-        return os.environ["REDLINE_COMMIT"]
+def git_commit(commit: str | None = None) -> str:
+    """`commit` if given (--commit), else this checkout's HEAD, or "unknown"."""
+    if commit:
+        return commit
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
                              capture_output=True, text=True, timeout=10)
@@ -264,7 +267,7 @@ def run(args: argparse.Namespace) -> dict:
         floor = floor_seconds(config.hf_config, prompts, params, bandwidth,
                               config.torch_dtype.itemsize, config.tensor_parallel_size, config.kv_torch_dtype.itemsize)
     record = {
-        "gpu": gpu, "commit": git_commit(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "gpu": gpu, "commit": git_commit(getattr(args, "commit", None)), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "model": Path(resolve_model(args.model)).name, "backend": llm.runner.ctx.backend.name
         if hasattr(llm.runner, "ctx") else args.attention_backend,
         "enforce_eager": args.enforce_eager, "kv_cache_dtype": config.kv_cache_dtype, "num_seqs": args.num_seqs,

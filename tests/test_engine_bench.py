@@ -49,6 +49,12 @@ def test_run_prints_one_json_record(capsys):
     assert json.loads(last_line) == record
 
 
+def test_the_record_names_the_commit_given_or_the_checkouts():
+    assert bench.git_commit("abc1234") == "abc1234"
+    assert parse("--commit", "abc1234").commit == "abc1234"
+    assert bench.git_commit(None) == bench.git_commit()
+
+
 def test_kernels_compiled_during_the_timed_run_are_counted_and_reported(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     assert bench.compiled_kernels() == 0
