@@ -1,14 +1,13 @@
-"""Writes engine/builtin/tiny-qwen3: a Qwen3-shaped config and a small byte-level BPE tokenizer.
-
-The weights are not shipped: the engine builds them with load_format="dummy". Re-run this script only
-to change the built-in model.
+"""Writes engine/builtin/tiny-qwen3 (the built-in model "tiny"): a Qwen3-shaped config and a small byte-level BPE
+tokenizer. The weights are not shipped: the engine builds them with load_format="dummy".
+    python3 -m engine.builtin.make_tiny_model        (only to change the built-in model)
 """
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3Config
 
-OUT = Path(__file__).resolve().parent.parent / "engine" / "builtin" / "tiny-qwen3"
+OUT = Path(__file__).resolve().parent / "tiny-qwen3"
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"

@@ -1,7 +1,6 @@
-"""The engine's Triton kernels compiled for a GPU that this machine need not have, as the engine would launch
-them, with counts from their IR and PTX: where a kernel does more work than its shapes need.
-
-    PYTHONPATH=. python3 scripts/kernel_ir.py [--kernels sampling,rms_norm,...] [--arch 90] [--dump DIR]
+"""The engine's Triton kernels compiled for a GPU this machine need not have, as the engine would launch them, with
+counts from their IR and PTX: where a kernel does more work than its shapes need. No number here is a time.
+    python3 bench/kernel_ir.py [--kernels sampling,rms_norm,...] [--arch 90] [--dump DIR]     (no GPU needed)
 
 Each case calls the engine's own Python wrapper on CPU tensors of the engine's shapes (Qwen3-0.6B), with
 the kernel's launch intercepted: Triton's binder specialises the arguments as a launch on the GPU would
@@ -9,10 +8,8 @@ the kernel's launch intercepted: Triton's binder specialises the arguments as a 
 and the kernel is compiled for `--arch` (sm_90: H100/H200) without running. Printed per kernel, per thread:
 PTX instructions, 32-bit high multiplies (Philox rounds, hashing), fast logs, global loads by width,
 shared-memory loads/stores, barriers, warp shuffles, and the IR's layout conversions; with ptxas on the
-path (Triton ships one), registers and spills. --dump writes each kernel's TTGIR and PTX.
-
-No number here is a time. It found that the Gumbel sampling kernel computed each Philox call four times
-(docs/kernels-notes.md); a count that moves is a lead to time on the GPU, not a result.
+path (Triton ships one), registers and spills. --dump writes each kernel's TTGIR and PTX. A count that
+moves is a lead to time on the GPU, not a result.
 """
 from __future__ import annotations
 
@@ -143,23 +140,30 @@ def case_gemv(rows: int, n: int, k: int, norm: bool = False, gated: bool = False
 
 def case_fused_decode(rows: int):
     """The fused decode kernel at one row after the GEMV, or at `rows` rows after cuBLAS (longest first),
-    with the H100's split count (132 SMs) and the CUDA tiles."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from fused_decode_cases import _problem
-
+    with the H100's split count (132 SMs) and the CUDA tiles, over a cache of 256-position pages."""
     from engine.kernels.fused_decode import fused_decode
     from engine.kernels.paged_decode import DecodeConfig, choose_num_splits, decode_order
 
+    page = 256
     lens = [1024] if rows == 1 else [(37 * i) % 2000 + 1 for i in range(rows)]
-    qkv, positions, slots, seqlens, tables, caches, cos, sin, (qw, kw) = _problem(
-        HEADS, KV_HEADS, HEAD_DIM, 256, lens, True, 0, torch.bfloat16, "cpu", 0)
-    qkv = qkv.contiguous()  # the tests' rows are a strided view; the engine's come from a GEMM, 4,096 apart
+    pages = [-(-n // page) for n in lens]
+    tables = torch.zeros(rows, max(pages), dtype=torch.int32)
+    first = 0
+    for row, n in enumerate(pages):
+        tables[row, :n] = torch.arange(first, first + n, dtype=torch.int32)
+        first += n
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    positions = (seqlens - 1).to(torch.int64)
+    slots = torch.tensor([int(tables[r, (n - 1) // page]) * page + (n - 1) % page for r, n in enumerate(lens)])
+    caches = [_bf16(first, page, KV_HEADS, HEAD_DIM) for _ in range(2)]
+    table = torch.randn(4096, HEAD_DIM // 2)
+    qkv = _bf16(rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM)  # contiguous rows, as the engine's GEMM writes them
     config = DecodeConfig()
     splits = choose_num_splits(rows, KV_HEADS, max(lens), config.block_n, 132, config.grid_programs_per_sm)
     counters = torch.zeros(rows * KV_HEADS, dtype=torch.int32)
-    return lambda: fused_decode(qkv, positions, cos, sin, qw, kw, 1e-6, caches[0], caches[1], slots, seqlens, tables,
-                                max(lens), HEAD_DIM ** -0.5, HEADS, KV_HEADS, counters,
-                                order=None if rows == 1 else decode_order(seqlens), num_splits=splits,
+    return lambda: fused_decode(qkv, positions, table, table, _bf16(HEAD_DIM), _bf16(HEAD_DIM), 1e-6, caches[0],
+                                caches[1], slots, seqlens, tables, max(lens), HEAD_DIM ** -0.5, HEADS, KV_HEADS,
+                                counters, order=None if rows == 1 else decode_order(seqlens), num_splits=splits,
                                 config=config, after_gemv=rows == 1)
 
 

@@ -1,7 +1,6 @@
-"""Tensor parallelism on a 2-GPU machine: TP=2 vs TP=1 greedy agreement, then nano-bench at each size.
-
-    python scripts/tp_check.py --out $OUT            (Qwen3-8B shape, dummy weights)
-    python scripts/tp_check.py --out $OUT --enforce-eager --skip-bench --skip-failure-check
+"""Reproduces docs/performance.md's TP=2 / TP=1 figure on a 2-GPU machine (Qwen3-8B shape, dummy weights), with
+TP=2 against TP=1 greedy agreement and the failed-rank check of docs/tensor-parallel.md.
+    python3 bench/tp_check.py --out DIR           (--skip-bench, --skip-failure-check, engine.bench's options)
 
 One engine per tensor-parallel size, one after the other, each freed before the next. On each: greedy
 completions of --num-prompts random prompts (ignore_eos, --max-new tokens), then engine.bench's workload
@@ -34,7 +33,6 @@ for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTIC
     os.environ.setdefault(_name, _value)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-TARGET_RATIO = 1.7
 LOG = None
 OUT_DIR = Path("out")
 
@@ -84,7 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--failure-model", default="qwen3-0.6b",
                         help="model of the failure check (config dir or shipped config name)")
     parser.set_defaults(model="qwen3-8b")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    bench.check_arguments(args)  # prompt ids cut to the model's vocabulary, as the bench draws them
+    return args
 
 
 @contextmanager
@@ -134,7 +134,8 @@ def time_bench(llm, args: argparse.Namespace) -> dict:
     config = llm.config
     floor = (bench.floor_seconds(config.hf_config, prompts, params, bandwidth, config.torch_dtype.itemsize,
                                  config.tensor_parallel_size) if bandwidth else None)
-    return {"gpu": gpu, "commit": bench.git_commit(), "date": time.strftime("%Y-%m-%d", time.gmtime()),
+    commit = bench.git_commit(getattr(args, "commit", None))
+    return {"gpu": gpu, "commit": commit, "date": time.strftime("%Y-%m-%d", time.gmtime()),
             "model": Path(bench.resolve_model(args.model)).name, "backend": llm.runner.ctx.backend.name,
             "tensor_parallel_size": config.tensor_parallel_size, "enforce_eager": args.enforce_eager,
             "num_seqs": args.num_seqs, "tokens": tokens, "expected_tokens": sum(p.max_tokens for p in params),
@@ -207,7 +208,10 @@ def failure_check(args: argparse.Namespace) -> dict:
 
     def kill():
         killed_at.append(time.perf_counter())
-        os.kill(pid, signal.SIGKILL)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:  # the rank is gone already: the check below says so
+            pass
 
     threading.Timer(2.0, kill).start()
     with deadline("failure check: generate after SIGKILL of rank 1", 45):
@@ -288,8 +292,8 @@ def main(argv=None) -> int:
             f"identical; first divergences at {summary['greedy']['first_divergence_positions']}")
         if "bench" in results[base] and "bench" in results[top]:
             ratio = results[top]["bench"]["tok_s"] / results[base]["bench"]["tok_s"]
-            summary.update(tp_speedup=round(ratio, 3), target=TARGET_RATIO, meets_target=ratio >= TARGET_RATIO)
-            log(f"throughput TP={top} / TP={base} = {ratio:.2f}x (target {TARGET_RATIO}x)")
+            summary["tp_speedup"] = round(ratio, 3)
+            log(f"throughput TP={top} / TP={base} = {ratio:.2f}x")
     summary["runs"] = {tp: {k: v for k, v in r.items() if k != "greedy"} for tp, r in results.items()}
     (out / "tp_check.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps({k: v for k, v in summary.items() if k != "runs"}), flush=True)

@@ -1,7 +1,6 @@
-"""Time to first token of one prompt: the wall time of a one-token generate, the host time of its prefill
-forward (Python and launches, not waiting for the device) and the device time of that forward.
-
-    PYTHONPATH=. python3 scripts/prefill_time.py [--lengths 128,512,2048] [--repeats 5] [bench options]
+"""Reproduces docs/performance.md's time to a lone prompt's first token: the wall time of a one-token generate, the
+host time of its prefill forward (Python and launches) and its device time; --enforce-eager for the eager prefill.
+    python3 bench/first_token.py [--lengths 16,128,512,2048] [--repeats 5] [--enforce-eager] [engine.bench's options]
 
 Each repeat uses a fresh prompt (no prefix-cache hit). Prints one JSON line of medians in ms by length.
 """
@@ -11,20 +10,25 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from engine import bench
-from engine.sampling_params import SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tree this script is in
+
+from engine import bench  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    parser.add_argument("--lengths", default="128,512,2048")
+    parser.add_argument("--lengths", default="16,128,512,2048")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
+    bench.check_arguments(args)  # prompt ids cut to the model's vocabulary, as the bench draws them
     llm = bench.build_llm(args)
     runner = llm.runner
     forward = runner.forward
@@ -63,7 +67,8 @@ def main() -> None:
                 rows["forward_device_ms"].append(start.elapsed_time(end))
         results[length] = {k: round(statistics.median(v), 3) for k, v in rows.items()}
         print(f"{length} tokens: {results[length]}", flush=True)
-    print(json.dumps({"gpu": bench.gpu_name(), "commit": bench.git_commit(), "model": args.model,
+    commit = bench.git_commit(getattr(args, "commit", None))
+    print(json.dumps({"gpu": bench.gpu_name(), "commit": commit, "model": args.model,
                       "prefill": results}))
     llm.shutdown()
 

@@ -1,26 +1,30 @@
-"""Where the bench workload's time goes: wall time by step kind, and (with --profile) GPU time by kernel.
-
-    PYTHONPATH=. python3 scripts/bench_profile.py --model qwen3-8b [--tensor-parallel-size 2] \
-        [--profile] [--out DIR]
+"""Reproduces docs/performance.md's split of nano-bench: each decode step's wall time booked by its rows against
+that range's floor, and (--profile) the GPU time by kernel kind.
+    python3 bench/bench_profile.py [--profile] [--trace 30-30,500-500] [--out DIR] [engine.bench's options]
 
 Runs nano-vllm's workload once after the bench's warm-up, stepping the engine by hand. Each step's wall
 time is booked to "prefill" when the step scheduled prompt tokens, else to "decode". With async
 scheduling a step's wall time is mostly the device time of the step launched before it, so the split is
 good to one step at each phase change. --profile runs the workload a second time under torch.profiler
 (rank 0's GPU only) and sums kernel time by kind; the profiler slows the host, so its wall time is not
-the bench's. Prints one JSON line, with the decode steps' seconds and floor by row range (decode_by_rows).
+the bench's, and a kernel launched with programmatic dependent launch may start inside the one before it
+and wait there, so kernel sums overlap (bench/decode_attention.py times the attention alone). --trace
+writes Chrome traces of chosen steps on every rank (bench/trace_summary.py reads them). Prints one JSON line.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-from engine import bench
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tree this script is in
+
+from engine import bench  # noqa: E402
 
 KINDS = (  # first match wins; kernel names are lower-cased
     ("all-reduce", ("all_reduce", "allreduce", "nccl", "one_shot", "pushed_sum")),
@@ -108,16 +112,17 @@ def run_steps(llm, prompts, params, trace: dict | None = None, decode: list | No
             "steps_by_kind": dict(steps)}
 
 
-HOST_PHASES = (("scheduler", "schedule"), ("runner", "prepare_inputs"), ("runner", "launch"), ("", "_collect"),
-               ("", "_sampling_tensors"))
+HOST_PHASES = (("scheduler", "schedule"), ("runner", "prepare_inputs"), ("runner", "launch"))
 
 
 def annotate_host(llm) -> None:
     """Name the engine's host phases in traces: each method of HOST_PHASES runs inside a profiler range
     ("host: schedule", ...), which trace_summary.py --gaps matches against the device's idle stretches."""
     for owner_name, method in HOST_PHASES:
-        owner = getattr(llm, owner_name) if owner_name else llm
-        inner = getattr(owner, method)
+        owner = getattr(llm, owner_name)
+        inner = getattr(owner, method, None)
+        if inner is None:  # a tensor-parallel driver without this phase: nothing to name
+            continue
 
         def wrapped(*args, _inner=inner, _label=f"host: {method}", **kwargs):
             with torch.profiler.record_function(_label):
@@ -148,6 +153,7 @@ def main() -> None:
                         help="after the timed run, run the workload again and write a Chrome trace of every rank's GPU "
                              "for each range of step indices (0 is the first step), e.g. 0-1,400-401")
     args = parser.parse_args()
+    bench.check_arguments(args)  # prompt ids cut to the model's vocabulary, as the bench draws them
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts, params = bench.make_workload(args)
@@ -155,7 +161,8 @@ def main() -> None:
     bench.warm_up(llm, args)
     compiles = bench.watch_compiles()
     decode = []
-    record = {"gpu": bench.gpu_name(), "commit": bench.git_commit(), "model": args.model,
+    commit = bench.git_commit(getattr(args, "commit", None))
+    record = {"gpu": bench.gpu_name(), "commit": commit, "model": args.model,
               "tp": args.tensor_parallel_size, **run_steps(llm, prompts, params, decode=decode)}
     bandwidth = args.bandwidth or bench.default_bandwidth(record["gpu"])
     record["decode_by_rows"] = by_rows(decode, llm.config.hf_config, bandwidth)

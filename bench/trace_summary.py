@@ -1,7 +1,6 @@
-"""Read a Chrome trace written by `bench_profile.py --trace`: GPU time by stream and kernel kind, copies
-with their bandwidth, and the device timeline of one stretch of the main stream.
-
-    python3 scripts/trace_summary.py out/trace_tp2_steps0-1.json [--timeline 40] [--skip 400]
+"""Reads a Chrome trace written by `bench/bench_profile.py --trace`: GPU time by stream and kernel kind, copies with
+their bandwidth, the device timeline of one stretch of the main stream, and (--gaps) its longest idle stretches.
+    python3 bench/trace_summary.py out/trace_tp1_steps500-500.json [--timeline 40] [--skip 400] [--gaps 10]
 """
 from __future__ import annotations
 

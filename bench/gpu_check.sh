@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One GPU call: the GPU tests (engine against HF transformers in bf16, the kernels), then the runs behind
+# docs/performance.md's engine figures (nano-bench, batch 1, fp8 KV).   bash bench/gpu_check.sh
+#   logs under $OUT (default ./out); TESTS=... picks test files, SKIP_TESTS=1 skips them, BENCH_ARGS go to each run
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-out}"; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>&1 | tee "$OUT/gpu.txt"
+status=0
+if [ -z "${SKIP_TESTS:-}" ]; then
+  timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+    ${TESTS:-tests/test_gpu_engine.py tests/test_kernels.py} 2>&1 | tee "$OUT/gpu_tests.log" || status=1
+fi
+# each run its own process; the first engine process on a fresh machine runs a few percent slower
+timeout "${BENCH_TIMEOUT:-300}" python3 -m engine.bench ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || status=1
+timeout "${BENCH_TIMEOUT:-300}" python3 -m engine.bench --num-seqs 1 --min-input-len 512 --max-input-len 512 \
+  --min-output-len 512 --max-output-len 512 ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_batch1.log" || status=1
+timeout "${BENCH_TIMEOUT:-300}" python3 -m engine.bench --kv-cache-dtype fp8 ${BENCH_ARGS:-} 2>&1 \
+  | tee "$OUT/bench_fp8.log" || status=1
+echo "== summary"; grep -h '^{' "$OUT"/bench*.log; tail -n 1 "$OUT/gpu_tests.log" 2>/dev/null
+exit $status
