@@ -180,7 +180,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         vocab = self.config.hf_config.vocab_size
         tokens = [[i % vocab for i in range(seq_len)] for _ in range(num_seqs)]
-        inputs = _prefill_inputs(tokens, self.block_size, blocks_per_seq)
+        inputs = prefill_inputs(tokens, self.block_size, blocks_per_seq)
         hidden = self.forward(inputs)
         with self.layer_mode:
             self.model.compute_logits(hidden[inputs.logits_indices.to(self.device)])
@@ -406,7 +406,7 @@ def _pending(rows: list[int], src: list[int]) -> dict:
     return {"pending_rows": torch.tensor(rows, dtype=torch.int64), "pending_src": torch.tensor(src, dtype=torch.int64)}
 
 
-def _prefill_inputs(tokens: list[list[int]], block_size: int, blocks_per_seq: int) -> StepInputs:
+def prefill_inputs(tokens: list[list[int]], block_size: int, blocks_per_seq: int) -> StepInputs:
     """Inputs of a batch of fresh prompts laid out in consecutive blocks (memory profiling)."""
     ids, pos, slots, cu, lens, tables = [], [], [], [0], [], []
     for i, t in enumerate(tokens):

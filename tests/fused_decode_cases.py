@@ -45,7 +45,7 @@ FP8_GPU_CASES = [
 ]
 
 
-def _problem(heads: int, kv_heads: int, head_dim: int, page: int, lens: list[int], has_norm: bool,
+def decode_problem(heads: int, kv_heads: int, head_dim: int, page: int, lens: list[int], has_norm: bool,
              padding: int, dtype: torch.dtype, device: str, seed: int, cache_dtype: torch.dtype | None = None):
     """qkv rows (a strided view), positions, slots of each sequence's last position, block tables over a
     shuffled pool with spare noise blocks, caches (of cache_dtype, default dtype), rotary tables and norm
@@ -91,7 +91,7 @@ def check_fused_decode(cases, device: str, dtype: torch.dtype = torch.bfloat16,
 
     results = {}
     for seed, (name, heads, kv_heads, head_dim, page, lens, has_norm, splits, ordered, padding) in enumerate(cases):
-        qkv, positions, slots, seqlens, tables, caches, cos, sin, (qw, kw) = _problem(
+        qkv, positions, slots, seqlens, tables, caches, cos, sin, (qw, kw) = decode_problem(
             heads, kv_heads, head_dim, page, lens, has_norm, padding, dtype, device, seed, cache_dtype)
         max_len = max(lens)
         order = decode_order(seqlens) if ordered else None
@@ -139,7 +139,7 @@ def check_cache_strides(cases, device: str, dtype: torch.dtype = torch.bfloat16)
 
     results = {}
     for seed, (name, heads, kv_heads, head_dim, page, lens, has_norm, splits, ordered, padding) in enumerate(cases):
-        qkv, positions, slots, seqlens, tables, caches, cos, sin, (qw, kw) = _problem(
+        qkv, positions, slots, seqlens, tables, caches, cos, sin, (qw, kw) = decode_problem(
             heads, kv_heads, head_dim, page, lens, has_norm, padding, dtype, device, seed)
         outs, stored = [], []
         for head_major in (False, True):

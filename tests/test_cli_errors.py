@@ -104,8 +104,8 @@ def test_argparse_errors_stay_usage_and_one_error_line():
 def flash_attention_runs_here() -> bool:
     import torch
 
-    from engine.attention import _flash_available
-    return torch.cuda.is_available() and _flash_available()
+    from engine.attention import flash_available
+    return torch.cuda.is_available() and flash_available()
 
 
 # each case is a worker that must refuse before it serves: (flags, words its one line says)

@@ -13,7 +13,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine import model_runner
-from engine.model_runner import _prefill_inputs
+from engine.model_runner import prefill_inputs
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -24,7 +24,7 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 
 def _prompt_logits(llm, prompt: list[int], block_size: int) -> torch.Tensor:
     runner = llm.runner
-    inputs = _prefill_inputs([prompt], block_size, -(-len(prompt) // block_size))
+    inputs = prefill_inputs([prompt], block_size, -(-len(prompt) // block_size))
     inputs.logits_indices = torch.arange(len(prompt))
     with torch.inference_mode():
         return runner.compute_logits(runner.forward(inputs), inputs)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fused_decode_cases import FP8_CPU_CASES, FP8_GPU_CASES, GPU_CASES, _problem, check_fused_decode  # noqa: E402
+from fused_decode_cases import FP8_CPU_CASES, FP8_GPU_CASES, GPU_CASES, decode_problem, check_fused_decode  # noqa: E402
 from interpreter import run_under_interpreter  # noqa: E402
 from test_kernels import assert_results  # noqa: E402
 
@@ -83,7 +83,7 @@ def test_first_tile_prefetch_leaves_one_sequence_decode_unchanged(monkeypatch, l
     from engine.kernels.fused_decode import fused_decode
 
     heads, kv_heads, splits = 16, 8, 32
-    qkv, positions, slots, seqlens, tables, caches, cos, sin, (qw, kw) = _problem(
+    qkv, positions, slots, seqlens, tables, caches, cos, sin, (qw, kw) = decode_problem(
         heads, kv_heads, 128, 256, lens, True, 0, torch.bfloat16, "cuda", 5)
     results = []
     assert kernel.prefetch_applies(qkv)

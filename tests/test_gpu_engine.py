@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.model_runner import _prefill_inputs
+from engine.model_runner import prefill_inputs
 from tests.conftest import make_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -49,7 +49,7 @@ def test_prompt_logits_match_transformers_bf16(gpu_checkpoint, hf_model, hf_fp32
     runner = llm.runner
     errors = []
     for prompt in _prompts(6):
-        inputs = _prefill_inputs([prompt], 16, -(-len(prompt) // 16))
+        inputs = prefill_inputs([prompt], 16, -(-len(prompt) // 16))
         inputs.logits_indices = torch.arange(len(prompt))
         ids = torch.tensor([prompt], device="cuda")
         with torch.inference_mode():
@@ -269,9 +269,9 @@ def test_prefill_graphs_give_the_logits_of_eager_prefills(gpu_checkpoint, free_g
 
     cases = []
     for prompt in _prompts(n=6, seed=5):
-        cases.append(both(_prefill_inputs([prompt], block, -(-len(prompt) // block))))
+        cases.append(both(prefill_inputs([prompt], block, -(-len(prompt) // block))))
         if len(prompt) > block + 1:  # the tokens past the first block, over the first block in the cache
-            whole = _prefill_inputs([prompt], block, -(-len(prompt) // block))
+            whole = prefill_inputs([prompt], block, -(-len(prompt) // block))
             n = len(prompt) - block
             tail = StepInputs(whole.input_ids[block:], whole.positions[block:], whole.slot_mapping[block:],
                               torch.tensor([0, n], dtype=torch.int32), whole.seqlens_k, whole.block_tables,

@@ -22,7 +22,7 @@ TIGHT_CACHE = dict(device="cpu", kvcache_block_size=4, num_kvcache_blocks=40, ma
                    max_num_batched_tokens=32, enable_prefix_caching=True)
 
 
-def _prompts(seed: int = 1) -> list[list[int]]:
+def tp_prompts(seed: int = 1) -> list[list[int]]:
     rng = random.Random(seed)
     prefix = [rng.randrange(3, 500) for _ in range(24)]
     fresh = [[rng.randrange(3, 500) for _ in range(rng.randint(1, 50))] for _ in range(12)]
@@ -41,12 +41,12 @@ def _spawned_children() -> list[int]:
     return pids
 
 
-def _assert_gone(pids: list[int]) -> None:
+def assert_ranks_gone(pids: list[int]) -> None:
     assert not [pid for pid in pids if psutil.pid_exists(pid)]
     assert _spawned_children() == []
 
 
-def _run(llm: LLM, prompts, params) -> list[list[int]]:
+def generate_ids(llm: LLM, prompts, params) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
@@ -58,7 +58,7 @@ def _run_on_two_gpus(script: str, checkpoint, mode: str, timeout: float, prompts
     import sys
 
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
-    proc = subprocess.run([sys.executable, "-c", script, str(checkpoint), json.dumps(prompts or _prompts()), mode],
+    proc = subprocess.run([sys.executable, "-c", script, str(checkpoint), json.dumps(prompts or tp_prompts()), mode],
                           capture_output=True, text=True, env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -73,18 +73,18 @@ def test_tp_size_must_divide_attention_and_kv_heads(qwen3_checkpoint):
 
 @pytest.mark.timeout(300)
 def test_tp2_tokens_equal_tp1_with_prefix_cache_and_preemption(checkpoint):
-    prompts = _prompts()
+    prompts = tp_prompts()
     greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW)
     seeded = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=8, logprobs=2) for i in range(len(prompts))]
     tp1 = LLM(str(checkpoint), **TIGHT_CACHE)
-    expected_greedy = _run(tp1, prompts, greedy)
+    expected_greedy = generate_ids(tp1, prompts, greedy)
     expected_seeded = tp1.generate(prompts, seeded, use_tqdm=False)
 
     llm = LLM(str(checkpoint), tensor_parallel_size=2, **TIGHT_CACHE)
     pids = llm.runner.worker_pids
     try:
         assert llm.block_manager.num_blocks == 40
-        assert _run(llm, prompts, greedy) == expected_greedy
+        assert generate_ids(llm, prompts, greedy) == expected_greedy
         assert llm.scheduler.num_preemptions > 0
         assert llm.block_manager.num_cache_hits > 0
         assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
@@ -95,17 +95,17 @@ def test_tp2_tokens_equal_tp1_with_prefix_cache_and_preemption(checkpoint):
             assert [lp["logprob"] for lp in got.logprobs] == pytest.approx(want_logprobs, abs=1e-4)
     finally:
         llm.shutdown()
-    _assert_gone(pids)
+    assert_ranks_gone(pids)
 
 
 @pytest.mark.timeout(300)
 def test_tp2_async_scheduling_tokens_equal_tp1_with_prefix_cache_and_preemption(checkpoint, tmp_path):
-    prompts = _prompts(seed=2)
+    prompts = tp_prompts(seed=2)
     greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW)
     seeded = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=8) for i in range(len(prompts))]
     tp1 = LLM(str(checkpoint), **TIGHT_CACHE)
-    expected_greedy = _run(tp1, prompts, greedy)
-    expected_seeded = _run(tp1, prompts, seeded)
+    expected_greedy = generate_ids(tp1, prompts, greedy)
+    expected_seeded = generate_ids(tp1, prompts, seeded)
 
     llm = LLM(str(checkpoint), tensor_parallel_size=2, async_scheduling=True, **TIGHT_CACHE)
     pids = llm.runner.worker_pids
@@ -113,16 +113,16 @@ def test_tp2_async_scheduling_tokens_equal_tp1_with_prefix_cache_and_preemption(
         assert llm.async_scheduling
         # rank 1 traces its device over this generate (a measurement hook that must not disturb the steps)
         llm.runner.trace_ranks(str(tmp_path / "trace_rank{rank}.json"))
-        assert _run(llm, prompts, greedy) == expected_greedy
+        assert generate_ids(llm, prompts, greedy) == expected_greedy
         llm.runner.trace_ranks(None)
         assert llm.scheduler.num_preemptions > 0
         assert llm.block_manager.num_cache_hits > 0
         assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
-        assert _run(llm, prompts, seeded) == expected_seeded  # acknowledged after rank 1 wrote the trace
+        assert generate_ids(llm, prompts, seeded) == expected_seeded  # acknowledged after rank 1 wrote the trace
         assert json.loads((tmp_path / "trace_rank1.json").read_text())["traceEvents"]
     finally:
         llm.shutdown()
-    _assert_gone(pids)
+    assert_ranks_gone(pids)
 
 
 @pytest.mark.timeout(120)
@@ -143,12 +143,12 @@ def test_killed_rank_with_async_scheduling_makes_generate_raise_and_leaves_no_pr
 
     llm.runner.launch = launch_then_kill
     with pytest.raises(RankFailedError, match=r"rank 1 \(pid \d+\) was killed by signal SIGKILL"):
-        _run(llm, _prompts(), SamplingParams(temperature=0, max_tokens=MAX_NEW))
+        generate_ids(llm, tp_prompts(), SamplingParams(temperature=0, max_tokens=MAX_NEW))
     assert steps <= 5
     assert time.monotonic() - start < 30  # the failure is noticed within seconds, never as a hang
-    _assert_gone(pids)
+    assert_ranks_gone(pids)
     with pytest.raises(RuntimeError, match="stopped earlier"):
-        _run(llm, _prompts()[:1], SamplingParams(temperature=0, max_tokens=2))
+        generate_ids(llm, tp_prompts()[:1], SamplingParams(temperature=0, max_tokens=2))
     llm.shutdown()
 
 
@@ -168,11 +168,11 @@ def test_killed_rank_makes_generate_raise_and_leaves_no_process(qwen3_checkpoint
 
     llm.runner.launch = launch_then_kill
     with pytest.raises(RankFailedError, match=r"rank 1 \(pid \d+\) was killed by signal SIGKILL"):
-        _run(llm, _prompts(), SamplingParams(temperature=0, max_tokens=MAX_NEW))
+        generate_ids(llm, tp_prompts(), SamplingParams(temperature=0, max_tokens=MAX_NEW))
     assert steps == 4
-    _assert_gone(pids)
+    assert_ranks_gone(pids)
     with pytest.raises(RuntimeError, match="stopped earlier"):
-        _run(llm, _prompts()[:1], SamplingParams(temperature=0, max_tokens=2))
+        generate_ids(llm, tp_prompts()[:1], SamplingParams(temperature=0, max_tokens=2))
     llm.shutdown()
 
 
@@ -180,13 +180,13 @@ def test_killed_rank_makes_generate_raise_and_leaves_no_process(qwen3_checkpoint
 def test_rank_that_raises_stops_the_engine_with_its_traceback(qwen3_checkpoint):
     llm = LLM(str(qwen3_checkpoint), device="cpu", tensor_parallel_size=2, kvcache_block_size=8)
     pids = llm.runner.worker_pids
-    assert _run(llm, _prompts()[:2], SamplingParams(temperature=0, max_tokens=4))
+    assert generate_ids(llm, tp_prompts()[:2], SamplingParams(temperature=0, max_tokens=4))
     workers = llm.runner._workers
     workers.send(("execute", {"not": "step inputs"}, False))  # rank 1 fails to build its step
     with pytest.raises(RankFailedError, match=r"rank 1 \(pid \d+\) raised an error") as failure:
         workers.collect("ok")
     assert "TypeError" in str(failure.value) and "rank 1 traceback" in str(failure.value)
-    _assert_gone(pids)
+    assert_ranks_gone(pids)
     llm.shutdown()
 
 
@@ -200,12 +200,12 @@ def test_startup_error_is_raised_as_is_and_leaves_no_process(qwen3_checkpoint):
 
 @pytest.mark.timeout(120)
 def test_engine_after_a_failed_one_starts_and_matches_tp1(qwen3_checkpoint):
-    prompts = _prompts()[:4]
+    prompts = tp_prompts()[:4]
     greedy = SamplingParams(temperature=0, max_tokens=8)
-    expected = _run(LLM(str(qwen3_checkpoint), device="cpu"), prompts, greedy)
+    expected = generate_ids(LLM(str(qwen3_checkpoint), device="cpu"), prompts, greedy)
     llm = LLM(str(qwen3_checkpoint), device="cpu", tensor_parallel_size=2)
     try:
-        assert _run(llm, prompts, greedy) == expected
+        assert generate_ids(llm, prompts, greedy) == expected
     finally:
         llm.shutdown()
 

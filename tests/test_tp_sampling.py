@@ -20,7 +20,7 @@ from engine.layers.sampler import pick_token, shard_best
 
 sys.path.insert(0, str(Path(__file__).parent))
 from interpreter import run_under_interpreter  # noqa: E402
-from test_tp import TIGHT_CACHE, _assert_gone, _prompts, _run  # noqa: E402
+from test_tp import TIGHT_CACHE, assert_ranks_gone, tp_prompts, generate_ids  # noqa: E402
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -158,21 +158,21 @@ def engines(qwen3_checkpoint):
     pids = tp2.runner.worker_pids
     yield tp1, tp2
     tp2.shutdown()
-    _assert_gone(pids)
+    assert_ranks_gone(pids)
 
 
 @pytest.mark.timeout(300)
 def test_tp2_greedy_and_plain_sampling_take_tokens_per_shard_without_gathering_logits(engines, monkeypatch):
     tp1, tp2 = engines
-    prompts = _prompts(seed=3)
+    prompts = tp_prompts(seed=3)
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     hot = SamplingParams(temperature=1.5, max_tokens=12, ignore_eos=True)
     mixed = [hot if i % 2 else greedy for i in range(len(prompts))]
     gathered = count_calls(monkeypatch, tp2.runner.runner, "compute_logits")
-    all_greedy = _run(tp2, prompts, greedy)
-    assert all_greedy == _run(tp1, prompts, greedy)
-    sampled = _run(tp2, prompts, mixed)
-    assert sampled[0::2] == _run(tp1, prompts, mixed)[0::2]  # greedy rows among sampled ones (the kernel's t = 0)
+    all_greedy = generate_ids(tp2, prompts, greedy)
+    assert all_greedy == generate_ids(tp1, prompts, greedy)
+    sampled = generate_ids(tp2, prompts, mixed)
+    assert sampled[0::2] == generate_ids(tp1, prompts, mixed)[0::2]  # greedy rows among sampled (the kernel's t = 0)
     assert sampled[1::2] != all_greedy[1::2]  # the noise reached the sampled rows
     assert all(0 <= t < 512 for tokens in sampled for t in tokens)
     assert gathered == []
@@ -181,7 +181,7 @@ def test_tp2_greedy_and_plain_sampling_take_tokens_per_shard_without_gathering_l
 @pytest.mark.timeout(300)
 def test_tp2_logprobs_and_top_k_gather_the_logits_and_equal_tp1(engines, monkeypatch):
     tp1, tp2 = engines
-    prompts = _prompts(seed=4)[:8]
+    prompts = tp_prompts(seed=4)[:8]
     params = [SamplingParams(temperature=0, max_tokens=6, logprobs=2),
               SamplingParams(temperature=0.8, top_k=5, seed=7, max_tokens=6)]
     gathered = count_calls(monkeypatch, tp2.runner.runner, "compute_logits")

@@ -49,7 +49,7 @@ def get_backend(name: str, device: torch.device, kv_cache_dtype: torch.dtype | N
             name = "torch"
         else:
             fp8 = kv_cache_dtype is not None and kv_cache_dtype.itemsize == 1
-            name = "flash" if _flash_available() and not fp8 else "triton"
+            name = "flash" if flash_available() and not fp8 else "triton"
     if name != "torch" and device.type != "cuda":
         raise ValueError(f"attention_backend={name!r} needs a CUDA device; use 'torch' on {device.type}")
     if name == "torch":
@@ -58,15 +58,16 @@ def get_backend(name: str, device: torch.device, kv_cache_dtype: torch.dtype | N
     if name == "triton":
         from engine.attention.triton_backend import TritonBackend
         return TritonBackend()
-    if not _flash_available():
+    if not flash_available():
         raise ValueError("attention_backend='flash' needs the flash_attn package (pip install 'redline[flash]')")
     from engine.attention.flash_backend import FlashBackend
     return FlashBackend()
 
 
-def _flash_available() -> bool:
+def flash_available() -> bool:
+    """Whether the flash backend can run here (the flash_attn package and what it needs)."""
     try:
-        from engine.attention.flash_backend import flash_available
+        from engine.attention.flash_backend import flash_available as installed
     except ImportError:
         return False
-    return flash_available()
+    return installed()

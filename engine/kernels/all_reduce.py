@@ -34,8 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.norm_act import _warps
-from engine.kernels.qkv_prep import _round
+from engine.kernels.common import round_to, row_warps
 
 BLOCK = 4096        # elements per program and loop step: 16 a thread, two 16-byte accesses
 WARPS = 8
@@ -151,11 +150,11 @@ def _one_shot_all_reduce(x_ptr, out_ptr, buf_ptrs, state, stop, n, slot, rank,
     for start in range(pid * BLOCK, full, programs * BLOCK):
         offs = start + cols
         total = _rank_order_sum(x_ptr, buf_ptrs, offs, whole, generation, slot, rank, stop, W, BITS, SENTINEL)
-        tl.store(out_ptr + offs, _round(total, dtype).to(dtype))  # rounded on the bits: see _round
+        tl.store(out_ptr + offs, round_to(total, dtype).to(dtype))  # rounded on the bits: see round_to
     if has_tail:
         offs = full + cols
         total = _rank_order_sum(x_ptr, buf_ptrs, offs, offs < n, generation, slot, rank, stop, W, BITS, SENTINEL)
-        tl.store(out_ptr + offs, _round(total, dtype).to(dtype), mask=offs < n)
+        tl.store(out_ptr + offs, round_to(total, dtype).to(dtype), mask=offs < n)
     tl.store(state + pid, calls + 1)
 
 
@@ -177,12 +176,12 @@ def _one_shot_all_reduce_add_rms_norm(x_ptr, residual_ptr, weight_ptr, out_ptr, 
     for row in range(pid, rows, programs):
         offs = row * hidden + cols
         total = _rank_order_sum(x_ptr, buf_ptrs, offs, mask, generation, slot, rank, stop, W, BITS, SENTINEL)
-        reduced = _round(total, dtype)
+        reduced = round_to(total, dtype)
         # rounded as engine/layers/fusion.add_rms_norm: the residual sum, the normalised row, the product
-        h = _round(reduced + tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32), dtype)
+        h = round_to(reduced + tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32), dtype)
         tl.store(residual_ptr + offs, h.to(dtype), mask=mask)
         inv = tl.math.rsqrt(tl.sum(h * h, axis=0) / hidden + eps)
-        tl.store(out_ptr + offs, _round(weight * _round(h * inv, dtype), dtype).to(dtype), mask=mask)
+        tl.store(out_ptr + offs, round_to(weight * round_to(h * inv, dtype), dtype).to(dtype), mask=mask)
     tl.store(state + pid, calls + 1)
 
 
@@ -216,4 +215,4 @@ def one_shot_all_reduce_add_rms_norm(x, residual, weight, eps: float, out, buf_p
     block = triton.next_power_of_2(hidden)
     _one_shot_all_reduce_add_rms_norm[(programs,)](
         x, residual, weight, out, buf_ptrs, state, stop, rows, hidden, slot_size(x.numel()), eps, rank,
-        W=world_size, BLOCK=block, GENERATIONS=GENERATIONS, **_bits(x.dtype), num_warps=_warps(block))
+        W=world_size, BLOCK=block, GENERATIONS=GENERATIONS, **_bits(x.dtype), num_warps=row_warps(block))

@@ -21,11 +21,12 @@ import triton
 import triton.language as tl
 
 from engine.kernels import gemv
+from engine.kernels.common import num_sms, round_to
 from engine.kernels.launch import launch_dependents, pdl_options, wait_for_previous
-from engine.kernels.paged_decode import (MAX_GRID_SEQS, DecodeConfig, _attend_range, _num_sms,
-                                         choose_num_splits, default_decode_config, grid_program, split_range)
+from engine.kernels.paged_decode import (MAX_GRID_SEQS, DecodeConfig, attend_range, choose_num_splits,
+                                         default_decode_config, grid_program, split_range)
 from engine.kernels.paged_tiles import LOG2E, check_paged_inputs, group_pad, prefetch_page_tile, to_cache, upcast_dot
-from engine.kernels.qkv_prep import _norm_rope, _round
+from engine.kernels.qkv_prep import norm_rope
 
 # float32 partial values the merging program loads at once: 8,192 is the two query heads of a Qwen3-0.6B KV
 # head over 32 splits, 64 registers a thread at 4 warps
@@ -57,8 +58,8 @@ def _fused_decode_kernel(
     pos = tl.load(positions_ptr + seq)
     offs_half = tl.arange(0, HALF)
     all_half = offs_half < HALF
-    cos = _round(tl.load(cos_ptr + pos * stride_cos + offs_half), dtype)
-    sin = _round(tl.load(sin_ptr + pos * stride_cos + offs_half), dtype)
+    cos = round_to(tl.load(cos_ptr + pos * stride_cos + offs_half), dtype)
+    sin = round_to(tl.load(sin_ptr + pos * stride_cos + offs_half), dtype)
     slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     first_page = 0
@@ -89,11 +90,11 @@ def _fused_decode_kernel(
     k2 = tl.load(k_lo + HALF, mask=new_mask, other=0.0).to(tl.float32)
     v1 = tl.load(v_lo, mask=new_mask, other=0.0)
     v2 = tl.load(v_lo + HALF, mask=new_mask, other=0.0)
-    q1, q2 = _norm_rope(q1, q2, q_weight_ptr, cos, sin, offs_half, all_half, eps, HEAD_DIM, HAS_NORM, HALF, dtype)
+    q1, q2 = norm_rope(q1, q2, q_weight_ptr, cos, sin, offs_half, all_half, eps, HEAD_DIM, HAS_NORM, HALF, dtype)
     q = tl.reshape(tl.permute(tl.join(q1.to(dtype), q2.to(dtype)), (0, 2, 1)), (GROUP_PAD, HEAD_DIM))
 
     if holds_new:  # normed and rotated as qkv_prep does, then stored
-        k1, k2 = _norm_rope(k1, k2, k_weight_ptr, cos, sin, offs_half, all_half, eps, HEAD_DIM, HAS_NORM, HALF, dtype)
+        k1, k2 = norm_rope(k1, k2, k_weight_ptr, cos, sin, offs_half, all_half, eps, HEAD_DIM, HAS_NORM, HALF, dtype)
         dst = (slot // PAGE_SIZE) * stride_page + (slot % PAGE_SIZE) * stride_slot + kv_head * stride_khead \
             + offs_half[None, :]
         cache_dtype = k_cache_ptr.dtype.element_ty  # the model's dtype, or fp8 (rounded from it)
@@ -104,7 +105,7 @@ def _fused_decode_kernel(
     tl.debug_barrier()  # the program's own stores are visible to all its threads' cache reads below
 
     offs_d = tl.arange(0, HEAD_DIM)
-    out, lse = _attend_range(q, k_cache_ptr, v_cache_ptr, block_table_row,
+    out, lse = attend_range(q, k_cache_ptr, v_cache_ptr, block_table_row,
                              kv_head * stride_khead, offs_d, start, end, qk_scale, stride_page, stride_slot,
                              first_page, GROUP_PAD, HEAD_DIM, HEAD_DIM, PAGE_SIZE, BLOCK_N, UPCAST, EARLY_PAGE)
     if SPLITS_PAD == 1:
@@ -201,7 +202,7 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
     config = config or default_decode_config(qkv)
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seqlen_k, config.block_n,
-                                       _num_sms(qkv.device), config.grid_programs_per_sm)
+                                       num_sms(qkv.device), config.grid_programs_per_sm)
     # early reads where the qkv projection is the GEMV, whose programs let this kernel start before it
     # completes (-0.024 ms a batch-1 step); after cuBLAS they gained nothing and cost 0.4-0.7% at 16-64 rows
     early = num_seqs <= gemv.MAX_ROWS if after_gemv is None else after_gemv

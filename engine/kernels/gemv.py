@@ -17,10 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import precise_dot
+from engine.kernels.common import precise_dot, round_to
 from engine.kernels.launch import launch_dependents, pdl_options, wait_for_previous
 from engine.kernels.paged_tiles import upcast_dot
-from engine.kernels.qkv_prep import _round
 
 MAX_SLICE = 16384      # weight elements a program holds in registers
 MIN_PROGRAMS = 128     # narrow the slices until N gives about this many programs
@@ -79,15 +78,15 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
         x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         if GATED:  # x row is [gate | up]: silu(gate) * up, rounded as the SiLU·mul kernel rounds
             up = tl.load(x_ptr + m * stride_xm + K + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            x = _round(_round(x / (1.0 + tl.exp(-x)), dtype) * up, dtype)
+            x = round_to(round_to(x / (1.0 + tl.exp(-x)), dtype) * up, dtype)
         if NORM:  # RMSNorm of the row (after the residual add), rounded as the RMSNorm kernel rounds
             if HAS_RESIDUAL:
-                x = _round(x + tl.load(res_ptr + m * stride_rm + offs_k, mask=k_mask, other=0.0).to(tl.float32),
+                x = round_to(x + tl.load(res_ptr + m * stride_rm + offs_k, mask=k_mask, other=0.0).to(tl.float32),
                            dtype)
                 if tl.program_id(0) == 0:  # every program sums the row; one writes the new residual
                     tl.store(res_out_ptr + m * stride_rom + offs_k, x.to(dtype), mask=k_mask)
             inv = tl.math.rsqrt(tl.sum(x * x, axis=0) / K + eps)
-            x = _round(norm_w * _round(x * inv, dtype), dtype)
+            x = round_to(norm_w * round_to(x * inv, dtype), dtype)
         acc = tl.sum(w * x[None, :], axis=1)
         if HAS_BIAS:
             acc += bias
@@ -106,7 +105,7 @@ def _dot_rows(x_ptr, stride_xm, offs_m, m_mask, cols, col_mask, K, GATED: tl.con
     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     if GATED:
         up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
-        x = _round(_round(x / (1.0 + tl.exp(-x)), dtype) * up, dtype)
+        x = round_to(round_to(x / (1.0 + tl.exp(-x)), dtype) * up, dtype)
     return x
 
 
@@ -158,10 +157,10 @@ def _gemv_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride
         if HAS_RESIDUAL:
             res_rows = offs_m[None, :, None].to(tl.int64)
             row_mask = m_mask[None, :, None]
-            x1 = _round(x1 + tl.load(res_ptr + res_rows * stride_rm + cols1, mask=row_mask, other=0.0)
+            x1 = round_to(x1 + tl.load(res_ptr + res_rows * stride_rm + cols1, mask=row_mask, other=0.0)
                         .to(tl.float32), dtype)
             if K2 > 0:
-                x2 = _round(x2 + tl.load(res_ptr + res_rows * stride_rm + cols2, mask=row_mask & col2_mask,
+                x2 = round_to(x2 + tl.load(res_ptr + res_rows * stride_rm + cols2, mask=row_mask & col2_mask,
                                          other=0.0).to(tl.float32), dtype)
             if tl.program_id(0) == 0:  # every program sums the rows; one writes the new residual
                 tl.store(res_out_ptr + res_rows * stride_rom + cols1, x1.to(dtype), mask=row_mask)
@@ -171,9 +170,9 @@ def _gemv_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride
         if K2 > 0:
             squares += tl.sum(tl.sum(x2 * x2, axis=2), axis=0)
         inv = tl.math.rsqrt(squares / K + eps)[None, :, None]
-        x1 = _round(nw1 * _round(x1 * inv, dtype), dtype)
+        x1 = round_to(nw1 * round_to(x1 * inv, dtype), dtype)
         if K2 > 0:
-            x2 = _round(nw2 * _round(x2 * inv, dtype), dtype)
+            x2 = round_to(nw2 * round_to(x2 * inv, dtype), dtype)
     acc = _group_dot(w1, x1.to(dtype), UPCAST, IEEE)
     if K2 > 0:
         acc += _group_dot(w2, x2.to(dtype), UPCAST, IEEE)

@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.common import round_to, row_warps
 from engine.kernels.launch import launch_dependents, pdl_options, wait_for_previous
-from engine.kernels.qkv_prep import _round
 
 
 @triton.jit
@@ -26,11 +26,11 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, hidden, stride
     wait_for_previous(PDL)
     h = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        h = _round(h + tl.load(res_ptr + row.to(tl.int64) * stride_r + offs, mask=mask, other=0.0).to(tl.float32),
+        h = round_to(h + tl.load(res_ptr + row.to(tl.int64) * stride_r + offs, mask=mask, other=0.0).to(tl.float32),
                    dtype)
         tl.store(res_out_ptr + row.to(tl.int64) * stride_ro + offs, h.to(dtype), mask=mask)
     inv = tl.math.rsqrt(tl.sum(h * h, axis=0) / hidden + eps)
-    out = _round(w * _round(h * inv, dtype), dtype)
+    out = round_to(w * round_to(h * inv, dtype), dtype)
     tl.store(out_ptr + row.to(tl.int64) * stride_o + offs, out.to(dtype), mask=mask)
 
 
@@ -46,12 +46,8 @@ def _silu_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_o, BLOCK: tl.conste
     src = x_ptr + row.to(tl.int64) * stride_x + offs
     gate = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(src + width, mask=mask, other=0.0).to(tl.float32)
-    act = _round(gate / (1.0 + tl.exp(-gate)), dtype)
-    tl.store(out_ptr + row.to(tl.int64) * stride_o + offs, _round(act * up, dtype).to(dtype), mask=mask)
-
-
-def _warps(block: int) -> int:
-    return 4 if block <= 2048 else 8 if block <= 8192 else 16
+    act = round_to(gate / (1.0 + tl.exp(-gate)), dtype)
+    tl.store(out_ptr + row.to(tl.int64) * stride_o + offs, round_to(act * up, dtype).to(dtype), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -69,7 +65,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         block = triton.next_power_of_2(hidden)
         _rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight, out, res_out, hidden, x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0),
-            eps, HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block), **pdl_options(x2))
+            eps, HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=row_warps(block), **pdl_options(x2))
     if residual is None:
         return out.view(x.shape)
     return out.view(x.shape), res_out.view(x.shape)

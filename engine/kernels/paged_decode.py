@@ -10,13 +10,13 @@ derived from the lengths on the device, so one captured launch is correct for an
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.common import num_sms
 from engine.kernels.launch import launch_dependents, pdl_options, wait_for_previous
 from engine.kernels.paged_tiles import (LOG2E, check_paged_inputs, group_pad, kv_tile_offsets, mma,
                                        page_tile_offsets, query_for_cache, upcast_dot)
@@ -39,7 +39,7 @@ class DecodeConfig:
 
 @triton.jit
 def _attend_tile(q, k_cache_ptr, v_cache_ptr, offs, mask, valid_n, qk_scale, m_i, l_i, acc, UPCAST: tl.constexpr):
-    """One tile of _attend_range's online softmax: (m_i, l_i, acc) after the positions at offs."""
+    """One tile of attend_range's online softmax: (m_i, l_i, acc) after the positions at offs."""
     k = tl.load(k_cache_ptr + offs, mask=mask, other=0.0).to(q.dtype)  # an fp8 cache widens here (to fp16)
     s = mma(q, tl.trans(k), UPCAST) * qk_scale
     s = tl.where(valid_n[None, :], s, float("-inf"))
@@ -53,7 +53,7 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, offs, mask, valid_n, qk_scale, m_i
 
 
 @triton.jit
-def _attend_range(q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset, offs_d, start, end, qk_scale,
+def attend_range(q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset, offs_d, start, end, qk_scale,
                   stride_page, stride_slot, first_page, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
                   FIRST_PAGE: tl.constexpr):
@@ -131,7 +131,7 @@ def _decode_split_kernel(
     d_mask = offs_d < HEAD_DIM
     q = tl.load(q_ptr + token.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    out, lse = _attend_range(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
+    out, lse = attend_range(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
                              kv_head * stride_khead, offs_d, start, end, qk_scale, stride_page, stride_slot, 0,
                              GROUP_PAD, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, UPCAST, False)
     if DIRECT:
@@ -203,13 +203,6 @@ def decode_order(seqlens_k: torch.Tensor) -> torch.Tensor:
     return torch.argsort(seqlens_k, descending=True).to(torch.int32)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 CUDA_DECODE_CONFIG = DecodeConfig()
 CPU_DECODE_CONFIG = DecodeConfig(block_n=16, num_warps=4, num_stages=1)
 
@@ -249,7 +242,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"decode batches of at most {MAX_GRID_SEQS} sequences, got {num_seqs}")
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seqlen_k, config.block_n,
-                                       _num_sms(q.device), config.grid_programs_per_sm)
+                                       num_sms(q.device), config.grid_programs_per_sm)
     shape = (num_seqs, num_heads, num_splits)
     part_out = torch.empty(*shape, block_d, dtype=torch.float32, device=q.device) if num_splits > 1 else out
     part_lse = torch.empty(shape, dtype=torch.float32, device=q.device) if num_splits > 1 else out

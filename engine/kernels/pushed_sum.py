@@ -19,8 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.norm_act import _warps
-from engine.kernels.qkv_prep import _round
+from engine.kernels.common import round_to, row_warps
 
 
 @triton.jit
@@ -55,13 +54,13 @@ def _pushed_sum(x_ptr, residual_ptr, weight_ptr, out_ptr, slots_ptr, flags_ptr, 
             slot = q - (q > rank).to(tl.int32)
             part = tl.load(slots_ptr + slot * slot_elements + offs, mask=mask, other=0.0, volatile=True)
         total += part.to(tl.float32)
-    reduced = _round(total, dtype)  # rounded on the bits: see _round
+    reduced = round_to(total, dtype)  # rounded on the bits: see round_to
     if NORM:
-        h = _round(reduced + tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32), dtype)
+        h = round_to(reduced + tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32), dtype)
         tl.store(residual_ptr + offs, h.to(dtype), mask=mask)
         inv = tl.math.rsqrt(tl.sum(h * h, axis=0) / hidden + eps)
         weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs, _round(weight * _round(h * inv, dtype), dtype).to(dtype), mask=mask)
+        tl.store(out_ptr + offs, round_to(weight * round_to(h * inv, dtype), dtype).to(dtype), mask=mask)
     else:
         tl.store(out_ptr + offs, reduced.to(dtype), mask=mask)
 
@@ -92,5 +91,5 @@ def pushed_sum(x: torch.Tensor, slots: torch.Tensor, flags: torch.Tensor, stop: 
         _pushed_sum[(rows,)](
             x, residual if norm else x, weight if norm else x, out, slots, flags, stop,
             rows, hidden, chunk_rows, slot_elements, call, eps, rank,
-            W=world_size, BLOCK=block, NORM=norm, num_warps=_warps(block))
+            W=world_size, BLOCK=block, NORM=norm, num_warps=row_warps(block))
     return out

@@ -11,24 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.common import round_to
 from engine.kernels.launch import launch_dependents, pdl_options, wait_for_previous
 from engine.kernels.paged_tiles import to_cache
 
 
 @triton.jit
-def _round(x, dtype: tl.constexpr):
-    """x rounded to the model dtype and back to float32, as an eager op's output would be."""
-    if dtype == tl.bfloat16:
-        # round to nearest even on the bits: the compiler folds a to(bf16).to(fp32) pair away
-        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return x.to(dtype).to(tl.float32)
-
-
-@triton.jit
-def _norm_rope(x1, x2, w_ptr, cos, sin, offs_half, mask_half, eps, head_dim,
+def norm_rope(x1, x2, w_ptr, cos, sin, offs_half, mask_half, eps, head_dim,
                HAS_NORM: tl.constexpr, HALF: tl.constexpr, dtype: tl.constexpr):
     """Rows of heads, split into halves [rows, HALF]: optional RMSNorm, then rotary; float32 out."""
     if HAS_NORM:
@@ -36,10 +25,10 @@ def _norm_rope(x1, x2, w_ptr, cos, sin, offs_half, mask_half, eps, head_dim,
         inv = tl.math.rsqrt(mean_sq + eps)
         w1 = tl.load(w_ptr + offs_half, mask=mask_half, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + HALF + offs_half, mask=mask_half, other=0.0).to(tl.float32)
-        x1 = _round(w1[None, :] * _round(x1 * inv[:, None], dtype), dtype)
-        x2 = _round(w2[None, :] * _round(x2 * inv[:, None], dtype), dtype)
-    out1 = _round(_round(x1 * cos[None, :], dtype) - _round(x2 * sin[None, :], dtype), dtype)
-    out2 = _round(_round(x2 * cos[None, :], dtype) + _round(x1 * sin[None, :], dtype), dtype)
+        x1 = round_to(w1[None, :] * round_to(x1 * inv[:, None], dtype), dtype)
+        x2 = round_to(w2[None, :] * round_to(x2 * inv[:, None], dtype), dtype)
+    out1 = round_to(round_to(x1 * cos[None, :], dtype) - round_to(x2 * sin[None, :], dtype), dtype)
+    out2 = round_to(round_to(x2 * cos[None, :], dtype) + round_to(x1 * sin[None, :], dtype), dtype)
     return out1, out2
 
 
@@ -62,8 +51,8 @@ def _qkv_prep_kernel(
     pos = tl.load(positions_ptr + token)
     offs_half = tl.arange(0, BLOCK_HALF)
     mask_half = offs_half < HALF
-    cos = _round(tl.load(cos_ptr + pos * stride_cos + offs_half, mask=mask_half, other=0.0), dtype)
-    sin = _round(tl.load(sin_ptr + pos * stride_cos + offs_half, mask=mask_half, other=0.0), dtype)
+    cos = round_to(tl.load(cos_ptr + pos * stride_cos + offs_half, mask=mask_half, other=0.0), dtype)
+    sin = round_to(tl.load(sin_ptr + pos * stride_cos + offs_half, mask=mask_half, other=0.0), dtype)
 
     # queries: [heads, HALF] tiles of both halves
     offs_h = tl.arange(0, BLOCK_H)
@@ -71,7 +60,7 @@ def _qkv_prep_kernel(
     q_lo = row + offs_h[:, None] * HEAD_DIM + offs_half[None, :]
     q1 = tl.load(q_lo, mask=mask_q, other=0.0).to(tl.float32)
     q2 = tl.load(q_lo + HALF, mask=mask_q, other=0.0).to(tl.float32)
-    q1, q2 = _norm_rope(q1, q2, q_weight_ptr, cos, sin, offs_half, mask_half, eps, HEAD_DIM, HAS_NORM, HALF, dtype)
+    q1, q2 = norm_rope(q1, q2, q_weight_ptr, cos, sin, offs_half, mask_half, eps, HEAD_DIM, HAS_NORM, HALF, dtype)
     q_dst = q_out_ptr + token * stride_qo_t + offs_h[:, None] * HEAD_DIM + offs_half[None, :]
     tl.store(q_dst, q1.to(dtype), mask=mask_q)
     tl.store(q_dst + HALF, q2.to(dtype), mask=mask_q)
@@ -84,7 +73,7 @@ def _qkv_prep_kernel(
         v_lo = k_lo + num_kv_heads * HEAD_DIM
         k1 = tl.load(k_lo, mask=mask_kv, other=0.0).to(tl.float32)
         k2 = tl.load(k_lo + HALF, mask=mask_kv, other=0.0).to(tl.float32)
-        k1, k2 = _norm_rope(k1, k2, k_weight_ptr, cos, sin, offs_half, mask_half, eps, HEAD_DIM, HAS_NORM, HALF, dtype)
+        k1, k2 = norm_rope(k1, k2, k_weight_ptr, cos, sin, offs_half, mask_half, eps, HEAD_DIM, HAS_NORM, HALF, dtype)
         page, offset = slot // PAGE_SIZE, slot % PAGE_SIZE
         heads = offs_kv[:, None] * HEAD_DIM + offs_half[None, :]
         k_dst = k_cache_ptr + page * stride_kc_page + offset * stride_kc_slot + heads

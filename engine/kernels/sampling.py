@@ -21,8 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from engine.kernels.common import interpreted
-from engine.kernels.paged_decode import _num_sms
+from engine.kernels.common import interpreted, num_sms
 
 NO_COLUMN = tl.constexpr(2**31 - 1)  # sorts after every real column in the tie-break
 SERIES_BELOW = tl.constexpr(0.05)    # v below this: -log(1 - v) from its series
@@ -236,7 +235,7 @@ def _launch(logits: torch.Tensor, temperatures: torch.Tensor, seed: int | torch.
         return out.fill_(first_column)
     num_tiles = triton.cdiv(vocab, block)
     if num_splits is None:
-        num_splits = choose_num_splits(num_rows, num_tiles, _num_sms(logits.device))
+        num_splits = choose_num_splits(num_rows, num_tiles, num_sms(logits.device))
     tiles_per_split = triton.cdiv(num_tiles, max(1, min(num_splits, num_tiles)))
     num_splits = triton.cdiv(num_tiles, tiles_per_split)  # no empty split
     part = torch.empty(num_rows, num_splits, 2, dtype=torch.int32, device=logits.device) if num_splits > 1 else out

@@ -142,7 +142,7 @@ if gl is not None:
 
     @gluon.jit
     def _round(x, dtype: gl.constexpr):
-        """x rounded to dtype and back to float32 (engine/kernels/qkv_prep.py's _round: bf16 by its bits,
+        """x rounded to dtype and back to float32 (engine/kernels/common.py's round_to: bf16 by its bits,
         since the compiler folds a to(bf16).to(fp32) pair away)."""
         if dtype == gl.bfloat16:
             bits = x.to(gl.uint32, bitcast=True)

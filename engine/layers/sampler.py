@@ -36,7 +36,7 @@ def _gumbel_scores(scores: torch.Tensor, temperatures: torch.Tensor, u: torch.Te
 
 
 @functools.cache
-def _gumbel_kernels():
+def gumbel_kernels():
     """engine.kernels.sampling (gumbel_argmax, gumbel_best), or None where triton is missing."""
     try:
         from engine.kernels import sampling
@@ -66,8 +66,8 @@ def sample(logits: torch.Tensor, st: SamplingTensors, shared_gen: torch.Generato
     if st.all_greedy:
         return logits.argmax(dim=-1)
     if samples_by_argmax(st):
-        if logits.is_cuda and _gumbel_kernels() is not None:
-            return _gumbel_kernels().gumbel_argmax(logits, st.temperatures, draw_seed(seed_gen))
+        if logits.is_cuda and gumbel_kernels() is not None:
+            return gumbel_kernels().gumbel_argmax(logits, st.temperatures, draw_seed(seed_gen))
         return gumbel_max(logits, st.temperatures)
     logits = logits.float()
     greedy = logits.argmax(dim=-1)
@@ -102,8 +102,8 @@ def shard_best(logits: torch.Tensor, temperatures: torch.Tensor | None, seed: in
     elif temperatures is None:
         local = logits.argmax(dim=-1)
         scores, ids = logits.gather(1, local.unsqueeze(1)).squeeze(1), local + first_column
-    elif logits.is_cuda and _gumbel_kernels() is not None:
-        scores, ids = _gumbel_kernels().gumbel_best(logits, temperatures, seed, first_column)
+    elif logits.is_cuda and gumbel_kernels() is not None:
+        scores, ids = gumbel_kernels().gumbel_best(logits, temperatures, seed, first_column)
     else:  # every rank draws the whole row's noise and keeps its own columns
         gen = torch.Generator(device=logits.device).manual_seed(seed)
         u = torch.rand(num_rows, vocab_size, generator=gen, device=logits.device)
