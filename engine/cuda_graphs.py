@@ -4,7 +4,7 @@ A step's inputs (token ids, positions, cache slots, lengths, block tables, which
 step's tokens, the sampling seed) reach the device in one copy from a pinned host buffer. On one GPU
 the graph also does what used to be launched one kernel at a time around it: the rows whose token the
 previous step sampled take it from the device, and after the layers it runs the LM head and samples
-(greedy or Gumbel-max, engine/kernels/sampling.py). So a decode step is one copy in, one replay and one
+(greedy or Gumbel-max: engine/sampler.py's graph functions). So a decode step is one copy in, one replay and one
 copy of the tokens out. Under tensor parallelism the graphs hold the layers only, as before.
 
 On one GPU, a prefill step of one sequence of up to 2,048 tokens replays a graph too (PrefillGraphs).
@@ -16,7 +16,7 @@ import torch
 
 from engine import graph_edges
 from engine.attention import AttentionMetadata
-from engine.layers.sampler import gumbel_kernels
+from engine.sampler import graph_sampling_available, sample_in_graph, take_pending
 
 GRAPH_SIZES = [1, 2, 4, 8] + list(range(16, 1025, 16))
 
@@ -109,7 +109,7 @@ class DecodeGraphs:
         self.seqlens_k.fill_(1)
         self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=i32, device=dev)
         # sampling in the graph: one rank only (under TP the ranks share the sampling through collectives)
-        self.samples = runner.tp.size == 1 and gumbel_kernels() is not None
+        self.samples = runner.tp.size == 1 and graph_sampling_available()
         self.tokens = torch.zeros(max_bs, dtype=i64, device=dev)              # the sampled ids
         self.temperatures = torch.zeros(max_bs, dtype=torch.float32, device=dev)  # 0: greedy
         self._temperatures_of = None  # the tensor self.temperatures holds a copy of
@@ -129,11 +129,11 @@ class DecodeGraphs:
         model = self.runner.model
         input_ids = self.input_ids[:bs]
         if self.samples:  # rows still waiting for the previous step's token take it from the device
-            input_ids = gumbel_kernels().take_pending(input_ids, self.pending_src[:bs], self.tokens)
+            input_ids = take_pending(input_ids, self.pending_src[:bs], self.tokens)
         hidden = model(input_ids, self.positions[:bs])
         if self.samples:
             self.logits[bs] = logits = model.compute_logits(hidden)
-            gumbel_kernels().gumbel_argmax(logits, self.temperatures[:bs], self.seed, out=self.tokens[:bs])
+            sample_in_graph(logits, self.temperatures[:bs], self.seed, out=self.tokens[:bs])
         return hidden
 
     def _capture_all(self, max_model_len: int) -> None:

@@ -42,8 +42,8 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig, set_tensor_parallel_gpu_environment
 from engine.layers.parallel import rank_group
-from engine.layers.sampler import SamplingTensors
-from engine.model_runner import ModelRunner, SampledTokens, StepInputs
+from engine.model_runner import ModelRunner, StepInputs
+from engine.sampler import SampledTokens, SamplingTensors
 from engine.scheduler import ScheduledBatch
 
 HOST = "127.0.0.1"
@@ -63,7 +63,7 @@ class RankFailedError(RuntimeError):
 
 
 class TPDriver:
-    """Rank 0 of a tensor-parallel engine, with ModelRunner's surface: prepare_inputs, execute, launch,
+    """Rank 0 of a tensor-parallel engine, with ModelRunner's surface: prepare_inputs, launch, sampler,
     num_kvcache_blocks, device; shutdown() ends the other ranks."""
 
     def __init__(self, config: EngineConfig):
@@ -100,6 +100,7 @@ class TPDriver:
         self.device = self.runner.device
         self.num_kvcache_blocks = self.runner.num_kvcache_blocks
         self.ctx = self.runner.ctx
+        self.sampler = self.runner.sampler
 
     @property
     def worker_pids(self) -> list[int]:
@@ -116,7 +117,7 @@ class TPDriver:
         workers.check_running()
         try:
             # the other ranks join the sampling's collectives only when rank 0 samples (plan is not None)
-            plan = self.runner.sampling_plan(st, num_logprobs)
+            plan = self.sampler.plan(st, num_logprobs, self.runner.tp.size)
             workers.send(("execute", _to_wire(inputs), plan))
             step = workers.num_sent
             tokens = self.runner.launch(inputs, st, num_logprobs, plan)

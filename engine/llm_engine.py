@@ -4,17 +4,15 @@ from __future__ import annotations
 import time
 from itertools import count
 
-import torch
 from tqdm.auto import tqdm
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.layers.sampler import SamplingTensors
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput, StepResult, StepStats
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import Sequence
 from engine.tokenizer import load_tokenizer
 
 
@@ -26,6 +24,7 @@ class LLMEngine:
         keyword arguments; or an EngineConfig already built."""
         self.config = config = model if isinstance(model, EngineConfig) else EngineConfig(model, **kwargs)
         self.runner = self._make_runner(config)
+        self.sampler = self.runner.sampler
         self.tokenizer = load_tokenizer(config.model_dir)
         self.vocab_size = config.hf_config.vocab_size
         self.block_manager = BlockManager(self.runner.num_kvcache_blocks, config.kvcache_block_size,
@@ -34,11 +33,9 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self._request_ids = count()
-        self._sampling_key: list[int] = []
         # async scheduling: the launch whose tokens are still on their way (resolved in the next step)
         self.async_scheduling = bool(config.async_scheduling)
         self._inflight: _InFlight | None = None
-        self._sampling_cache = None
         self._shut_down = False
 
     def _make_runner(self, config: EngineConfig):
@@ -61,10 +58,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         seq = Sequence(token_ids, params, self.config.kvcache_block_size, request_id)
         seq.max_num_tokens = min(seq.max_num_tokens, self.config.max_model_len)
-        # everything of the request that reaches a device tensor is built here, where an error is its own
-        seq.sampling_row = (params.temperature, min(params.top_k, self.vocab_size) if params.top_k > 0
-                            else self.vocab_size, params.top_p, params.min_p)
-        seq.generator = self._generator(params)
+        self.sampler.add_request(seq)  # its sampling row and random stream: an error here is the request's own
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -151,7 +145,7 @@ class LLMEngine:
                                           if n == 1 and s.num_completion_tokens > 0 and s.num_uncomputed_tokens == 1)
             stats.num_prefill_tokens = batch.total_tokens - stats.num_decode_tokens
             inputs = self.runner.prepare_inputs(batch)
-            st, num_logprobs = self._sampling_tensors(to_sample)
+            st, num_logprobs = self.sampler.batch_tensors(to_sample)
             launched = self._launch(batch, to_sample, inputs, st, num_logprobs)
             if not self.async_scheduling:  # a synchronous step is a launch collected at once
                 outputs += self._collect(launched, finished_only)
@@ -167,38 +161,6 @@ class LLMEngine:
         stats.batch_size = len(batch.seqs)
         stats.step_seconds = time.perf_counter() - start
         return StepResult(outputs, stats)
-
-    def _sampling_tensors(self, seqs: list[Sequence]) -> tuple[SamplingTensors | None, int]:
-        if not seqs:
-            return None, -1
-        key = [s.seq_id for s in seqs]
-        if key == self._sampling_key:  # same batch as last step (most decode steps): same tensors
-            return self._sampling_cache
-        device = self.runner.device
-        ps = [s.params for s in seqs]
-        temperatures, top_ks, top_ps, min_ps = zip(*(s.sampling_row for s in seqs))
-
-        def tensor(values, dtype):  # pinned and asynchronous, so building it never waits for the GPU
-            t = torch.tensor(values, dtype=dtype)
-            return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
-
-        st = SamplingTensors(
-            temperatures=tensor(temperatures, torch.float32),
-            top_ks=tensor(top_ks, torch.int64),
-            top_ps=tensor(top_ps, torch.float32),
-            min_ps=tensor(min_ps, torch.float32),
-            generators=[s.generator for s in seqs],
-            all_greedy=all(p.greedy for p in ps),
-            needs_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in ps))
-        num_logprobs = max((p.logprobs for p in ps if p.logprobs is not None), default=-1)
-        self._sampling_key, self._sampling_cache = key, (st, num_logprobs)
-        return st, num_logprobs
-
-    def _generator(self, params: SamplingParams) -> torch.Generator | None:
-        """The request's own random stream (seeded requests only; the others share the engine's)."""
-        if params.seed is None or params.greedy:
-            return None
-        return torch.Generator(device=self.runner.device).manual_seed(params.seed)
 
     def _launch(self, batch: ScheduledBatch, sampled: list[Sequence], inputs, st, num_logprobs) -> "_InFlight":
         """Queue the step on the device and advance the sequences as if it were done; each sampled

@@ -13,10 +13,9 @@ from engine.config import EngineConfig
 from engine.layers.attention import Attention
 from engine.layers.fusion import PlainTorch
 from engine.layers.parallel import TPGroup
-from engine.layers.sampler import (SamplingTensors, compute_logprobs, draw_seed, pick_token, sample,
-                                   samples_by_argmax, shard_best)
 from engine.loader import load_weights
 from engine.models import model_class
+from engine.sampler import SampledTokens, Sampler, SamplingTensors, StepSampling
 from engine.scheduler import ScheduledBatch
 
 CPU_KV_CACHE_BYTES = 2 << 30
@@ -43,19 +42,6 @@ class StepInputs:
         return self.max_seqlen_q == 1
 
 
-@dataclass(frozen=True)
-class StepSampling:
-    """How the ranks take a step's tokens; rank 0 decides it (sampling_plan) and sends it with the step.
-
-    Sharded: each rank picks a candidate per row from its own vocabulary slice, and the ranks all-gather
-    the candidates (a few bytes a row) instead of the logits. Otherwise the LM head's slices are gathered
-    and rank 0 samples the whole rows.
-    """
-    sharded: bool
-    greedy: bool = False  # sharded, every row greedy: no temperatures, no noise
-    seed: int = 0         # sharded and not greedy: the step's Gumbel noise, the same on every rank
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TPGroup = TPGroup(), capture_graphs: bool = True):
         self.config = config
@@ -78,7 +64,6 @@ class ModelRunner:
         self.ctx = ForwardContext(get_backend(config.attention_backend, self.device, self.kv_dtype))
         self.graphs = None  # decode CUDA graphs, captured once the KV cache exists
         self.prefill_graphs = None  # one sequence's prefill steps, on one GPU
-        self.last_sampled = torch.empty(0, dtype=torch.int64, device=self.device)
         hf = config.hf_config
         with torch.device(self.device):
             self.model = model_class(hf.architectures)(hf, tp, self.ctx).to(self.dtype)
@@ -86,8 +71,7 @@ class ModelRunner:
         load_weights(self.model, config.model_dir, config.load_format, config.seed)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_kvcache_blocks = self._allocate_kv_cache()
-        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.seed_generator = torch.Generator().manual_seed(config.seed)  # host-side seeds for the sampling kernel
+        self.sampler = Sampler(self.device, config.seed, hf.vocab_size)
         if capture_graphs:
             self.capture_graphs()
 
@@ -119,7 +103,7 @@ class ModelRunner:
             layer.k_cache = layer.v_cache = torch.tensor([])
         self.attn_layers = []
         self.kv_cache = self.model = None
-        self.last_sampled = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.sampler.release()
         gc.collect()  # the modules are in cycles (each parameter's weight_loader is bound to its module)
         if release:
             torch.cuda.empty_cache()
@@ -275,7 +259,7 @@ class ModelRunner:
     def _pending_tokens(self, src: torch.Tensor) -> torch.Tensor:
         """The previous launch's sampled tokens at `src`; only rank 0 samples, so it sends them to the others."""
         if self.tp.rank == 0:
-            tokens = self.last_sampled[src]
+            tokens = self.sampler.last_tokens[src]
         else:
             tokens = torch.empty(len(src), dtype=torch.int64, device=self.device)
         return self.tp.broadcast_from_rank0(tokens)
@@ -298,106 +282,35 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, inputs: StepInputs, st: SamplingTensors | None, num_logprobs: int,
-               plan: StepSampling | None = None) -> "SampledTokens":
+               plan: StepSampling | None = None) -> SampledTokens:
         """Queue forward and sampling on the device; the returned handle waits for the tokens.
-        plan: under tensor parallelism, the step's sampling_plan, as the other ranks were sent it."""
+        plan: under tensor parallelism, the step's Sampler.plan, as the other ranks were sent it."""
         graphs = self.graphs
         if st is not None and graphs is not None and graphs.samples and inputs.is_decode and graphs.fits(inputs):
-            return self._launch_sampling_graph(inputs, st, num_logprobs)
+            return self.sampler.replay_graph(graphs, inputs, st, num_logprobs)
         hidden = self.forward(inputs)
         if st is None:
             return SampledTokens([])
         if plan is not None and plan.sharded:
-            self.last_sampled = token_ids = self.sample_shards(hidden, inputs, plan, st.temperatures)
-            return SampledTokens([token_ids])
-        return self.sample_async(self.compute_logits(hidden, inputs), st, num_logprobs)
-
-    def _launch_sampling_graph(self, inputs: StepInputs, st: SamplingTensors, num_logprobs: int) -> "SampledTokens":
-        """A decode step as one graph replay with the LM head and the sampling captured in it. Steps the
-        graph's sampler cannot take (logprobs, top-k/p, min-p, seeded requests) sample from its logits."""
-        in_graph = num_logprobs < 0 and samples_by_argmax(st)
-        seed = draw_seed(self.seed_generator) if in_graph and not st.all_greedy else 0  # as sample() draws
-        tokens, logits = self.graphs.replay_sampled(inputs, st.temperatures if in_graph else None, seed,
-                                                    self.last_sampled)
-        if not in_graph:
-            return self.sample_async(logits, st, num_logprobs)
-        self.last_sampled = tokens
-        return SampledTokens([tokens])
-
-    def sampling_plan(self, st: SamplingTensors | None, num_logprobs: int) -> StepSampling | None:
-        """Rank 0: how every rank takes part in this step's sampling (None: nothing is sampled). Sharded
-        where each token is the argmax of its own (scaled, noised) logits and nothing else needs whole
-        rows (no logprobs); the seed comes from the host generator, as on the unsharded path."""
-        if st is None:
-            return None
-        if self.tp.size == 1 or num_logprobs >= 0 or not samples_by_argmax(st):
-            return StepSampling(sharded=False)
-        if st.all_greedy:
-            return StepSampling(sharded=True, greedy=True)
-        return StepSampling(sharded=True, seed=draw_seed(self.seed_generator))
+            return self.sampler.sample_shards(self.local_logits(hidden, inputs), self.tp, plan, st.temperatures,
+                                              self.model.lm_head.vocab_start)
+        logits = self.compute_logits(hidden, inputs)
+        with self.layer_mode:
+            return self.sampler.sample(logits, st, num_logprobs)
 
     @torch.inference_mode()
     def join_sampling(self, hidden: torch.Tensor, inputs: StepInputs, plan: StepSampling) -> None:
         """A rank other than 0: its part of the step's sampling collectives (rank 0 keeps the tokens)."""
         if plan.sharded:
-            self.sample_shards(hidden, inputs, plan, None)
+            self.sampler.sample_shards(self.local_logits(hidden, inputs), self.tp, plan, None,
+                                       self.model.lm_head.vocab_start)
         else:
             self.compute_logits(hidden, inputs)
 
-    @torch.inference_mode()
-    def sample_shards(self, hidden: torch.Tensor, inputs: StepInputs, plan: StepSampling,
-                      temperatures: torch.Tensor | None) -> torch.Tensor:
-        """Token ids [S], sampled on each rank's vocabulary slice: the best of every rank's candidates.
-        temperatures: rank 0's [S]; the other ranks pass None and receive them (unless every row is greedy)."""
-        head = self.model.lm_head
+    def local_logits(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
+        """This rank's vocabulary slice of the sampled rows' logits."""
         with self.layer_mode:
-            logits = head.local_logits(self._sampled_rows(hidden, inputs))
-        if plan.greedy:
-            temperatures = None
-        else:  # rank 0 holds them on its device only, with no host copy to send along with the step
-            if self.tp.rank != 0:
-                temperatures = torch.empty(logits.shape[0], dtype=torch.float32, device=self.device)
-            temperatures = self.tp.broadcast_from_rank0(temperatures)
-        candidates = shard_best(logits, temperatures, plan.seed, head.vocab_start, head.vocab_size)
-        return pick_token(self.tp.all_gather(candidates))
-
-    @torch.inference_mode()
-    def sample_async(self, logits: torch.Tensor, st: SamplingTensors, num_logprobs: int) -> "SampledTokens":
-        with self.layer_mode:
-            token_ids = sample(logits, st, self.generator, self.seed_generator)
-        self.last_sampled = token_ids
-        parts = [token_ids]
-        if num_logprobs >= 0:
-            parts += [t for t in compute_logprobs(logits, token_ids, num_logprobs) if t is not None]
-        return SampledTokens(parts, num_logprobs)
-
-
-
-class SampledTokens:
-    """Sampled ids (and logprobs) on their way to the host: one device→host copy per step."""
-
-    def __init__(self, parts: list[torch.Tensor], num_logprobs: int = -1):
-        self.num_logprobs = num_logprobs
-        self.event = None
-        if parts and parts[0].is_cuda:
-            self.parts = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True).copy_(p, non_blocking=True)
-                          for p in parts]
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.parts = parts
-
-    def result(self):
-        """(token ids, (chosen logprobs, top logprobs, top ids) or None) as lists."""
-        if self.event is not None:
-            self.event.synchronize()
-        if not self.parts:
-            return [], None
-        lists = [p.tolist() for p in self.parts]
-        if self.num_logprobs < 0:
-            return lists[0], None
-        chosen, top = lists[1], lists[2:] or [None, None]
-        return lists[0], (chosen, top[0], top[1])
+            return self.model.lm_head.local_logits(self._sampled_rows(hidden, inputs))
 
 
 def _pending(rows: list[int], src: list[int]) -> dict:

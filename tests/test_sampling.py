@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.layers.sampler import SamplingTensors, sample
+from engine.sampler import SamplingTensors, sample
 
 V = 50
 

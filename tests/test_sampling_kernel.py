@@ -125,7 +125,7 @@ def test_tokens_do_not_depend_on_split_count_or_tile_on_gpu():
 @needs_cuda
 def test_sample_on_cuda_seeds_the_kernel_from_the_host_generator():
     from engine.kernels.sampling import gumbel_argmax
-    from engine.layers.sampler import SamplingTensors, sample
+    from engine.sampler import SamplingTensors, sample
 
     rows, vocab = 16, 1000
     logits = torch.randn(rows, vocab, device="cuda")

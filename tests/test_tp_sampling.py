@@ -16,7 +16,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.layers.embed_head import ParallelLMHead
 from engine.layers.parallel import TPGroup
-from engine.layers.sampler import pick_token, shard_best
+from engine.sampler import pick_token, shard_best
 
 sys.path.insert(0, str(Path(__file__).parent))
 from interpreter import run_under_interpreter  # noqa: E402

@@ -1,0 +1,313 @@
+"""Sampling, owned in one place: each request's sampling row and random stream, each batch's tensors, and
+the path a step's tokens take (the decode graph's sampler, the logits on the host's side of the graph, or
+sharded over tensor-parallel ranks). Greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+The Gumbel-max kernel (engine/kernels/sampling.py) draws where every row is the argmax of its own scaled,
+noised logits; the general path (filters, seeded requests) runs torch ops on the device.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from engine.layers.fusion import fused
+
+
+@dataclass
+class SamplingTensors:
+    temperatures: torch.Tensor   # [S] float32, 0 = greedy
+    top_ks: torch.Tensor         # [S] int64, vocab size = off
+    top_ps: torch.Tensor         # [S] float32
+    min_ps: torch.Tensor         # [S] float32
+    generators: list             # [S] torch.Generator or None (None: the engine's shared stream)
+    all_greedy: bool
+    needs_filter: bool
+
+
+@dataclass(frozen=True)
+class StepSampling:
+    """How the ranks take a step's tokens; rank 0 decides it (Sampler.plan) and sends it with the step.
+
+    Sharded: each rank picks a candidate per row from its own vocabulary slice, and the ranks all-gather
+    the candidates (a few bytes a row) instead of the logits. Otherwise the LM head's slices are gathered
+    and rank 0 samples the whole rows.
+    """
+    sharded: bool
+    greedy: bool = False  # sharded, every row greedy: no temperatures, no noise
+    seed: int = 0         # sharded and not greedy: the step's Gumbel noise, the same on every rank
+
+
+class Sampler:
+    """One per model runner (rank): the engine's random streams, the batch's tensors, a step's sampling."""
+
+    def __init__(self, device: torch.device, seed: int, vocab_size: int):
+        self.device, self.vocab_size = device, vocab_size
+        self.generator = torch.Generator(device=device).manual_seed(seed)  # rows without a stream of their own
+        self.seed_generator = torch.Generator().manual_seed(seed)  # host-side seeds for the Gumbel kernel
+        self.last_tokens = torch.empty(0, dtype=torch.int64, device=device)  # the last step's, on the device
+        self._batch_ids: list[int] = []
+        self._batch = None
+
+    def release(self) -> None:
+        """Drop the device tensors kept between steps (the engine shuts down)."""
+        self.last_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
+        self._batch_ids, self._batch = [], None
+
+    def add_request(self, seq) -> None:
+        """What of a request's sampling reaches a device tensor, built when it is added, where an error is
+        its own: its row of the batch tensors and, seeded, its own random stream."""
+        params = seq.params
+        top_k = min(params.top_k, self.vocab_size) if params.top_k > 0 else self.vocab_size
+        seq.sampling_row = (params.temperature, top_k, params.top_p, params.min_p)
+        seq.generator = None
+        if params.seed is not None and not params.greedy:
+            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+
+    def batch_tensors(self, seqs: list) -> tuple[SamplingTensors | None, int]:
+        """(The tensors of the sequences sampled this step, the most top logprobs any asks for or -1); the
+        same tensors again for the same sequences (most decode steps)."""
+        if not seqs:
+            return None, -1
+        ids = [s.seq_id for s in seqs]
+        if ids == self._batch_ids:
+            return self._batch
+        device = self.device
+        ps = [s.params for s in seqs]
+        temperatures, top_ks, top_ps, min_ps = zip(*(s.sampling_row for s in seqs))
+
+        def tensor(values, dtype):  # pinned and asynchronous, so building it never waits for the GPU
+            t = torch.tensor(values, dtype=dtype)
+            return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+        st = SamplingTensors(
+            temperatures=tensor(temperatures, torch.float32),
+            top_ks=tensor(top_ks, torch.int64),
+            top_ps=tensor(top_ps, torch.float32),
+            min_ps=tensor(min_ps, torch.float32),
+            generators=[s.generator for s in seqs],
+            all_greedy=all(p.greedy for p in ps),
+            needs_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in ps))
+        num_logprobs = max((p.logprobs for p in ps if p.logprobs is not None), default=-1)
+        self._batch_ids, self._batch = ids, (st, num_logprobs)
+        return st, num_logprobs
+
+    def plan(self, st: SamplingTensors | None, num_logprobs: int, tp_size: int) -> StepSampling | None:
+        """Rank 0: how every rank takes part in this step's sampling (None: nothing is sampled). Sharded
+        where each token is the argmax of its own (scaled, noised) logits and nothing else needs whole
+        rows (no logprobs); the seed comes from the host generator, as on the unsharded path."""
+        if st is None:
+            return None
+        if tp_size == 1 or num_logprobs >= 0 or not samples_by_argmax(st):
+            return StepSampling(sharded=False)
+        if st.all_greedy:
+            return StepSampling(sharded=True, greedy=True)
+        return StepSampling(sharded=True, seed=draw_seed(self.seed_generator))
+
+    def replay_graph(self, graphs, inputs, st: SamplingTensors, num_logprobs: int) -> "SampledTokens":
+        """A decode step as one replay of a graph that holds the LM head and the sampler. Steps the graph's
+        sampler cannot take (logprobs, top-k/p, min-p, seeded requests) sample from its logits."""
+        in_graph = num_logprobs < 0 and samples_by_argmax(st)
+        seed = draw_seed(self.seed_generator) if in_graph and not st.all_greedy else 0  # as sample() draws
+        tokens, logits = graphs.replay_sampled(inputs, st.temperatures if in_graph else None, seed, self.last_tokens)
+        if not in_graph:
+            return self.sample(logits, st, num_logprobs)
+        self.last_tokens = tokens
+        return SampledTokens([tokens])
+
+    def sample(self, logits: torch.Tensor, st: SamplingTensors, num_logprobs: int) -> "SampledTokens":
+        """The step's tokens (and logprobs) from whole rows of logits [S, V]."""
+        token_ids = sample(logits, st, self.generator, self.seed_generator)
+        self.last_tokens = token_ids
+        parts = [token_ids]
+        if num_logprobs >= 0:
+            parts += [t for t in compute_logprobs(logits, token_ids, num_logprobs) if t is not None]
+        return SampledTokens(parts, num_logprobs)
+
+    def sample_shards(self, logits: torch.Tensor, tp, plan: StepSampling, temperatures: torch.Tensor | None,
+                      first_column: int) -> "SampledTokens":
+        """Token ids [S] from each rank's vocabulary slice (logits [S, n] of tokens first_column ..): the best
+        of every rank's candidates. temperatures: rank 0's [S]; the other ranks pass None and receive them
+        (unless every row is greedy). Collective: every rank calls it."""
+        if plan.greedy:
+            temperatures = None
+        else:  # rank 0 holds them on its device only, with no host copy to send along with the step
+            if tp.rank != 0:
+                temperatures = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+            temperatures = tp.broadcast_from_rank0(temperatures)
+        candidates = shard_best(logits, temperatures, plan.seed, first_column, self.vocab_size)
+        self.last_tokens = token_ids = pick_token(tp.all_gather(candidates))
+        return SampledTokens([token_ids])
+
+
+class SampledTokens:
+    """Sampled ids (and logprobs) on their way to the host: one device→host copy per step."""
+
+    def __init__(self, parts: list[torch.Tensor], num_logprobs: int = -1):
+        self.num_logprobs = num_logprobs
+        self.event = None
+        if parts and parts[0].is_cuda:
+            self.parts = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True).copy_(p, non_blocking=True)
+                          for p in parts]
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.parts = parts
+
+    def result(self):
+        """(token ids, (chosen logprobs, top logprobs, top ids) or None) as lists."""
+        if self.event is not None:
+            self.event.synchronize()
+        if not self.parts:
+            return [], None
+        lists = [p.tolist() for p in self.parts]
+        if self.num_logprobs < 0:
+            return lists[0], None
+        chosen, top = lists[1], lists[2:] or [None, None]
+        return lists[0], (chosen, top[0], top[1])
+
+
+# ---- inside the decode graph (engine/cuda_graphs.py) ----------------------------------------------
+
+def graph_sampling_available() -> bool:
+    """Whether a decode graph can hold the sampler: the Gumbel kernels are there (Triton)."""
+    return gumbel_kernels() is not None
+
+
+def take_pending(input_ids: torch.Tensor, pending_src: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The step's token ids: rows whose pending_src is an index take the previous step's token there."""
+    return gumbel_kernels().take_pending(input_ids, pending_src, tokens)
+
+
+def sample_in_graph(logits: torch.Tensor, temperatures: torch.Tensor, seed: torch.Tensor, out: torch.Tensor) -> None:
+    """Gumbel-max (greedy where t = 0) into `out`, the seed read from device memory when the graph replays."""
+    gumbel_kernels().gumbel_argmax(logits, temperatures, seed, out=out)
+
+
+# ---- the sampling itself ----------------------------------------------------------------------------
+
+@fused
+def gumbel_max(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """One pass over the logits: argmax(logits / t + Gumbel noise) samples softmax(logits / t); t=0 rows are greedy."""
+    scores = logits.float()
+    u = torch.rand_like(scores).clamp_(min=1e-20)
+    return _gumbel_scores(scores, temperatures, u).argmax(dim=-1)
+
+
+def _gumbel_scores(scores: torch.Tensor, temperatures: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """scores / t + Gumbel noise from the uniforms u in (0, 1); the scores alone in t = 0 rows."""
+    t = temperatures.unsqueeze(1)
+    noisy = scores / torch.where(t > 0, t, torch.ones_like(t)) - torch.log(-torch.log(u))
+    return torch.where(t > 0, noisy, scores)
+
+
+@functools.cache
+def gumbel_kernels():
+    """engine.kernels.sampling (gumbel_argmax, gumbel_best), or None where triton is missing."""
+    try:
+        from engine.kernels import sampling
+    except ImportError:
+        return None
+    return sampling
+
+
+def samples_by_argmax(st: SamplingTensors) -> bool:
+    """Every row's token is the argmax of its own scaled, noised logits: all rows greedy, or Gumbel-max
+    (no top-k / top-p / min-p filter, no request with a generator of its own)."""
+    return st.all_greedy or (not st.needs_filter and all(g is None for g in st.generators))
+
+
+def draw_seed(seed_gen: torch.Generator | None) -> int:
+    """A seed for the Gumbel noise of one step, from a host generator (launching never waits for the device)."""
+    return int(torch.randint(0, 2**31 - 1, (1,), generator=seed_gen))
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors, shared_gen: torch.Generator | None = None,
+           seed_gen: torch.Generator | None = None) -> torch.Tensor:
+    """Token ids [S] from logits [S, V] (any float dtype).
+
+    shared_gen: the noise stream of rows without their own generator on the general path.
+    seed_gen: a CPU generator that seeds the CUDA Gumbel kernel (torch's default CPU generator if None).
+    """
+    if st.all_greedy:
+        return logits.argmax(dim=-1)
+    if samples_by_argmax(st):
+        if logits.is_cuda and gumbel_kernels() is not None:
+            return gumbel_kernels().gumbel_argmax(logits, st.temperatures, draw_seed(seed_gen))
+        return gumbel_max(logits, st.temperatures)
+    logits = logits.float()
+    greedy = logits.argmax(dim=-1)
+    temps = torch.where(st.temperatures > 0, st.temperatures, torch.ones_like(st.temperatures))
+    scores = logits / temps.unsqueeze(1)
+    if st.needs_filter:
+        scores = _filter(scores, st)
+    probs = scores.softmax(dim=-1)
+    noise = torch.empty_like(probs).exponential_(generator=shared_gen)
+    for i, gen in enumerate(st.generators):
+        if gen is not None:  # a seeded request draws from its own stream, whatever shares its batch
+            noise[i].exponential_(generator=gen)
+    # argmax of p / Exp(1) draws from p (the exponential race), without a CDF search
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(st.temperatures > 0, sampled, greedy)
+
+
+def shard_best(logits: torch.Tensor, temperatures: torch.Tensor | None, seed: int, first_column: int,
+               vocab_size: int) -> torch.Tensor:
+    """One rank's candidate token per row, [S, 2] float64 (score, token id): the best of its vocabulary
+    slice `logits` [S, n] (tokens first_column .. first_column + n - 1 of vocab_size) by logits / t +
+    Gumbel noise, by the logits alone where t = 0 or `temperatures` is None (every row greedy).
+
+    The noise of a token is the same on every rank and for every slicing (the step's seed draws it
+    for the whole row), so pick_token over every rank's candidates is the unsliced sample. float64
+    holds each float32 score and token id exactly.
+    """
+    num_rows, width = logits.shape
+    if width == 0:  # a last rank holding nothing but padding
+        scores = torch.full((num_rows,), float("-inf"), device=logits.device)
+        ids = torch.full((num_rows,), first_column, device=logits.device)
+    elif temperatures is None:
+        local = logits.argmax(dim=-1)
+        scores, ids = logits.gather(1, local.unsqueeze(1)).squeeze(1), local + first_column
+    elif logits.is_cuda and gumbel_kernels() is not None:
+        scores, ids = gumbel_kernels().gumbel_best(logits, temperatures, seed, first_column)
+    else:  # every rank draws the whole row's noise and keeps its own columns
+        gen = torch.Generator(device=logits.device).manual_seed(seed)
+        u = torch.rand(num_rows, vocab_size, generator=gen, device=logits.device)
+        u = u[:, first_column: first_column + width].clamp_(min=1e-20)
+        noised = _gumbel_scores(logits.float(), temperatures, u)
+        local = noised.argmax(dim=-1)
+        scores, ids = noised.gather(1, local.unsqueeze(1)).squeeze(1), local + first_column
+    return torch.stack([scores.double(), ids.double()], dim=1)
+
+
+def pick_token(candidates: torch.Tensor) -> torch.Tensor:
+    """Token ids [S] from every rank's shard_best, [ranks, S, 2]: the highest score, ties to the lowest
+    token id, as argmax over the whole row. A NaN score never wins."""
+    scores, ids = candidates[..., 0], candidates[..., 1]
+    scores = torch.where(scores.isnan(), float("-inf"), scores)
+    best = scores.max(dim=0).values
+    return torch.where(scores == best, ids, float("inf")).min(dim=0).values.long()
+
+
+def _filter(scores: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Mask to -inf every token outside min-p, then top-k, then top-p of what is left."""
+    if bool((st.min_ps > 0).any()):
+        probs = scores.softmax(dim=-1)
+        floor = st.min_ps.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        scores = scores.masked_fill(probs < floor, float("-inf"))
+    sorted_scores, order = scores.sort(dim=-1, descending=True)
+    ranks = torch.arange(scores.shape[1], device=scores.device).unsqueeze(0)
+    sorted_scores = sorted_scores.masked_fill(ranks >= st.top_ks.unsqueeze(1), float("-inf"))
+    sorted_probs = sorted_scores.softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_scores = sorted_scores.masked_fill(mass_before >= st.top_ps.unsqueeze(1), float("-inf"))
+    return torch.full_like(scores, float("-inf")).scatter(1, order, sorted_scores)
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int):
+    """(logprob of each sampled token [S], top-`num_top` logprobs [S, n] and their ids [S, n])."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    top = logprobs.topk(num_top, dim=-1) if num_top else None
+    return chosen, (top.values if top else None), (top.indices if top else None)
