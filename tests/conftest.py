@@ -73,7 +73,7 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` need CUDA; without it they are skipped, saying so."""
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_check.sh on a GPU machine)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run bench/gpu_check.sh on a GPU machine)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

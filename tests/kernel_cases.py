@@ -104,7 +104,7 @@ def random_lengths(num_seqs: int, max_context: int, max_new: int, decode_share: 
     return q_lens, k_lens
 
 
-# ---- shape lists and the check runner (used by tests/test_kernels.py and scripts/kernel_check.py) ----
+# ---- shape lists and the check runner (used by tests/test_kernels.py) ----
 
 @dataclass(frozen=True)
 class Shape:

@@ -1,8 +1,8 @@
-"""Sampling-kernel problems shared by tests/test_sampling_kernel.py and scripts/sampling_check.py.
+"""Sampling-kernel problems of tests/test_sampling_kernel.py.
 
 Each case runs engine.kernels.sampling.gumbel_argmax and returns plain lists (JSON-ready), so the
 CPU tests can run it under the Triton interpreter in a subprocess and assert on what comes back.
-Imports nothing from the engine but the kernel, so the GPU check runs where redis/pydantic are missing.
+Imports nothing from the engine but the kernel.
 """
 from __future__ import annotations
 

@@ -74,7 +74,7 @@ def _bench_profile():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_profile.py"
+    path = Path(__file__).resolve().parent.parent / "bench" / "bench_profile.py"
     spec = importlib.util.spec_from_file_location("bench_profile", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -163,14 +163,14 @@ def test_sampling_kernel_compiles_one_variant_for_every_seed():
 
 @needs_triton
 def test_sampling_kernel_computes_each_philox_draw_once_per_thread_when_compiled_for_hopper():
-    """Compiled for sm_90 on any machine (scripts/kernel_ir.py: the wrapper's launch, specialised as on the
+    """Compiled for sm_90 on any machine (bench/kernel_ir.py: the wrapper's launch, specialised as on the
     GPU), each group's Philox call is made by one thread and no draw moves between threads. The [GROUPS, 4]
     tile this replaced spread a group's four columns over four threads: Triton 3.6 had each of them compute
     the group's Philox call (305 32-bit high multiplies a loop against 77 now), Triton 3.9 converted the
     draws' layout instead (8 conversions); on the H100 (Triton 3.6) it was 3.5x slower at 256 rows."""
     from engine.kernels import sampling
 
-    sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
+    sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
     import kernel_ir
 
     kernel, args, kwargs = kernel_ir.capture(kernel_ir.case_sampling(256))

@@ -27,7 +27,7 @@ EIGHT_WARPS_ABOVE = 8192  # slices of more elements than this take 8 warps, othe
 # x rows up to which the layers take this kernel. Up to 2 rows each row is a pass
 # over the slice on CUDA cores: on the H100 a 0.6B decode step is 36% faster than with cuBLAS at 1 row and
 # 14% at 2. Past them the tensor-core kernel below: 6% faster at 3-4 rows, 15-27% slower at 8-16 (each
-# program reads every x row, as many bytes as its weight slice at 16 rows; docs/kernels-notes.md), so 4.
+# program reads every x row, as many bytes as its weight slice at 16 rows; 57e719d), so 4.
 MAX_ROWS = 4
 ROW_LIMIT = 32  # the row loop is unrolled: one compiled variant per row count, so few rows only
 # Above DOT_ABOVE_ROWS rows gemv runs on the tensor cores (_gemv_dot_kernel): a program holds a
@@ -68,7 +68,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
     if NORM:
         norm_w = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     # With one row, the next kernel may start once this program's weight loads are issued; with more, first
-    # thing. Each is the faster where it is used, by 1.7-3% of a decode graph (docs/kernels-notes.md).
+    # thing. Each is the faster where it is used, by 1.7-3% of a decode graph (99fe3fe, d8b7341).
     if ROWS == 1:
         launch_dependents(PDL)
     wait_for_previous(PDL)  # x is written by an earlier kernel; the weights never are

@@ -33,7 +33,7 @@ class DecodeConfig:
     grid_programs_per_sm: int = 4
     # the fused decode kernel's K/V loop after the GEMV (one or two rows: engine/kernels/fused_decode.py);
     # num_stages holds elsewhere. 1: the batch-1 decode graph measured 1.6-1.8% faster than with 3, batch 2
-    # the same (docs/kernels-notes.md, "Empty KV ranges, and the K/V loop's pipeline stages")
+    # the same (H100, d6f80e3)
     stages_after_gemv: int = 1
 
 

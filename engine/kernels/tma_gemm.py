@@ -2,7 +2,7 @@
 kernel; Hopper only).
 
 cuBLAS spends 6-9 µs on each decode projection of the 0.6B shape at any row count from 16 to 256, where a
-layer's weights take 10 µs at 3 TB/s for all four (docs/kernels-notes.md). Its kernels cannot start on
+layer's weights take 10 µs at 3 TB/s for all four (H100). Its kernels cannot start on
 their weights before the kernel that writes x has finished. Here each program owns a [BLOCK_M, BLOCK_N]
 tile of y. Its weight tiles come through a ring of STAGES shared-memory buffers, filled by the copy engine
 (TMA), and the first STAGES of them are requested before the program waits for the kernel that writes x
@@ -12,8 +12,8 @@ K tiles are shared among SPLIT programs; each stores its float32 partial, and th
 last ticket of the tile sums the partials in split order (so the result does not depend on which finishes
 first), stores y and resets the ticket.
 
-It matches cuBLAS call for call rather than beating it (~6 µs a projection either way,
-scripts/tma_gemm_time.py). In the engine's decode graphs it gains where its early weight requests overlap
+It matches cuBLAS call for call rather than beating it (~6 µs a projection either way, 2da40e4 -
+36a900d). In the engine's decode graphs it gains where its early weight requests overlap
 the kernels between the projections, and where its gated epilogue (silu(gate) * up) replaces the SiLU·mul
 kernel: 3-9% a step at 24-64 rows, which is where the layers take it (MIN_ROWS to MAX_ROWS).
 
@@ -68,7 +68,7 @@ def available(x: torch.Tensor) -> bool:
 
 
 def default_config(M: int, N: int, K: int, num_sms: int = 132) -> TmaConfig:
-    """The tiles that timed best at up to 64 rows on the 0.6B shapes (scripts/tma_gemm_time.py): 64 rows by
+    """The tiles that timed best at up to 64 rows on the 0.6B shapes (H100, 36a900d): 64 rows by
     64 columns, or for N of at most 2,048 (o, down) 16 columns with K split 4 ways; 8 stages. Past 64 rows
     (where cuBLAS was faster at every shape) 128 rows by the widest of 128/64/32 columns that keeps three
     quarters of the SMs busy."""
