@@ -348,7 +348,7 @@ def _check_attention_layer_decode(triton_backend, torch_backend, device: str, dt
     takes its one-kernel path (decode_from_qkv), the torch one the eager layers; outputs and caches."""
     from engine.attention import AttentionMetadata, ForwardContext
     from engine.layers.attention import Attention
-    from engine.layers.fusion import plain_torch
+    from engine.layers.fusion import PlainTorch
     from engine.layers.norm import RMSNorm
     from engine.layers.rotary import RotaryEmbedding
 
@@ -376,7 +376,7 @@ def _check_attention_layer_decode(triton_backend, torch_backend, device: str, dt
 
     triton_backend.decode_from_qkv = recorded
     try:
-        with plain_torch():  # the eager layers, rounding at every op as the kernels emulate
+        with PlainTorch():  # the eager layers, rounding at every op as the kernels emulate
             for backend in (triton_backend, torch_backend):
                 layer = Attention(heads, kv_heads, head_dim, head_dim ** -0.5, ForwardContext(backend))
                 layer.k_cache, layer.v_cache = case.k_cache.clone(), case.v_cache.clone()
@@ -398,7 +398,7 @@ def check_qkv_prep(device: str, dtype: torch.dtype = torch.bfloat16, cache_dtype
     `*_q_exact_share` is the share of query elements that differ from the eager layers' at all.
     """
     from engine.kernels import qkv_prep
-    from engine.layers.fusion import plain_torch
+    from engine.layers.fusion import PlainTorch
     from engine.layers.norm import RMSNorm
     from engine.layers.rotary import RotaryEmbedding
 
@@ -426,7 +426,7 @@ def check_qkv_prep(device: str, dtype: torch.dtype = torch.bfloat16, cache_dtype
         q_ref, k_ref = q_ref.reshape(-1, heads, head_dim), k_ref.reshape(-1, kv_heads, head_dim)
         v_ref = v_ref.reshape(-1, kv_heads, head_dim)
         # the eager layers (torch.compile'd chains round once at the end, eager ops at every step)
-        with plain_torch():
+        with PlainTorch():
             if has_norm:
                 q_ref, k_ref = norms[0](q_ref), norms[1](k_ref)
             q_ref, k_ref = rotary(positions, q_ref, k_ref)
@@ -545,7 +545,7 @@ def check_norm_act(device: str, dtype: torch.dtype = torch.bfloat16) -> dict:
     from engine.layers import fusion
 
     results = {}
-    with fusion.plain_torch():  # the fusion functions below run their eager torch path
+    with fusion.PlainTorch():  # the fusion functions below run their eager torch path
         for rows, hidden in ((1, 64), (5, 96), (3, 1024)):
             name = f"rms_{rows}x{hidden}"
             gen = torch.Generator().manual_seed(rows * hidden)

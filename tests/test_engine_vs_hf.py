@@ -89,7 +89,7 @@ def test_async_scheduling_keeps_tokens_identical(reference):
 
 
 def test_plain_torch_layers_keep_tokens_identical(reference):
-    """fused_layers=False (a debugging option) runs the model inside fusion.plain_torch(); the tokens are
+    """fused_layers=False (a debugging option) runs the model inside fusion.PlainTorch; the tokens are
     transformers' all the same."""
     from engine.layers import fusion
 

@@ -4,8 +4,9 @@ RMSNorm (with the residual add) and SiLU·mul run as the engine's Triton kernels
 and so do the projections of small decode batches (engine/kernels/gemv.py), which take the norm or the
 SiLU·mul before them into their prologue;
 the other chains are compiled by torch.compile once (dynamic shapes) the first time they see a CUDA
-tensor. Inside plain_torch() everything stays eager PyTorch: the model runner enters it for an engine
-built with fused_layers=False (EngineConfig), tests for a reference of eager ops.
+tensor. Inside `with PlainTorch():` everything stays eager PyTorch (no Triton kernel, no torch.compile): the
+model runner enters it for an engine built with fused_layers=False (EngineConfig), tests for a reference of
+eager ops.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import importlib
 import torch
 import torch.nn.functional as F
 
-# True inside plain_torch(): a context variable, so that engines in one process keep their own
+# True inside PlainTorch(): a context variable, so that engines in one process keep their own
 _PLAIN_TORCH = contextvars.ContextVar("redline_plain_torch", default=False)
 
 
@@ -31,11 +32,6 @@ class PlainTorch:
 
     def __exit__(self, *exc) -> None:
         _PLAIN_TORCH.reset(self._tokens.pop())
-
-
-def plain_torch() -> PlainTorch:
-    """`with plain_torch():` no Triton kernel and no torch.compile in the functions here."""
-    return PlainTorch()
 
 
 def fused(fn):
@@ -64,7 +60,7 @@ def _kernel_module(name: str):
 
 
 def _kernels_for(x: torch.Tensor, weight: torch.Tensor | None = None, name: str = "norm_act"):
-    """The Triton kernel module `name` if its kernels apply to x (CUDA, outside plain_torch(), weight of x's
+    """The Triton kernel module `name` if its kernels apply to x (CUDA, outside PlainTorch, weight of x's
     dtype), else None."""
     if not x.is_cuda or _PLAIN_TORCH.get():
         return None
