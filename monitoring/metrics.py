@@ -1,4 +1,4 @@
-"""Prometheus metrics for the worker and the engine it drives.
+"""Prometheus metrics for the worker and the engine it drives, served with its health checks.
 
 One `Metrics` object per worker, each with its own registry, so two workers in one process never
 collide. The engine hooks (`observe_step`, `observe_finished`) run inside the engine loop: they do a
@@ -7,9 +7,12 @@ are read by attribute (duck typing) so this module imports without torch.
 """
 from __future__ import annotations
 
+import threading
 import time
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 PREFIX = "redline_"
 
@@ -41,6 +44,7 @@ class Metrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.queue = queue
         self.model = model
+        self.health = Health()
         base = ("queue", "model_name")
         values = (queue, model)
 
@@ -176,7 +180,52 @@ class Metrics:
     def heartbeat(self) -> None:
         self._heartbeat.set(time.time())
 
+    def report_health(self, source) -> None:
+        """From now on /healthz and /readyz ask `source` (the worker): liveness() and readiness()."""
+        self.health.source = source
 
-def start_metrics_server(port: int, metrics: Metrics) -> None:
-    """Serve `metrics` as /metrics on 0.0.0.0:port from a daemon thread."""
-    start_http_server(port, addr="0.0.0.0", registry=metrics.registry)
+
+class Health:
+    """What /healthz (live) and /readyz (ready) answer: (ok, reason) from the worker once it runs.
+
+    Before that the process is live and not ready: the engine is loading.
+    """
+
+    def __init__(self) -> None:
+        self.source = None  # an object with liveness() and readiness(), each returning (ok, reason)
+
+    def live(self) -> tuple[bool, str]:
+        return self.source.liveness() if self.source is not None else (True, "loading the engine")
+
+    def ready(self) -> tuple[bool, str]:
+        return self.source.readiness() if self.source is not None else (False, "loading the engine")
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args) -> None:  # probes every few seconds would flood the log
+        pass
+
+
+def start_metrics_server(port: int, metrics: Metrics, addr: str = "0.0.0.0") -> WSGIServer:
+    """Serve `metrics` on addr:port from a daemon thread: /healthz and /readyz (200, or 503 with the reason
+    as text), and the Prometheus exposition on every other path (/metrics)."""
+    exposition = make_wsgi_app(metrics.registry)
+    checks = {"/healthz": metrics.health.live, "/readyz": metrics.health.ready}
+
+    def app(environ, start_response):
+        check = checks.get(environ.get("PATH_INFO", ""))
+        if check is None:
+            return exposition(environ, start_response)
+        ok, reason = check()
+        body = f"{reason}\n".encode()
+        start_response("200 OK" if ok else "503 Service Unavailable",
+                       [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))])
+        return [body]
+
+    server = make_server(addr, port, app, server_class=_Server, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="redline-metrics", daemon=True).start()
+    return server

@@ -9,6 +9,7 @@ import redis.asyncio as aredis
 from . import protocol as p
 from .client import (build_job, cancel_call, default_url, delta_from_result, job_kwargs, parse_dead,
                      parse_delta, parse_status, remaining, requeue_call, submit_call)
+from .connection import connect
 from .scripts import ClientScripts
 
 
@@ -18,7 +19,7 @@ class AsyncClient:
     def __init__(self, url: str | None = None, queue: str = "default", *,
                  redis_client: aredis.Redis | None = None) -> None:
         self.url = url or default_url()
-        self.redis = redis_client or aredis.Redis.from_url(self.url, socket_timeout=None)
+        self.redis = redis_client or connect(self.url, asyncio=True, socket_timeout=None)
         self.keys = p.Keys(queue)
         self.scripts = ClientScripts(self.redis)
 

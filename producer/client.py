@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
 from . import protocol as p
+from .connection import connect, redact_url  # noqa: F401  (redact_url: importable from here too)
 from .scripts import ClientScripts
 
 
@@ -67,21 +66,6 @@ def _alive(pid: int) -> bool:
     except OSError:  # gone, or a reused pid of another user's
         return False
     return True
-
-
-def redact_url(url: str) -> str:
-    """The URL as it may be printed or logged: its password (and a lone user part, often a password
-    put there) replaced by ***, also a `password=` query field."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return re.sub(r"//[^/@\s]*@", "//***@", url)
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, _, host = netloc.rpartition("@")
-        netloc = f"{userinfo.split(':', 1)[0]}:***@{host}" if ":" in userinfo else f"***@{host}"
-    query = re.sub(r"(?i)(^|&)(password=)[^&]*", r"\1\2***", parts.query)
-    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 # ---- helpers shared with the asyncio client: no I/O below this line until the class ----
@@ -175,9 +159,11 @@ class Client:
 
     def __init__(self, url: str | None = None, queue: str = "default", *,
                  redis_client: redis.Redis | None = None) -> None:
+        """url: redis://, rediss://, unix:// or, for a Redis Cluster, redis+cluster://HOST:PORT[,HOST:PORT...]
+        (see producer.connection); None: `default_url()`."""
         self.url = url or default_url()
         # no socket timeout: result() and stream() block in Redis for as long as they are asked to
-        self.redis = redis_client or redis.Redis.from_url(self.url, socket_timeout=None)
+        self.redis = redis_client or connect(self.url, socket_timeout=None)
         self.keys = p.Keys(queue)
         self.scripts = ClientScripts(self.redis)
 

@@ -9,6 +9,9 @@ Key arguments always come from `protocol.Keys`; all keys of a queue share one cl
 """
 from __future__ import annotations
 
+from redis.asyncio.cluster import ClusterPipeline as AsyncClusterPipeline
+from redis.cluster import ClusterPipeline as SyncClusterPipeline
+
 from .protocol import GROUP, TOKENS_TTL_S
 
 # the Lua helpers every script starts with, the worker's (worker.scripts) too
@@ -88,15 +91,40 @@ return 1
 """
 
 
+class Script:
+    """One Lua script registered on a redis client: `script(keys=..., args=..., client=pipe)`.
+
+    On a Redis Cluster pipeline it is queued whole (EVAL): such a pipeline cannot load a script before it
+    runs, and a replica promoted by a failover starts with no scripts loaded. Called directly, redis-py
+    loads it (on every primary of a cluster) when the server answers NOSCRIPT.
+    """
+
+    def __init__(self, client, source: str) -> None:
+        self.source = source
+        self.registered = client.register_script(source)
+
+    def __call__(self, keys=(), args=(), client=None):
+        if isinstance(client, AsyncClusterPipeline):
+            return _awaitable(client.execute_command("EVAL", self.source, len(keys), *keys, *args))
+        if isinstance(client, SyncClusterPipeline):  # its node named, or it asks a server for the keys of each EVAL
+            return client.execute_command("EVAL", self.source, len(keys), *keys, *args,
+                                          target_nodes=client.get_node_from_key(keys[0]))
+        return self.registered(keys=keys, args=args, client=client)
+
+
+async def _awaitable(value):
+    return value
+
+
 class ScriptSet:
     """Lua scripts registered on one redis client (sync or asyncio): each entry of `SOURCES` becomes an
-    attribute of that name, called as `scripts.name(keys=..., args=..., client=pipe)`."""
+    attribute of that name, a `Script` called as `scripts.name(keys=..., args=..., client=pipe)`."""
 
     SOURCES: dict[str, str] = {}
 
     def __init__(self, client) -> None:
         for name, source in self.SOURCES.items():
-            setattr(self, name, client.register_script(source))
+            setattr(self, name, Script(client, source))
 
 
 class ClientScripts(ScriptSet):

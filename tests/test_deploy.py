@@ -106,6 +106,14 @@ def test_worker_reserves_gpus_restarts_and_drains(compose_config):
     assert "container_name" not in worker and "ports" not in worker  # both would break --scale
 
 
+def test_worker_health_is_its_readiness_endpoint_on_the_metrics_port(compose_config):
+    worker = compose_config["services"]["worker"]
+    check = " ".join(worker["healthcheck"]["test"])
+    port = worker["environment"]["REDLINE_METRICS_PORT"]
+    assert f"http://127.0.0.1:{port}/readyz" in check
+    assert seconds(worker["healthcheck"]["start_period"]) >= 600  # a first start downloads the model
+
+
 def test_worker_is_configured_through_redline_environment(compose_config):
     env = compose_config["services"]["worker"]["environment"]
     assert env["REDLINE_REDIS_URL"] == "redis://redis:6379/0"

@@ -36,19 +36,18 @@ def run_worker(args: argparse.Namespace) -> int:
         raise UsageError("give --model (or REDLINE_MODEL): an HF hub id, a local model directory, "
                          "or 'tiny' (the built-in model with random weights)")
 
-    import redis
-
     from engine.config import EngineConfig
+    from producer.connection import check_server, connect
 
     client = None
     if settings.redis_url:  # a wrong URL is said at once, before anything loads
         args.redis_url = settings.redis_url  # the error handler names the Redis it could not reach
-        client = redis.Redis.from_url(settings.redis_url)
-        client.ping()
+        client = connect(settings.redis_url, password=settings.redis_password)  # the URL's own password wins
+        check_server(client, settings.redis_url)
     config = EngineConfig(settings.model, **settings.engine_kwargs)  # a bad option or model: said before Redis starts
     server = None if client else embedded_redis()
     try:
-        return _serve(settings, config, client or redis.Redis.from_url(server.url))
+        return _serve(settings, config, client or connect(server.url))
     finally:
         if server:
             server.stop()
@@ -56,7 +55,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
 def embedded_redis():
     """A redis-server of our own, on the default port when it is free, published for producers here."""
-    from producer.client import redact_url
+    from producer.connection import redact_url
     from producer.embedded import RedisServer, port_is_free
 
     server = None
@@ -81,9 +80,10 @@ def _serve(settings, config, client) -> int:
 
     from .loop import Worker, make_metrics
 
+    # metrics first: /healthz and /readyz answer (live, not ready) while the model loads
+    metrics = make_metrics(settings, os.path.basename(settings.model.rstrip("/")))
     engine = LLMEngine(config)
     try:
-        metrics = make_metrics(settings, os.path.basename(settings.model.rstrip("/")))
         worker = Worker(settings, engine, client, metrics)
 
         def on_signal(signum, frame) -> None:

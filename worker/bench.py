@@ -53,13 +53,12 @@ def run_bench(args: argparse.Namespace) -> int:
     engine_bench.check_arguments(opts)
     if opts.submit_jobs < 1:
         raise ValueError(f"--submit-jobs must be at least 1, got {opts.submit_jobs}")
-    import redis
-
+    from producer.connection import check_server, connect
     from producer.embedded import RedisServer
 
     if opts.redis_url:
         args.redis_url = opts.redis_url  # the error handler names the Redis it could not reach
-        redis.Redis.from_url(opts.redis_url).ping()  # before the model loads
+        check_server(connect(opts.redis_url), opts.redis_url)  # before the model loads
     server = None if opts.redis_url else RedisServer().start()
     try:
         record = run_through_queue(opts, opts.redis_url or server.url)
@@ -128,16 +127,15 @@ def run_through_queue(opts: argparse.Namespace, url: str) -> dict:
 def _through_queue(llm, url: str, jobs: list[dict], opts) -> tuple[float, int]:
     """Run a worker on this thread (where the engine was built) and a producer beside it; time from the
     first submit to the last result read back."""
-    import redis
-
     from producer import Client
+    from producer.connection import connect
 
     from .loop import Worker
     from .settings import WorkerSettings
 
     queue = f"bench-{uuid.uuid4().hex[:8]}"
     settings = WorkerSettings(model=str(opts.model), redis_url=url, queue=queue, worker_name="bench-worker")
-    worker = Worker(settings, llm, redis.Redis.from_url(url))
+    worker = Worker(settings, llm, connect(url))
     client = Client(url, queue)
     outcome: dict = {}
 

@@ -86,9 +86,10 @@ def describe_user_error(e: Exception, redis_url: str | None) -> tuple[str, int] 
     """(what to tell the user, exit code) for the errors a user can cause; None for a bug."""
     import redis
     from pydantic import ValidationError
+    from redis.exceptions import MovedError, RedisClusterException
 
     from producer.cli import UsageError
-    from producer.client import redact_url
+    from producer.connection import redact_url
     from producer.protocol import describe_validation_error
 
     where = f" at {redact_url(redis_url)}" if redis_url else ""
@@ -97,6 +98,10 @@ def describe_user_error(e: Exception, redis_url: str | None) -> tuple[str, int] 
     if isinstance(e, redis.AuthenticationError):
         return (f"Redis{where} refused the login ({e}); check the user and password in the URL",
                 EXIT_UNAVAILABLE)
+    if isinstance(e, MovedError):  # a one-server URL naming a node of a Redis Cluster
+        return (f"Redis{where} is a node of a Redis Cluster ({e}); use a redis+cluster:// URL", EXIT_BAD_USAGE)
+    if isinstance(e, RedisClusterException) and "same key slot" not in str(e):  # no node answered, or no cluster
+        return f"cannot use the Redis Cluster{where}: {e}", EXIT_UNAVAILABLE
     if isinstance(e, (redis.ConnectionError, redis.TimeoutError)):
         return (f"cannot reach Redis{where} ({e}); check that it runs and the URL (--redis-url, REDIS_URL), "
                 "or run `redline worker` here with no URL to start one", EXIT_UNAVAILABLE)
@@ -115,7 +120,7 @@ def describe_user_error(e: Exception, redis_url: str | None) -> tuple[str, int] 
 
 def one_line(message: str) -> str:
     """The message with no password of a URL in it, on one line, at most MAX_ERROR_CHARS long."""
-    from producer.client import redact_url
+    from producer.connection import redact_url
 
     text = " ".join(URL.sub(lambda m: redact_url(m.group(0)), message).split())
     return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS - 1] + "…"

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import redis
 
 from producer import protocol as p
+from producer.connection import UNAVAILABLE
 
 from .scripts import WorkerScripts
 
@@ -142,9 +143,9 @@ class Consumer:
     """The reader thread's view of the queue."""
 
     def __init__(self, client: redis.Redis, keys: p.Keys, scripts: WorkerScripts, settings, metrics,
-                 blocking_client: redis.Redis | None = None) -> None:
+                 blocking) -> None:
         self.redis, self.keys, self.scripts = client, keys, scripts
-        self.blocking = blocking_client or client  # for the blocking read only: a connection of its own
+        self.blocking = blocking  # a BlockingConnection: the blocking read has a connection of its own
         self.settings, self.metrics = settings, metrics
         self.name = settings.worker_name
         self.streams = keys.all_jobs()
@@ -171,7 +172,7 @@ class Consumer:
         with self._regroup_lock:  # the reader and the writer may both notice; one of them warns
             try:
                 created = self.ensure_groups()
-            except (redis.ConnectionError, redis.TimeoutError):
+            except UNAVAILABLE:
                 return True  # Redis went away again: the next call meets the missing group again
             if created:
                 self._claim_cursor = {s: "0-0" for s in self.streams}
@@ -193,8 +194,8 @@ class Consumer:
         if entries or block_ms <= 0:
             return entries
         per_stream = max(1, n // len(self.streams))
-        reply = self.blocking.xreadgroup(p.GROUP, self.name, {s: ">" for s in self.streams},
-                                         count=per_stream, block=block_ms)
+        reply = self.blocking.redis.xreadgroup(p.GROUP, self.name, {s: ">" for s in self.streams},
+                                               count=per_stream, block=block_ms)
         return self._entries(reply)
 
     @staticmethod

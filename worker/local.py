@@ -23,9 +23,8 @@ class LocalQueue:
 def local_worker(model: str | None, load_format: str | None = None, device: str = "auto",
                  redis_url: str | None = None, say=print) -> Iterator[LocalQueue]:
     """Start (embedded Redis and) an engine and a worker draining a fresh queue; stop both on exit."""
-    import redis
-
     from engine import LLMEngine
+    from producer.connection import check_server, connect
     from producer.embedded import RedisServer
 
     from .loop import Worker
@@ -44,14 +43,14 @@ def local_worker(model: str | None, load_format: str | None = None, device: str 
         say(f"embedded redis-server {server.version()} at {redis_url}")
     worker = thread = None
     try:
-        redis.Redis.from_url(redis_url).ping()  # an unreachable Redis is said before the model loads
+        check_server(connect(redis_url), redis_url)  # an unreachable Redis is said before the model loads
         start = time.perf_counter()
         engine = LLMEngine(model, load_format=load_format or "auto", device=device)
         say(f"engine ready in {time.perf_counter() - start:.1f} s ({engine.config.device})")
         queue = f"local-{uuid.uuid4().hex[:8]}"
         settings = WorkerSettings(model=model, redis_url=redis_url, queue=queue, worker_name="local-worker",
                                   drain_timeout=30)
-        worker = Worker(settings, engine, redis.Redis.from_url(redis_url))
+        worker = Worker(settings, engine, connect(redis_url))
         thread = threading.Thread(target=worker.run, name="redline-local-worker")
         thread.start()
         worker.ready.wait(30)

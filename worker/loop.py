@@ -21,7 +21,9 @@ import time
 import redis
 
 from producer import protocol as p
+from producer.connection import UNAVAILABLE
 
+from .blocking import BlockingConnection
 from .consumer import Consumer, InFlight, Job
 from .results import STOP, ResultWriter
 from .scripts import WorkerScripts
@@ -31,6 +33,7 @@ log = logging.getLogger("redline.worker")
 
 SHUTDOWN_GRACE_S = 2.0  # past the drain deadline, the last writes may retry this long before the worker exits
 UPKEEP_EVERY_S = 5.0  # queue depths and dead consumers: one round trip this often
+READER_STALL_S = 15.0  # a reader that has not come round for this long is not ready (its Redis hangs)
 
 
 class Capacity:
@@ -96,10 +99,9 @@ class Worker:
         self.commands: queue.SimpleQueue = queue.SimpleQueue()  # ("run", Job) | ("abort", job_id)
         self.stopping = threading.Event()
         # The threads that block in Redis get connections of their own, so stop() can unblock them.
-        self.reader_redis = redis.Redis(connection_pool=client.connection_pool, single_connection_client=True)
-        self.cancels_redis = redis.Redis(connection_pool=client.connection_pool, single_connection_client=True)
-        self._client_ids: dict[str, int] = {}
-        self.consumer = Consumer(client, self.keys, self.scripts, settings, self.metrics, self.reader_redis)
+        self._reader = BlockingConnection(client, self.keys.jobs())
+        self._cancels = BlockingConnection(client, self.keys.cancels)
+        self.consumer = Consumer(client, self.keys, self.scripts, settings, self.metrics, self._reader)
         self.writer = ResultWriter(client, self.keys, self.scripts, self.consumer, self.in_flight, settings,
                                    self.metrics, getattr(engine, "tokenizer", None), self._abort_lost)
         self.reader_done = threading.Event()
@@ -107,11 +109,50 @@ class Worker:
         self.ready = threading.Event()  # set once the consumer group exists and the loop is running
         self.closed = threading.Event()  # set once the writer has written everything
         self.failed = False  # a thread or the engine failed: exit code 1
+        self.failure: str | None = None  # which, and how: what /healthz reports
+        self.redis_error: str | None = None  # the reader's last Redis call failed with this
+        self.reader_came_round = time.monotonic()  # when the reader last finished a pass of its loop
+        self._threads: list[threading.Thread] = []
         self._held: list[Job] = []  # read beyond the engine's room; handed over first next time
         self._superseding: list[Job] = []  # wait until this worker's stale copy of the same job has left
         self.queue_waiting: int | None = None  # entries not yet delivered, as of the reader's last upkeep
         self.stats = StatsLog()
         self.streaming: set[str] = set()  # engine thread only: jobs in the engine that want token deltas
+        self.metrics.report_health(self)
+
+    @property
+    def reader_redis(self) -> redis.Redis:
+        return self._reader.redis
+
+    @property
+    def cancels_redis(self) -> redis.Redis:
+        return self._cancels.redis
+
+    # ---- health: what /healthz and /readyz answer ----
+
+    def liveness(self) -> tuple[bool, str]:
+        """Not live once a thread has failed or died: the worker is about to exit 1 (or hangs on the way)."""
+        if self.failed:
+            return False, self.failure or "a worker thread failed"
+        dead = [t.name for t in self._threads if not t.is_alive()]
+        if dead and not self.stopping.is_set():
+            return False, f"{', '.join(dead)} died"
+        return True, "alive"
+
+    def readiness(self) -> tuple[bool, str]:
+        """Ready while it reads jobs: engine loaded, groups made, Redis answering, not stopping."""
+        if self.closed.is_set():
+            return False, "stopped: everything written"
+        if self.stopping.is_set():
+            return False, f"draining: {len(self.in_flight)} jobs in flight"
+        if not self.ready.is_set():
+            return False, "starting"
+        if self.redis_error is not None:
+            return False, f"Redis unreachable: {self.redis_error}"
+        behind = time.monotonic() - self.reader_came_round
+        if behind > READER_STALL_S:
+            return False, f"the reader has been stuck for {behind:.0f} s"
+        return True, f"reading queue {self.settings.queue!r}"
 
     # ---- control ----
 
@@ -126,19 +167,7 @@ class Worker:
         self.stopping.set()
         self.capacity.wake()
         self.commands.put(("wake", None))
-        self._unblock("reader")
-
-    def _unblock(self, name: str) -> None:
-        """Wake a thread blocked in a Redis call, from a thread of its own: a hung Redis never answers."""
-        client_id = self._client_ids.get(name)
-        if client_id is not None:
-            threading.Thread(target=self._client_unblock, args=(client_id,), daemon=True).start()
-
-    def _client_unblock(self, client_id: int) -> None:
-        try:
-            self.redis.client_unblock(client_id)
-        except redis.RedisError:
-            pass  # the blocking call times out by itself within a second
+        self._reader.unblock()
 
     def _log_kv_capacity(self) -> None:
         """How many tokens the engine's KV cache holds and how many sequences of max_model_len fit at once,
@@ -158,7 +187,8 @@ class Worker:
         writer = threading.Thread(target=self._guard(self.writer.run), name="redline-writer", daemon=True)
         others = [threading.Thread(target=self._guard(self._read_loop), name="redline-reader", daemon=True),
                   threading.Thread(target=self._guard(self._cancel_loop), name="redline-cancels", daemon=True)]
-        for t in [writer, *others]:
+        self._threads = [writer, *others]
+        for t in self._threads:
             t.start()
         log.info("worker %s serving queue %r", self.settings.worker_name, self.settings.queue)
         self._log_kv_capacity()
@@ -168,6 +198,7 @@ class Worker:
         except Exception as e:
             log.exception("the engine failed; in-flight jobs stay pending for other workers to reclaim")
             self._record_error(f"the engine failed on worker {self.settings.worker_name}: {type(e).__name__}: {e}")
+            self.failure = f"the engine failed: {type(e).__name__}: {e}"
             self.failed = True
             self.stop(now=True)
         self._finish_threads(writer, others)
@@ -189,7 +220,7 @@ class Worker:
         if writer.is_alive():
             log.error("the last results were not written in time; their jobs stay pending for other workers")
         self.closed.set()
-        self._unblock("cancels")
+        self._cancels.unblock()
         end = time.monotonic() + 1.0  # the reader and the cancels end within a second unless Redis hangs
         for t in others:
             t.join(max(end - time.monotonic(), 0))
@@ -198,8 +229,10 @@ class Worker:
         def run() -> None:
             try:
                 target()
-            except Exception:
-                log.exception("%s failed; stopping the worker (exit code 1)", threading.current_thread().name)
+            except Exception as e:
+                name = threading.current_thread().name
+                log.exception("%s failed; stopping the worker (exit code 1)", name)
+                self.failure = f"{name} failed: {type(e).__name__}: {e}"
                 self.failed = True
                 self.stop(now=True)
         return run
@@ -309,20 +342,21 @@ class Worker:
     def _read_jobs(self) -> None:
         reclaim_every = max(self.settings.claim_timeout / 2, 0.05)
         next_reclaim = next_upkeep = time.monotonic()
-        self._client_ids["reader"] = self._client_id(self.reader_redis)
         while not self.stopping.is_set():
+            self.reader_came_round = time.monotonic()
             room = self.capacity.wait_for_room(timeout=min(reclaim_every, 1.0))
             if self.stopping.is_set():
                 break
             jobs, self._held = self._held[:room], self._held[room:]
             try:
-                entries = []
+                entries, called = [], False
                 if room > len(jobs) and time.monotonic() >= next_reclaim:
-                    entries = self.consumer.reclaim(room - len(jobs), self.in_flight.entry_ids())
+                    entries, called = self.consumer.reclaim(room - len(jobs), self.in_flight.entry_ids()), True
                     next_reclaim = time.monotonic() + reclaim_every
                 if room > len(jobs) + len(entries):
                     block = 0 if jobs or entries or self._superseding else 1000
                     entries += self.consumer.read(room - len(jobs) - len(entries), block_ms=block)
+                    called = True
                 if self.stopping.is_set():  # began draining while we read: these never start here
                     self.consumer.hand_back_unread(entries)
                     self._held = jobs + self._held
@@ -330,12 +364,15 @@ class Worker:
                 jobs += self._admit(entries)
                 if time.monotonic() >= next_upkeep:
                     self._upkeep()
-                    next_upkeep = time.monotonic() + UPKEEP_EVERY_S
-            except (redis.ConnectionError, redis.TimeoutError) as e:
+                    next_upkeep, called = time.monotonic() + UPKEEP_EVERY_S, True
+                if called:
+                    self.redis_error = None
+            except UNAVAILABLE as e:  # a lost connection, or a cluster failing over
                 self._held = jobs + self._held  # taken, never sent: first in line next time
-                log.warning("reading jobs failed (%s); retrying in 1 s", e)
+                self.redis_error = str(e) or type(e).__name__
+                log.warning("reading jobs failed (%s); retrying in 1 s", self.redis_error)
                 self.stopping.wait(1.0)
-                self._client_ids["reader"] = self._client_id(self.reader_redis)
+                self._reader.reopen()
                 continue
             except redis.ResponseError as e:
                 self._held = jobs + self._held
@@ -391,7 +428,6 @@ class Worker:
     # ---- the cancel thread ----
 
     def _cancel_loop(self) -> None:
-        self._client_ids["cancels"] = self._client_id(self.cancels_redis)
         last = None
         while not self.closed.is_set():
             try:
@@ -399,10 +435,10 @@ class Worker:
                     newest = self.cancels_redis.xrevrange(self.keys.cancels, count=1)
                     last = newest[0][0] if newest else "0-0"
                 reply = self.cancels_redis.xread({self.keys.cancels: last}, count=100, block=1000)
-            except (redis.ConnectionError, redis.TimeoutError) as e:
-                log.warning("watching cancels failed (%s); retrying in 1 s", e)
+            except UNAVAILABLE as e:
+                log.warning("watching cancels failed (%s); retrying in 1 s", str(e) or type(e).__name__)
                 self.closed.wait(1.0)
-                self._client_ids["cancels"] = self._client_id(self.cancels_redis)
+                self._cancels.reopen()
                 continue
             for _, entries in reply or []:
                 for entry_id, fields in entries:
@@ -411,13 +447,6 @@ class Worker:
                     if job is not None:
                         log.info("cancelling job %s", job.job_id)
                         self.commands.put(("abort", job.job_id))
-
-    @staticmethod
-    def _client_id(client: redis.Redis) -> int | None:
-        try:
-            return client.client_id()
-        except redis.RedisError:
-            return None
 
     def _record_error(self, error: str) -> None:
         try:

@@ -15,6 +15,7 @@ from typing import Callable
 import redis
 
 from producer import protocol as p
+from producer.connection import UNAVAILABLE
 
 from .consumer import Consumer, InFlight, Job
 from .scripts import WorkerScripts
@@ -248,7 +249,7 @@ class ResultWriter:
             try:
                 replies = pipe.execute() if len(pipe) else []
                 break
-            except (redis.ConnectionError, redis.TimeoutError) as e:
+            except UNAVAILABLE as e:  # a lost connection, or a cluster failing over
                 left = None if self.give_up_at is None else self.give_up_at - time.monotonic()
                 if left is not None and left <= 0:
                     # nothing was acked: the entries stay pending and another worker will reclaim them
@@ -268,8 +269,8 @@ class ResultWriter:
             return
         try:
             lost = self.consumer.heartbeat(self.in_flight)
-        except (redis.ConnectionError, redis.TimeoutError) as e:
-            log.warning("heartbeat failed: %s", e)
+        except UNAVAILABLE as e:
+            log.warning("heartbeat failed: %s", str(e) or type(e).__name__)
             return
         if lost:
             log.warning("%d jobs were taken over by other workers (this worker stalled past the claim "

@@ -27,7 +27,11 @@ class WorkerSettings(BaseSettings):
 
     model: str | None = Field(None, description="HF hub id or local model directory (required)")
     redis_url: str | None = Field(None, validation_alias=AliasChoices("redis_url", "REDLINE_REDIS_URL", "REDIS_URL"),
-                                  description="Redis to serve; unset: start an embedded redis-server")
+                                  description="Redis to serve: redis://HOST:PORT/DB, or redis+cluster://HOST:PORT"
+                                              "[,HOST:PORT...] for a Redis Cluster; unset: start an embedded "
+                                              "redis-server")
+    redis_password: str | None = Field(None, description="Redis password when the URL has none (e.g. from a "
+                                                         "secret: REDLINE_REDIS_PASSWORD)")
     queue: str = Field("default", description="queue name")
     worker_name: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
                              description="consumer name in the group, unique per live worker")

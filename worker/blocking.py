@@ -1,0 +1,52 @@
+"""Connections of the worker's own for the reads that block (jobs, cancels)."""
+from __future__ import annotations
+
+import threading
+
+import redis
+
+from producer.connection import UNAVAILABLE, own_connection
+
+
+class BlockingConnection:
+    """One connection of a thread's own, to the server that holds the queue's keys (in a Redis Cluster the
+    node that serves the queue's slot), for calls that block.
+
+    `unblock()` ends a call in progress from another thread: CLIENT UNBLOCK must reach the same server.
+    `reopen()`, after a lost connection, finds that server again: a failover may have moved the slot.
+    """
+
+    def __init__(self, client, key: str) -> None:
+        self.client, self.key = client, key
+        self.redis = own_connection(client, key)
+        self.client_id = self._client_id()
+
+    def reopen(self) -> None:
+        """A new connection to the server that holds the key now; on failure the old one stays, and the
+        caller's next call fails and retries as before."""
+        try:
+            fresh = own_connection(self.client, self.key, refresh=True)
+        except UNAVAILABLE:
+            return
+        old, self.redis = self.redis, fresh
+        old.close()
+        self.client_id = self._client_id()
+
+    def unblock(self) -> None:
+        """End this connection's blocking call, from a thread of its own: a hung Redis never answers."""
+        if self.client_id is not None:
+            threading.Thread(target=self._send_unblock, args=(self.redis.connection_pool, self.client_id),
+                             daemon=True).start()
+
+    @staticmethod
+    def _send_unblock(pool, client_id: int) -> None:
+        try:
+            redis.Redis(connection_pool=pool).client_unblock(client_id)
+        except redis.RedisError:
+            pass  # the blocking call times out by itself within a second
+
+    def _client_id(self) -> int | None:
+        try:
+            return self.redis.client_id()
+        except redis.RedisError:
+            return None
