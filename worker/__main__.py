@@ -78,7 +78,8 @@ def _serve(settings, config, client) -> int:
     """Load the engine and serve until a signal; the engine is shut down however the worker ends."""
     from engine import LLMEngine
 
-    from .loop import Worker, make_metrics
+    from .loop import Worker
+    from .stats import make_metrics
 
     # metrics first: /healthz and /readyz answer (live, not ready) while the model loads
     metrics = make_metrics(settings, os.path.basename(settings.model.rstrip("/")))

@@ -112,7 +112,7 @@ def run_through_queue(opts: argparse.Namespace, url: str) -> dict:
     print(f"producer submit:   {opts.submit_jobs} jobs in {submit_s:.2f} s = {opts.submit_jobs / submit_s:,.0f} jobs/s",
           flush=True)
     return {
-        "gpu": engine_bench.gpu_name(), "commit": engine_bench.git_commit(),
+        "gpu": engine_bench.gpu_name(), "commit": engine_bench.git_commit(opts.commit),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "model": Path(engine_bench.resolve_model(opts.model)).name,
         "num_seqs": opts.num_seqs, "stream": opts.stream,

@@ -104,10 +104,6 @@ class InFlight:
         return len(self._jobs)
 
 
-def _text(value: bytes) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-
-
 def group_missing(error: redis.ResponseError) -> bool:
     """Whether Redis says a job stream or its consumer group does not exist (it came back empty)."""
     text = str(error)
@@ -116,13 +112,13 @@ def group_missing(error: redis.ResponseError) -> bool:
 
 def parse_entry(entry: Entry, max_job_bytes: int) -> tuple[str, p.JobSpec | None, str | None]:
     """(job id, spec, error). The job id falls back to the entry id when the entry has no valid one."""
-    fields = {_text(k): v for k, v in entry.fields.items()}
+    fields = {p.decode(k): v for k, v in entry.fields.items()}
     job_id, error = entry.entry_id, None
     if "job_id" not in fields:
         error = "the entry has no job_id field"
     else:
         try:
-            job_id = p.check_job_id(_text(fields["job_id"]))
+            job_id = p.check_job_id(p.decode(fields["job_id"]))
         except ValueError as e:
             error = str(e)
     if error is None and "job" not in fields:
@@ -204,7 +200,7 @@ class Consumer:
         for stream, items in reply or []:
             for entry_id, fields in items:
                 if fields is not None:
-                    out.append(Entry(_text(stream), _text(entry_id), fields))
+                    out.append(Entry(p.decode(stream), p.decode(entry_id), fields))
         return out
 
     def reclaim(self, n: int, held: set[str]) -> list[Entry]:
@@ -218,14 +214,14 @@ class Consumer:
                 break
             reply = self.redis.execute_command("XAUTOCLAIM", stream, p.GROUP, self.name, min_idle,
                                                self._claim_cursor[stream], "COUNT", n - len(found))
-            self._claim_cursor[stream] = _text(reply[0])
-            claimed = [(_text(i), f) for i, f in reply[1] if i is not None]
+            self._claim_cursor[stream] = p.decode(reply[0])
+            claimed = [(p.decode(i), f) for i, f in reply[1] if i is not None]
             has_deleted = len(claimed) < len(reply[1]) or (len(reply) > 2 and reply[2])
             fresh = [(i, f) for i, f in claimed if i not in held]  # ours already: only refreshed
             if not fresh and not has_deleted:
                 continue
             mine = self.redis.xpending_range(stream, p.GROUP, "-", "+", 10_000, consumername=self.name)
-            deliveries = {_text(m["message_id"]): m["times_delivered"] for m in mine}
+            deliveries = {p.decode(m["message_id"]): m["times_delivered"] for m in mine}
             claimed_ids = {i for i, _ in claimed}
             orphans = [i for i in deliveries if i not in claimed_ids and i not in held]
             if orphans and has_deleted:  # 6.2: deleted entries stay pending, owned by us now
@@ -276,7 +272,7 @@ class Consumer:
                     self.metrics.job_completed(p.FAILED)
                 continue
             outcome, attempts, queue_ms = reply
-            outcome = _text(outcome)
+            outcome = p.decode(outcome)
             if outcome == "run":
                 job.attempt, job.queue_s = int(attempts), max(int(queue_ms), 0) / 1000
                 jobs.append(job)
@@ -299,7 +295,7 @@ class Consumer:
         error = (f"delivered {entry.deliveries} times without a result (max_deliveries is "
                  f"{self.settings.max_deliveries}): each worker that took it stopped before finishing")
         if last_error:
-            error += f"; last error: {_text(last_error)}"
+            error += f"; last error: {p.decode(last_error)}"
         result, end = p.final_args(job_id, p.FAILED, error)
         ks = [self.keys.job(job_id), self.keys.tokens(job_id), self.keys.done(job_id), self.keys.results,
               entry.stream, self.keys.dead]
@@ -320,7 +316,7 @@ class Consumer:
             for i in range(0, len(entry_ids), 2000):
                 chunk = entry_ids[i:i + 2000]
                 try:
-                    not_mine.update(_text(e) for e in self.scripts.heartbeat(keys=[stream], args=[self.name, *chunk]))
+                    not_mine.update(p.decode(e) for e in self.scripts.heartbeat(keys=[stream], args=[self.name, *chunk]))
                 except redis.ResponseError as e:
                     if not self.recover(e):
                         raise
@@ -345,7 +341,7 @@ class Consumer:
             pipe.hget(self.keys.job(job.job_id), "status")
         replies = pipe.execute(raise_on_error=False)  # a missing group (an error reply) holds nothing
         return {job.job_id for job, pending, status in zip(jobs, replies[::2], replies[1::2])
-                if (isinstance(pending, list) and pending) or (status and _text(status) in p.FINAL_STATUSES)}
+                if (isinstance(pending, list) and pending) or (status and p.decode(status) in p.FINAL_STATUSES)}
 
     def hand_back(self, job_id: str, stream: str, entry_id: str) -> None:
         """Give an entry this worker will not finish back to its stream, for any worker to take."""
@@ -383,6 +379,6 @@ class Consumer:
         """Remove consumers with nothing pending that have not been seen for idle_s (killed workers)."""
         for stream in self.streams:
             for c in self.redis.xinfo_consumers(stream, p.GROUP):
-                name = _text(c["name"])
+                name = p.decode(c["name"])
                 if name != self.name and c["pending"] == 0 and c["idle"] > idle_s * 1000:
                     self.redis.xgroup_delconsumer(stream, p.GROUP, name)

@@ -27,7 +27,7 @@ from .blocking import BlockingConnection
 from .consumer import Consumer, InFlight, Job
 from .results import STOP, ResultWriter
 from .scripts import WorkerScripts
-from .stats import StatsLog
+from .stats import NullMetrics, StatsLog
 
 log = logging.getLogger("redline.worker")
 
@@ -63,27 +63,6 @@ class Capacity:
     def wake(self) -> None:
         with self._cond:
             self._cond.notify_all()
-
-
-class NullMetrics:
-    """Stands in when monitoring is not installed: every hook does nothing."""
-
-    def __getattr__(self, name):
-        return lambda *args, **kwargs: None
-
-
-def make_metrics(settings, model_name: str):
-    try:
-        from monitoring.metrics import Metrics, start_metrics_server
-    except ImportError:
-        if settings.metrics_port:
-            log.warning("monitoring.metrics is not importable; no metrics on port %s", settings.metrics_port)
-        return NullMetrics()
-    metrics = Metrics(queue=settings.queue, model=model_name)
-    if settings.metrics_port:
-        start_metrics_server(settings.metrics_port, metrics)
-        log.info("metrics on :%d/metrics", settings.metrics_port)
-    return metrics
 
 
 class Worker:

@@ -19,7 +19,7 @@ from producer import protocol
 ENGINE_FIELDS = ("load_format", "dtype", "device", "tensor_parallel_size", "max_num_seqs",
                  "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization", "kvcache_block_size",
                  "num_kvcache_blocks", "enable_prefix_caching", "enforce_eager", "attention_backend",
-                 "kv_cache_dtype", "async_scheduling", "seed")
+                 "kv_cache_dtype", "async_scheduling", "fused_layers", "tp_all_reduce", "seed")
 
 
 class WorkerSettings(BaseSettings):
@@ -61,6 +61,8 @@ class WorkerSettings(BaseSettings):
     kv_cache_dtype: str | None = Field(None, description="auto (the model's dtype) | fp8 (one byte an element, lossy)")
     async_scheduling: bool | None = Field(None, description="prepare the next step while the GPU runs this one "
                                                             "(default: on for GPUs)")
+    fused_layers: bool | None = Field(None, description="False: the layers as plain PyTorch ops (debugging)")
+    tp_all_reduce: str | None = Field(None, description="engine (the engine's all-reduce kernels on GPUs) | nccl")
     seed: int | None = Field(None, description="seed of dummy weights and of unseeded sampling")
 
     @property

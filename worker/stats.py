@@ -1,4 +1,5 @@
-"""The periodic stats line of a busy worker, as vLLM logs its engine's."""
+"""What a worker reports: the periodic stats line of a busy worker (as vLLM logs its engine's) and the
+Prometheus metrics hooks."""
 from __future__ import annotations
 
 import logging
@@ -36,3 +37,24 @@ class StatsLog:
                      s.num_waiting, self.generated / (now - self.since), 100 * s.kv_cache_usage,
                      "?" if queue_waiting is None else queue_waiting)
         self.since, self.steps, self.done, self.generated = now, 0, 0, 0
+
+
+class NullMetrics:
+    """Stands in when monitoring is not installed: every hook does nothing."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def make_metrics(settings, model_name: str):
+    try:
+        from monitoring.metrics import Metrics, start_metrics_server
+    except ImportError:
+        if settings.metrics_port:
+            log.warning("monitoring.metrics is not importable; no metrics on port %s", settings.metrics_port)
+        return NullMetrics()
+    metrics = Metrics(queue=settings.queue, model=model_name)
+    if settings.metrics_port:
+        start_metrics_server(settings.metrics_port, metrics)
+        log.info("metrics on :%d/metrics", settings.metrics_port)
+    return metrics
