@@ -33,6 +33,9 @@ def test_shipped_configs_have_qwen3_shapes_and_floor_matches_design():
     assert small.tie_word_embeddings and not large.tie_word_embeddings
     assert round(bench.count_parameters(small) / 1e9, 2) == 0.60
     assert round(bench.count_parameters(large) / 1e9, 1) == 8.2
+    xl = load_hf_config(bench.resolve_model("qwen3-32b"))  # TP=4 against TP=2 on 4 GPUs
+    assert (xl.hidden_size, xl.num_hidden_layers, xl.num_attention_heads, xl.num_key_value_heads) == (5120, 64, 64, 8)
+    assert round(bench.count_parameters(xl) / 1e9, 1) == 32.8
     prompts, params = bench.make_workload(parse())
     assert abs(bench.floor_seconds(small, prompts, params, 3.02e12) - 5.0) < 0.05  # DESIGN's H100 floor
 
