@@ -88,14 +88,22 @@ class Metrics:
         self._req_generation_tokens = one(Histogram, "request_generation_tokens",
                                           "Generated length of finished requests", buckets=TOKEN_COUNT_BUCKETS)
 
-        # Queue.
-        self._jobs_received = one(Counter, "jobs_received", "Jobs read from the queue")
-        self._completed_family = family(Counter, "jobs_completed", "Jobs given a final result, by status",
-                                        ("status",))
-        self._completed = {s: self._completed_family.labels(*values, s) for s in JOB_STATUSES}
-        self._redelivered = one(Counter, "jobs_redelivered",
-                                "Jobs delivered again after their worker lost them")
-        self._dead_lettered = one(Counter, "jobs_dead_lettered", "Jobs moved to the dead-letter stream")
+        # Queue. The job counters tell where each job came from: `source` is "redline" (the queue's
+        # streams) or "celery" (a Celery queue the worker also serves); children are bound on first use.
+        self._job_families = {
+            "received": family(Counter, "jobs_received", "Jobs read from the queue", ("source",)),
+            "completed": family(Counter, "jobs_completed", "Jobs given a final result, by status",
+                                ("status", "source")),
+            "redelivered": family(Counter, "jobs_redelivered", "Jobs delivered again after their worker lost them",
+                                  ("source",)),
+            "dead_lettered": family(Counter, "jobs_dead_lettered", "Jobs moved to the dead-letter stream",
+                                    ("source",)),
+        }
+        self._job_counters: dict[tuple, Counter] = {}
+        for status in JOB_STATUSES:  # the native source's series exist from the start, at 0
+            self._job_counter("completed", status, "redline")
+        for name in ("received", "redelivered", "dead_lettered"):
+            self._job_counter(name, "redline")
         self._stream_length = family(Gauge, "queue_stream_length",
                                      "Jobs in the stream not yet delivered to any worker, per priority",
                                      ("priority",))
@@ -153,21 +161,25 @@ class Metrics:
         """Record how long a job waited between enqueue and hand-off to the engine."""
         self._queue_time.observe(max(0.0, seconds))
 
-    def job_received(self, n: int = 1) -> None:
-        self._jobs_received.inc(n)
-
-    def job_completed(self, status: str) -> None:
-        """Count a job's final result: succeeded | failed | cancelled | expired."""
-        child = self._completed.get(status)
+    def _job_counter(self, name: str, *labels: str):
+        child = self._job_counters.get((name, *labels))
         if child is None:
-            child = self._completed[status] = self._completed_family.labels(self.queue, self.model, status)
-        child.inc()
+            child = self._job_counters[(name, *labels)] = self._job_families[name].labels(self.queue, self.model,
+                                                                                          *labels)
+        return child
 
-    def job_redelivered(self, n: int = 1) -> None:
-        self._redelivered.inc(n)
+    def job_received(self, n: int = 1, source: str = "redline") -> None:
+        self._job_counter("received", source).inc(n)
 
-    def job_dead_lettered(self, n: int = 1) -> None:
-        self._dead_lettered.inc(n)
+    def job_completed(self, status: str, source: str = "redline") -> None:
+        """Count a job's final result: succeeded | failed | cancelled | expired."""
+        self._job_counter("completed", status, source).inc()
+
+    def job_redelivered(self, n: int = 1, source: str = "redline") -> None:
+        self._job_counter("redelivered", source).inc(n)
+
+    def job_dead_lettered(self, n: int = 1, source: str = "redline") -> None:
+        self._job_counter("dead_lettered", source).inc(n)
 
     def set_queue_depth(self, priority: str, length: int) -> None:
         """Set how many jobs of one priority level wait to be delivered."""

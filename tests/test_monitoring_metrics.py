@@ -42,8 +42,8 @@ def test_two_instances_in_one_process_keep_separate_counts():
     a, b = Metrics(queue="q1", model="tiny"), Metrics(queue="q1", model="tiny")
     a.job_received(3)
     b.job_received(1)
-    assert value(a, "redline_jobs_received_total") == 3
-    assert value(b, "redline_jobs_received_total") == 1
+    assert value(a, "redline_jobs_received_total", source="redline") == 3
+    assert value(b, "redline_jobs_received_total", source="redline") == 1
 
 
 def test_step_stats_update_gauges_and_accumulate_counters(metrics):
@@ -102,14 +102,27 @@ def test_queue_hooks(metrics):
     metrics.set_pending(4)
     metrics.heartbeat()
     assert value(metrics, "redline_request_queue_time_seconds_sum") == 2.5
-    assert value(metrics, "redline_jobs_completed_total", status="succeeded") == 2
-    assert value(metrics, "redline_jobs_completed_total", status="expired") == 1
-    assert value(metrics, "redline_jobs_redelivered_total") == 2
-    assert value(metrics, "redline_jobs_dead_lettered_total") == 1
+    assert value(metrics, "redline_jobs_completed_total", status="succeeded", source="redline") == 2
+    assert value(metrics, "redline_jobs_completed_total", status="expired", source="redline") == 1
+    assert value(metrics, "redline_jobs_redelivered_total", source="redline") == 2
+    assert value(metrics, "redline_jobs_dead_lettered_total", source="redline") == 1
     assert value(metrics, "redline_queue_stream_length", priority="0") == 7
     assert value(metrics, "redline_queue_stream_length", priority="1") == 2
     assert value(metrics, "redline_queue_pending_entries") == 4
     assert value(metrics, "redline_worker_heartbeat_timestamp_seconds") > 1.6e9
+
+
+def test_job_counters_tell_the_source_apart(metrics):
+    metrics.job_received(2)
+    metrics.job_received(source="celery")
+    metrics.job_completed("succeeded", source="celery")
+    metrics.job_completed("failed")
+    assert value(metrics, "redline_jobs_received_total", source="redline") == 2
+    assert value(metrics, "redline_jobs_received_total", source="celery") == 1
+    assert value(metrics, "redline_jobs_completed_total", status="succeeded", source="celery") == 1
+    assert value(metrics, "redline_jobs_completed_total", status="succeeded", source="redline") == 0
+    assert value(metrics, "redline_jobs_completed_total", status="failed", source="redline") == 1
+    assert value(metrics, "redline_jobs_completed_total", status="failed", source="celery") is None
 
 
 def free_port() -> int:

@@ -264,9 +264,9 @@ def test_the_worker_reports_to_its_metrics(url, client, engine):
 
     def value(name: str, **labels) -> float:
         return metrics.registry.get_sample_value(name, {"queue": client.keys.queue, "model_name": "tiny", **labels})
-    assert value("redline_jobs_received_total") == 3
-    assert value("redline_jobs_completed_total", status="succeeded") == 2
-    assert value("redline_jobs_completed_total", status="failed") == 1
+    assert value("redline_jobs_received_total", source="redline") == 3
+    assert value("redline_jobs_completed_total", status="succeeded", source="redline") == 2
+    assert value("redline_jobs_completed_total", status="failed", source="redline") == 1
     assert value("redline_request_success_total", finished_reason="length") == 2
     assert value("redline_worker_heartbeat_timestamp_seconds") > 0
 

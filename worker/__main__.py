@@ -37,8 +37,11 @@ def run_worker(args: argparse.Namespace) -> int:
                          "or 'tiny' (the built-in model with random weights)")
 
     from engine.config import EngineConfig
-    from producer.connection import check_server, connect
+    from producer.connection import check_server, connect, is_cluster_url
 
+    if settings.celery_queue and settings.redis_url and is_cluster_url(settings.redis_url):
+        raise UsageError("--celery-queue needs a redis:// URL: Celery's Redis transport (kombu) does not "
+                         "support Redis Cluster")
     client = None
     if settings.redis_url:  # a wrong URL is said at once, before anything loads
         args.redis_url = settings.redis_url  # the error handler names the Redis it could not reach
@@ -46,6 +49,8 @@ def run_worker(args: argparse.Namespace) -> int:
         check_server(client, settings.redis_url)
     config = EngineConfig(settings.model, **settings.engine_kwargs)  # a bad option or model: said before Redis starts
     server = None if client else embedded_redis()
+    if server:
+        settings.redis_url = server.url  # a Celery queue, if served, is read from the same Redis
     try:
         return _serve(settings, config, client or connect(server.url))
     finally:

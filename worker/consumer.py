@@ -36,6 +36,7 @@ class Job:
     handed_at: float | None = None  # when the engine took it
     abort_reason: str | None = None  # "cancel" | "lost" | "handback" once the engine is told to stop it
     entry_gone: bool = False  # its entry vanished with Redis's data: its result is still written, nothing acked
+    source: object | None = None  # None: a stream entry; else the job source that stores its states (celery_source)
 
 
 @dataclass
@@ -88,11 +89,11 @@ class InFlight:
             return {j.entry_id for j in self._jobs.values()}
 
     def by_stream(self) -> dict[str, list[str]]:
-        """Entry ids of the jobs whose entries are still in the group, by stream."""
+        """Entry ids of the stream jobs whose entries are still in the group, by stream."""
         with self._lock:
             out: dict[str, list[str]] = {}
             for job in self._jobs.values():
-                if not job.entry_gone:
+                if not job.entry_gone and job.source is None:
                     out.setdefault(job.stream, []).append(job.entry_id)
             return out
 

@@ -4,6 +4,7 @@
     engine  (this file)    add_request / abort / step, hands each step's outputs to the writer
     writer  (results.py)   token deltas, results + acks, heartbeats
     cancels (this file)    watches the cancel stream and tells the engine loop which jobs to abort
+    celery  (celery_source.py, with --celery-queue)  a Celery queue as a second source of jobs
 
 The engine thread never waits on Redis: it exchanges plain Python objects with the others through
 queues, and publishes how many more jobs the engine can start (`Capacity`).
@@ -56,9 +57,13 @@ class Capacity:
             self._cond.wait_for(lambda: self._free > self._in_transit, timeout)
             return max(self._free - self._in_transit, 0)
 
-    def sending(self, n: int) -> None:
+    def take(self, n: int) -> int:
+        """Room for up to `n` jobs now on their way to the engine; returns how many got room. Each source
+        of jobs takes its room here, so two sources never fill the same room."""
         with self._cond:
+            n = max(min(n, self._free - self._in_transit), 0)
             self._in_transit += n
+            return n
 
     def wake(self) -> None:
         with self._cond:
@@ -97,6 +102,11 @@ class Worker:
         self.queue_waiting: int | None = None  # entries not yet delivered, as of the reader's last upkeep
         self.stats = StatsLog()
         self.streaming: set[str] = set()  # engine thread only: jobs in the engine that want token deltas
+        self.sources = []  # job sources beside the queue's streams, each with a thread of its own
+        if settings.celery_queue:
+            from .celery_source import CelerySource  # celery is imported only by a worker that serves it
+
+            self.sources.append(CelerySource(self))
         self.metrics.report_health(self)
 
     @property
@@ -165,7 +175,9 @@ class Worker:
         self.consumer.ensure_groups()
         writer = threading.Thread(target=self._guard(self.writer.run), name="redline-writer", daemon=True)
         others = [threading.Thread(target=self._guard(self._read_loop), name="redline-reader", daemon=True),
-                  threading.Thread(target=self._guard(self._cancel_loop), name="redline-cancels", daemon=True)]
+                  threading.Thread(target=self._guard(self._cancel_loop), name="redline-cancels", daemon=True),
+                  *(threading.Thread(target=self._guard(s.run), name=f"redline-{s.name}", daemon=True)
+                    for s in self.sources)]
         self._threads = [writer, *others]
         for t in self._threads:
             t.start()
@@ -246,7 +258,9 @@ class Worker:
         hang in a call to a Redis that stopped answering)."""
         if not self.stopping.is_set() or not self.commands.empty():
             return False
-        return self.reader_done.is_set() or time.monotonic() >= self.drain_deadline + SHUTDOWN_GRACE_S
+        if self.reader_done.is_set() and all(s.reading_done.is_set() for s in self.sources):
+            return True
+        return time.monotonic() >= self.drain_deadline + SHUTDOWN_GRACE_S
 
     def _apply_commands(self, block: bool) -> int:
         """Add new jobs to the engine and abort cancelled ones; returns how many jobs arrived."""
@@ -292,6 +306,8 @@ class Worker:
             return
         if spec.stream:
             self.streaming.add(job.job_id)
+        if job.source is not None:
+            self.writer.outbox.put(("started", job, None))
         job.handed_at = time.monotonic()
         self.metrics.observe_queue_time(job.queue_s + job.handed_at - job.admitted_at)
 
@@ -358,9 +374,8 @@ class Worker:
                 if not self.consumer.recover(e):
                     raise
                 continue
-            if len(jobs) > room:
-                jobs, self._held = jobs[:room], jobs[room:] + self._held
-            self.capacity.sending(len(jobs))
+            room = self.capacity.take(len(jobs))  # another source may have taken some room meanwhile
+            jobs, self._held = jobs[:room], jobs[room:] + self._held
             for job in jobs:
                 self.commands.put(("run", job))
 
@@ -422,16 +437,21 @@ class Worker:
             for _, entries in reply or []:
                 for entry_id, fields in entries:
                     last = entry_id
-                    job = self.in_flight.cancel(p.decode(fields.get(b"job_id", b"")))
-                    if job is not None:
-                        log.info("cancelling job %s", job.job_id)
-                        self.commands.put(("abort", job.job_id))
+                    self.cancel(p.decode(fields.get(b"job_id", b"")))
+
+    def cancel(self, job_id: str) -> None:
+        """Cancel a job: aborted in the engine if it runs here, settled as cancelled if it arrives later."""
+        job = self.in_flight.cancel(job_id)
+        if job is not None:
+            log.info("cancelling job %s", job.job_id)
+            self.commands.put(("abort", job.job_id))
 
     def _record_error(self, error: str) -> None:
         try:
             pipe = self.redis.pipeline(transaction=False)
             for job in self.in_flight.jobs():
-                pipe.hset(self.keys.job(job.job_id), "last_error", error)
+                if job.source is None:
+                    pipe.hset(self.keys.job(job.job_id), "last_error", error)
             pipe.execute()
         except redis.RedisError:
             pass

@@ -178,10 +178,10 @@ class ResultWriter:
                         ops.append(self._engine_finish_op(job, out))
             return ops
         job, error = item[1], item[2]
+        if kind == "started":  # the engine took a job of another source, which records that (Celery's STARTED)
+            return [_Op(None, lambda reply: job.source.started(job))]
         if kind == "handback":
-            ks, args = [self.keys.job(job.job_id), job.stream], [job.job_id, job.entry_id]
-            return [_Op(lambda pipe: self.scripts.handback(keys=ks, args=args, client=pipe),
-                        lambda reply: self._done(job))]
+            return [self._hand_back_op(job)]
         status = p.CANCELLED if kind == "cancelled" else p.FAILED
         result, end = p.final_args(job.job_id, status, error)
         return [self._finish_op(job, status, result, end)]
@@ -190,11 +190,9 @@ class ResultWriter:
         self.metrics.observe_finished(out)
         stream = self.streams.pop(job.job_id, None)
         if out.finish_reason == "abort" and job.abort_reason in ("lost", "handback"):
-            hand_back = None
             if job.abort_reason == "handback":
-                ks, args = [self.keys.job(job.job_id), job.stream], [job.job_id, job.entry_id]
-                hand_back = lambda pipe: self.scripts.handback(keys=ks, args=args, client=pipe)  # noqa: E731
-            return _Op(hand_back, lambda reply: self._done(job))
+                return self._hand_back_op(job)
+            return _Op(None, lambda reply: self._done(job))
         if out.error is not None:  # the engine failed this request alone (its own data raised)
             status, error = p.FAILED, p.clean_error(out.error)
         elif out.finish_reason == "abort":
@@ -223,7 +221,19 @@ class ResultWriter:
             timings=timings, logprobs=out.logprobs, attempts=job.attempt, worker=self.settings.worker_name)
         return self._finish_op(job, status, result.model_dump_json(), end.model_dump_json())
 
+    def _hand_back_op(self, job: Job):
+        if job.source is not None:
+            return _Op(None, lambda reply: (job.source.hand_back(job), self._done(job)))
+        ks, args = [self.keys.job(job.job_id), job.stream], [job.job_id, job.entry_id]
+        return _Op(lambda pipe: self.scripts.handback(keys=ks, args=args, client=pipe), lambda reply: self._done(job))
+
     def _finish_op(self, job: Job, status: str, result: str, end: str):
+        if job.source is not None:  # another source keeps its jobs' results itself (Celery's result backend)
+            def stored(reply) -> None:
+                if job.source.finish(job, status, result):
+                    self.metrics.job_completed(status, source=job.source.name)
+                self._done(job)
+            return _Op(None, stored)
         ks = [self.keys.job(job.job_id), self.keys.tokens(job.job_id), self.keys.done(job.job_id),
               self.keys.results, job.stream]
         args = [job.job_id, job.entry_id, status, result, end, self.settings.result_ttl, p.RESULTS_FEED_MAXLEN]

@@ -44,6 +44,11 @@ class WorkerSettings(BaseSettings):
     drain_timeout: float = Field(60.0, ge=0,
                                  description="on SIGTERM, let running jobs finish this long, then hand them back")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
+    celery_queue: str | None = Field(None, min_length=1,
+                                     description="also serve this Celery queue (tasks 'redline.generate' sent by "
+                                                 "Celery producers to the same Redis; results in Celery's backend)")
+    celery_visibility_timeout: float = Field(60.0, gt=0, description="a Celery task whose worker has not been heard "
+                                                                     "from this long goes back to its queue")
 
     load_format: str | None = Field(None, description="auto | safetensors | dummy (random weights)")
     dtype: str | None = Field(None, description="auto | bfloat16 | float16 | float32")
