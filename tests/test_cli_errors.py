@@ -118,6 +118,8 @@ WORKER_MISTAKES = {
     "attention-flash": (["--attention-backend", "flash"], ["attention_backend='flash' needs"]),
     "attention-unknown": (["--attention-backend", "fast"], ["attention_backend must be one of"]),
     "claim-timeout-negative": (["--claim-timeout", "-1"], ["--claim-timeout", "greater than 0"]),
+    "celery-visibility-timeout-zero": (["--celery-visibility-timeout", "0"], ["--celery-visibility-timeout",
+                                                                             "greater than 0"]),
     "log-level-unknown": (["--log-level", "loud"], ["--log-level", "'loud'"]),
     "model-missing-dir": (["--model", "./no/such/model"], ["'./no/such/model'", "built-in name"]),
     "model-unknown-name": (["--model", "tinyy"], ["'tinyy'", "tiny"]),

@@ -3,6 +3,7 @@
 Through the queue, one process holds one engine and runs, after a warm-up:
   raw    llm.generate(workload)                              (the engine alone)
   queue  producer → Redis → worker → engine → Redis → producer (the same jobs, the same engine)
+  celery (with --celery) the same jobs as Celery tasks: send_task → the same worker → .get()
 and then measures the producer's pipelined submit rate. It prints one JSON line.
 """
 from __future__ import annotations
@@ -16,6 +17,8 @@ import time
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
+
+CELERY_RESULT_TIMEOUT_S = 600  # --celery: the longest wait for one task's result before the run fails
 
 
 def register(subparsers) -> None:
@@ -38,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--redis-url", default=None, help="default: an embedded redis-server")
     q.add_argument("--stream", action="store_true", help="jobs ask for token deltas (default: results only)")
     q.add_argument("--submit-jobs", type=int, default=20_000, help="jobs for the submit-rate measurement")
+    q.add_argument("--celery", action="store_true",
+                   help="also run the jobs as Celery tasks (send_task, then .get()) through the same worker")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     return parser
 
@@ -47,6 +52,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
     opts = build_parser().parse_args(args.args)
     args.debug = getattr(args, "debug", False) or opts.debug  # the top-level error handler reads it
+    if opts.celery and not opts.through_queue:
+        raise ValueError("--celery compares Celery tasks with the queue's jobs: add --through-queue")
     if not opts.through_queue:
         engine_bench.run(opts)
         return 0
@@ -107,6 +114,15 @@ def run_through_queue(opts: argparse.Namespace, url: str) -> dict:
     ratio = (queue_tokens / queue_s) / (raw_tokens / raw_s)
     print(f"through the queue: {queue_tokens} tokens in {queue_s:.2f} s = {queue_tokens / queue_s:,.0f} tok/s "
           f"({ratio:.3f} of the engine alone)", flush=True)
+    celery = {}
+    if opts.celery:
+        forget_prefix_cache(llm)
+        celery_s, celery_tokens = _through_queue(llm, url, jobs, opts, celery=True)
+        celery_ratio = (celery_tokens / celery_s) / (raw_tokens / raw_s)
+        print(f"through Celery:    {celery_tokens} tokens in {celery_s:.2f} s = {celery_tokens / celery_s:,.0f} tok/s "
+              f"({celery_ratio:.3f} of the engine alone)", flush=True)
+        celery = {"celery_tokens": celery_tokens, "celery_seconds": round(celery_s, 3),
+                  "celery_tok_s": round(celery_tokens / celery_s, 1), "celery_vs_raw": round(celery_ratio, 4)}
 
     submit_s = measure_submit_rate(url, opts.submit_jobs)
     print(f"producer submit:   {opts.submit_jobs} jobs in {submit_s:.2f} s = {opts.submit_jobs / submit_s:,.0f} jobs/s",
@@ -118,25 +134,25 @@ def run_through_queue(opts: argparse.Namespace, url: str) -> dict:
         "num_seqs": opts.num_seqs, "stream": opts.stream,
         "raw_tokens": raw_tokens, "raw_seconds": round(raw_s, 3), "raw_tok_s": round(raw_tokens / raw_s, 1),
         "queue_tokens": queue_tokens, "queue_seconds": round(queue_s, 3),
-        "queue_tok_s": round(queue_tokens / queue_s, 1), "queue_vs_raw": round(ratio, 4),
+        "queue_tok_s": round(queue_tokens / queue_s, 1), "queue_vs_raw": round(ratio, 4), **celery,
         "submit_jobs": opts.submit_jobs, "submit_seconds": round(submit_s, 3),
         "submit_jobs_per_s": round(opts.submit_jobs / submit_s, 1),
     }
 
 
-def _through_queue(llm, url: str, jobs: list[dict], opts) -> tuple[float, int]:
-    """Run a worker on this thread (where the engine was built) and a producer beside it; time from the
-    first submit to the last result read back."""
-    from producer import Client
+def _through_queue(llm, url: str, jobs: list[dict], opts, celery: bool = False) -> tuple[float, int]:
+    """Run a worker on this thread (where the engine was built) and a producer beside it (redline's Client,
+    or with `celery` a Celery app's send_task); time from the first submit to the last result read back."""
     from producer.connection import connect
 
     from .loop import Worker
     from .settings import WorkerSettings
 
     queue = f"bench-{uuid.uuid4().hex[:8]}"
-    settings = WorkerSettings(model=str(opts.model), redis_url=url, queue=queue, worker_name="bench-worker")
+    settings = WorkerSettings(model=str(opts.model), redis_url=url, queue=queue, worker_name="bench-worker",
+                              celery_queue=queue if celery else None)
     worker = Worker(settings, llm, connect(url))
-    client = Client(url, queue)
+    run_jobs = _celery_producer(url, queue) if celery else _redline_producer(url, queue)
     outcome: dict = {}
 
     def produce() -> None:
@@ -144,10 +160,9 @@ def _through_queue(llm, url: str, jobs: list[dict], opts) -> tuple[float, int]:
             worker.ready.wait()
             warm = [{"prompt_token_ids": job["prompt_token_ids"][:32],
                      "sampling": {**job["sampling"], "max_tokens": 8}} for job in jobs[:8]]
-            collect(client, client.submit_many(warm))
+            run_jobs(warm)
             start = time.perf_counter()
-            ids = client.submit_many(jobs)
-            results = collect(client, ids)
+            results = run_jobs(jobs)
             outcome["seconds"] = time.perf_counter() - start
             outcome["tokens"] = sum(r.usage.completion_tokens for r in results)
             bad = [r for r in results if not r.ok]
@@ -165,6 +180,31 @@ def _through_queue(llm, url: str, jobs: list[dict], opts) -> tuple[float, int]:
     if "error" in outcome:
         raise RuntimeError(f"through-queue run failed: {outcome['error']}")
     return outcome["seconds"], outcome["tokens"]
+
+
+def _redline_producer(url: str, queue: str):
+    """Submit jobs with one pipelined submit_many and read their results as the feed announces them."""
+    from producer import Client
+
+    client = Client(url, queue)
+    return lambda jobs: collect(client, client.submit_many(jobs))
+
+
+def _celery_producer(url: str, queue: str):
+    """Send jobs as a Celery producer does (send_task, one message each) and read each result with .get()."""
+    from celery import Celery
+
+    from producer.protocol import JobResult
+
+    from .celery_source import TASK_NAME
+
+    app = Celery(broker=url, backend=url, set_as_current=False)
+
+    def run(jobs: list[dict]) -> list:
+        sent = [app.send_task(TASK_NAME, kwargs={k: v for k, v in job.items() if k != "stream"}, queue=queue)
+                for job in jobs]
+        return [JobResult.model_validate(r.get(timeout=CELERY_RESULT_TIMEOUT_S)) for r in sent]
+    return run
 
 
 def collect(client, ids: list[str]) -> list:

@@ -53,6 +53,7 @@ class CeleryTask(Job):
 
     task_id: str = ""
     message: object = None  # the kombu message
+    expires: datetime | None = None  # Celery's expires: not started by then, it ends REVOKED without running
 
 
 def celery_app(url: str, settings):
@@ -60,15 +61,23 @@ def celery_app(url: str, settings):
     unacked messages under keys of this queue's own."""
     from celery import Celery
 
-    unacked = f"redline:celery:{settings.celery_queue}:unacked"
+    unacked = unacked_key(settings.celery_queue)
+    timeout = settings.celery_visibility_timeout
     app = Celery("redline", broker=url, backend=url, set_as_current=False)
     app.conf.update(
         accept_content=["json"], result_accept_content=["json"], task_serializer="json", result_serializer="json",
         result_expires=settings.result_ttl, result_backend_always_retry=True,
         result_backend_max_retries=BACKEND_RETRIES,
-        broker_transport_options={"visibility_timeout": settings.celery_visibility_timeout, "unacked_key": unacked,
-                                  "unacked_index_key": f"{unacked}_index", "unacked_mutex_key": f"{unacked}_mutex"})
+        broker_transport_options={
+            "visibility_timeout": timeout, "unacked_key": unacked, "unacked_index_key": f"{unacked}_index",
+            # a worker killed while it restores others' messages holds this lock no longer than the timeout
+            "unacked_mutex_key": f"{unacked}_mutex", "unacked_mutex_expire": max(round(timeout), 1)})
     return app
+
+
+def unacked_key(celery_queue: str) -> str:
+    """The hash where kombu keeps the queue's delivered, unacked messages (its index and lock beside it)."""
+    return f"redline:celery:{celery_queue}:unacked"
 
 
 def with_password(url: str, password: str | None) -> str:
@@ -197,8 +206,18 @@ class CelerySource:
         self._settle_messages()
 
     def _hand_over_held(self) -> None:
-        while self._held and self.worker.capacity.take(1):
-            self.worker.commands.put(("run", self._held.pop(0)))
+        """Give held tasks to the engine while it has room; one past its expiry ends REVOKED instead."""
+        while self._held:
+            job = self._held[0]
+            if job.expires is not None and job.expires <= datetime.now(timezone.utc):
+                self._held.pop(0)
+                self.worker.in_flight.pop(job.job_id)
+                self._settle_now(job.message, job.task_id, p.EXPIRED,
+                                 f"expired at {job.expires.isoformat()} before it started")
+            elif self.worker.capacity.take(1):
+                self.worker.commands.put(("run", self._held.pop(0)))
+            else:
+                return
 
     def _stop_reading(self, consumer) -> None:
         """The worker drains: read no more tasks; those held go back to the queue."""
@@ -259,12 +278,16 @@ class CelerySource:
             self._settle_now(message, task_id, p.FAILED, f"could not start: {type(e).__name__}: {e}")
 
     def _admit(self, task_id: str, headers: dict, body, message, redelivered: bool) -> None:
+        """Settle a task that cannot run; line the others up for the engine."""
+        from celery import states
+
         w = self.worker
         if headers.get("task") != TASK_NAME:
             from celery.exceptions import NotRegistered
 
             error = f"task {headers.get('task')!r} is not registered: redline workers run only {TASK_NAME!r}"
-            return self._settle_now(message, task_id, p.FAILED, error, NotRegistered(error))
+            self._settle_now(message, task_id, p.FAILED, error, NotRegistered(error))
+            return
         try:
             spec = job_spec(body, message.properties.get("priority"), self.settings.max_job_bytes)
             eta = _time(headers.get("eta"))
@@ -272,22 +295,24 @@ class CelerySource:
                 raise ValueError(f"{TASK_NAME} runs when a worker takes it: send it without eta or countdown")
         except ValueError as e:
             log.info("Celery task %s fails: %s", task_id, e)
-            return self._settle_now(message, task_id, p.FAILED, str(e))
-        expires = _time(headers.get("expires"))
-        if expires is not None and expires <= datetime.now(timezone.utc):
-            return self._settle_now(message, task_id, p.EXPIRED, f"expired at {expires.isoformat()} before it started")
-        if redelivered and self.app.backend.get_state(task_id) in ("SUCCESS", "FAILURE", "REVOKED"):
+            self._settle_now(message, task_id, p.FAILED, str(e))
+            return
+        if redelivered and self.app.backend.get_state(task_id) in states.READY_STATES:
             log.info("Celery task %s came back after its result was stored; acked without running", task_id)
-            return self._settle.put((message, True))
+            self._settle.put((message, True))
+            return
         job = CeleryTask(JOB_ID_PREFIX + task_id, self.queue.name, message.delivery_tag, spec,
-                         attempt=2 if redelivered else 1, source=self, task_id=task_id, message=message)
+                         attempt=2 if redelivered else 1, source=self, task_id=task_id, message=message,
+                         expires=_time(headers.get("expires")))
         if w.in_flight.get(job.job_id) is not None:
             log.info("Celery task %s was sent again while it runs here; this copy is acked without running", task_id)
-            return self._settle.put((message, True))
+            self._settle.put((message, True))
+            return
         w.in_flight.add(job)
         if job.abort_reason == "cancel":  # revoked before it came
             w.in_flight.pop(job.job_id)
-            return self._settle_now(message, task_id, p.CANCELLED, "revoked before it started")
+            self._settle_now(message, task_id, p.CANCELLED, "revoked before it started")
+            return
         self._held.append(job)
         self._hand_over_held()
 
