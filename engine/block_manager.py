@@ -5,6 +5,10 @@ means the whole prefix matches. Tokens are stored too and compared on a hit, so 
 never serve wrong K/V. A block is registered only once its K/V have been computed. Freed blocks keep
 their hash and go to the back of the free list; allocation takes from the front, so blocks that hold
 nothing are reused first, then cached ones least-recently-used first.
+
+A forked sequence (n > 1, beam search) shares its parent's blocks by reference count. A shared block is
+never written: a sequence about to write its next token into one gets a copy of it first (copy on write),
+and the copies wait in `pending_copies` until the step's forward pass makes them on the device.
 """
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ class BlockManager:
         self.free_block_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.num_cache_queries = 0  # tokens looked up in the prefix cache
         self.num_cache_hits = 0     # tokens found there
+        self.pending_copies: list[tuple[int, int]] = []  # (source, destination) block copies for the next step
 
     @property
     def num_free_blocks(self) -> int:
@@ -113,16 +118,40 @@ class BlockManager:
         seq.block_table = []
         seq.num_hashed_blocks = 0
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give `child` the blocks of `parent` (its KV so far), shared."""
+        for block_id in parent.block_table:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(parent.block_table)
+
     def can_append(self, seq: Sequence) -> bool:
         return self._needs_block(seq) <= self.num_free_blocks
 
     def _needs_block(self, seq: Sequence) -> int:
-        return int(seq.num_tokens > len(seq.block_table) * self.block_size)
+        """1 if the token at position num_tokens - 1 needs a block: a new one, or a copy of a shared one."""
+        last = (seq.num_tokens - 1) // self.block_size
+        if last >= len(seq.block_table):
+            return 1
+        return int(self.blocks[seq.block_table[last]].ref_count > 1)
 
     def append_slot(self, seq: Sequence) -> None:
-        """Make room for the token at position num_tokens - 1."""
-        if self._needs_block(seq):
+        """Make room for the token at position num_tokens - 1: a new block, or a copy of the shared block it
+        falls in."""
+        last = (seq.num_tokens - 1) // self.block_size
+        if last >= len(seq.block_table):
             seq.block_table.append(self._take_free_block())
+            return
+        shared = self.blocks[seq.block_table[last]]
+        if shared.ref_count > 1:
+            copy = self._take_free_block()
+            shared.ref_count -= 1
+            seq.block_table[last] = copy
+            self.pending_copies.append((shared.block_id, copy))
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The block copies a step must make before its forward pass."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def register_computed(self, seq: Sequence) -> None:
         """Enter full blocks whose K/V are now computed into the prefix cache."""

@@ -3,9 +3,10 @@
 A step's inputs (token ids, positions, cache slots, lengths, block tables, which rows take the previous
 step's tokens, the sampling seed) reach the device in one copy from a pinned host buffer. On one GPU
 the graph also does what used to be launched one kernel at a time around it: the rows whose token the
-previous step sampled take it from the device, and after the layers it runs the LM head and samples
-(greedy or Gumbel-max: engine/sampler.py's graph functions). So a decode step is one copy in, one replay and one
-copy of the tokens out. Under tensor parallelism the graphs hold the layers only, as before.
+previous step sampled take it from the device, and after the layers it runs the LM head, samples
+(greedy or Gumbel-max: engine/sampler.py's graph functions) and takes each sampled token's logprob. So a
+decode step is one copy in, one replay and the copies of the tokens and their logprobs out. Under tensor
+parallelism the graphs hold the layers only, as before.
 
 On one GPU, a prefill step of one sequence of up to 2,048 tokens replays a graph too (PrefillGraphs).
 """
@@ -16,7 +17,7 @@ import torch
 
 from engine import graph_edges
 from engine.attention import AttentionMetadata
-from engine.sampler import graph_sampling_available, sample_in_graph, take_pending
+from engine.sampler import graph_sampling_available, logprobs_in_graph, sample_in_graph, take_pending
 
 GRAPH_SIZES = [1, 2, 4, 8] + list(range(16, 1025, 16))
 
@@ -111,6 +112,7 @@ class DecodeGraphs:
         # sampling in the graph: one rank only (under TP the ranks share the sampling through collectives)
         self.samples = runner.tp.size == 1 and graph_sampling_available()
         self.tokens = torch.zeros(max_bs, dtype=i64, device=dev)              # the sampled ids
+        self.token_logprobs = torch.zeros(max_bs, dtype=torch.float32, device=dev)  # and their logprobs
         self.temperatures = torch.zeros(max_bs, dtype=torch.float32, device=dev)  # 0: greedy
         self._temperatures_of = None  # the tensor self.temperatures holds a copy of
         self._tokens_sampled = None   # the view of self.tokens the last sampling replay returned
@@ -134,6 +136,7 @@ class DecodeGraphs:
         if self.samples:
             self.logits[bs] = logits = model.compute_logits(hidden)
             sample_in_graph(logits, self.temperatures[:bs], self.seed, out=self.tokens[:bs])
+            logprobs_in_graph(logits, self.tokens[:bs], out=self.token_logprobs[:bs])
         return hidden
 
     def _capture_all(self, max_model_len: int) -> None:
@@ -180,9 +183,9 @@ class DecodeGraphs:
         return self.outputs[bs][:n]
 
     def replay_sampled(self, inputs, temperatures: torch.Tensor | None, seed: int,
-                       previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step with sampling: (token ids [n], logits [n, vocab]), both views of the graph's
-        buffers, valid until the next replay. temperatures: [n] on the device (0: greedy), or None for
+                       previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One decode step with sampling: (token ids [n], their logprobs [n], logits [n, vocab]), views of the
+        graph's buffers, valid until the next replay. temperatures: [n] on the device (0: greedy), or None for
         greedy rows whose tokens the caller does not use (it samples from the logits itself).
         previous: the previous step's sampled ids, which pending rows index."""
         n = len(inputs.input_ids)
@@ -199,7 +202,7 @@ class DecodeGraphs:
         self._upload(inputs, bs, seed, pending=True)
         self.graphs[bs].replay()
         self._tokens_sampled = self.tokens[:n]
-        return self._tokens_sampled, self.logits[bs][:n]
+        return self._tokens_sampled, self.token_logprobs[:n], self.logits[bs][:n]
 
 
 PREFILL_GRAPH_TOKENS = [16, 32, 64, 128, 256, 512, 1024, 2048]

@@ -6,13 +6,14 @@ from itertools import count
 
 from tqdm.auto import tqdm
 
+from engine.beam_search import BeamSearch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
-from engine.outputs import RequestOutput, StepResult, StepStats
-from engine.sampling_params import SamplingParams
+from engine.outputs import RequestOutput, StepResult, StepStats, request_output
+from engine.sampling_params import BeamSearchParams, SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceGroup
 from engine.tokenizer import load_tokenizer
 
 
@@ -30,8 +31,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.requests: dict[str, Sequence] = {}
-        self._aborted: list[Sequence] = []
+        self.requests: dict[str, SequenceGroup] = {}
+        self._aborted: list[SequenceGroup] = []
         self._request_ids = count()
         # async scheduling: the launch whose tokens are still on their way (resolved in the next step)
         self.async_scheduling = bool(config.async_scheduling)
@@ -46,9 +47,11 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------------------
 
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | dict | None = None,
+    def add_request(self, prompt: str | list[int],
+                    sampling_params: SamplingParams | BeamSearchParams | dict | None = None,
                     request_id: str | None = None) -> str:
-        """Queue one request; returns its id. Raises ValueError for bad input, leaving the engine as it was."""
+        """Queue one request (sampling, or beam search with BeamSearchParams); returns its id. Raises
+        ValueError for bad input, leaving the engine as it was."""
         self._check_open()
         params = _as_params(sampling_params)
         token_ids = self._encode(prompt)
@@ -56,12 +59,33 @@ class LLMEngine:
             request_id = f"req-{next(self._request_ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        seq = Sequence(token_ids, params, self.config.kvcache_block_size, request_id)
-        seq.max_num_tokens = min(seq.max_num_tokens, self.config.max_model_len)
-        self.sampler.add_request(seq)  # its sampling row and random stream: an error here is the request's own
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        group = self._new_group(request_id, token_ids, params)
+        self.requests[request_id] = group
+        self.scheduler.add(group.first)
         return request_id
+
+    def _new_group(self, request_id: str, token_ids: list[int], params) -> SequenceGroup:
+        beam = None
+        if isinstance(params, BeamSearchParams):
+            beam = BeamSearch(params, self.config.eos_token_id)
+            if beam.num_candidates > self.vocab_size:
+                raise ValueError(f"beam_width={beam.width} ranks {beam.num_candidates} candidates a step; the "
+                                 f"vocabulary has {self.vocab_size} tokens")
+            params = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
+        group = SequenceGroup(request_id, token_ids, params, self.config.kvcache_block_size, beam)
+        if group.width > self.config.max_num_seqs:
+            name = "beam_width" if beam is not None else ("best_of" if params.best_of else "n")
+            raise ValueError(f"{name}={group.width} needs {group.width} sequences at once; max_num_seqs is "
+                             f"{self.config.max_num_seqs}")
+        seq = group.first
+        limit = self.config.max_model_len
+        seq.max_num_tokens = limit if params.max_tokens is None else min(len(token_ids) + params.max_tokens, limit)
+        if beam is not None:
+            beam.max_tokens = seq.max_num_tokens - len(token_ids)
+            beam.beams = [seq]
+        # its sampling row and random stream: an error here is the request's own
+        self.sampler.add_request(seq, self.config.eos_token_id, beam.num_candidates if beam is not None else -1)
+        return group
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -94,14 +118,27 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks; the next step() reports it with finish_reason "abort"."""
-        seq = self.requests.get(request_id)
-        if seq is None or seq.is_finished:
+        group = self.requests.get(request_id)
+        if group is None or group.is_finished:
             return False
-        self.scheduler.finish(seq, "abort")
-        seq.truncate(seq.num_prompt_tokens + seq.num_resolved_completion_tokens)
-        seq.finished_time = time.monotonic()
-        self._aborted.append(seq)
+        self._end(group)
+        self._aborted.append(group)
         return True
+
+    def _end(self, group: SequenceGroup) -> None:
+        """Finish every sequence of `group` still going with "abort"."""
+        now = time.monotonic()
+        for seq in group.live_seqs():
+            self._finish(seq, "abort", now)
+            seq.truncate(seq.num_prompt_tokens + seq.num_resolved_completion_tokens)
+        if group.beam is not None:
+            group.beam.done = True
+        group.finished_time = now
+
+    def _finish(self, seq: Sequence, reason: str | None, now: float) -> None:
+        self.scheduler.finish(seq, reason)
+        self.sampler.forget(seq)
+        seq.finished_time = now
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted) or self._inflight is not None
@@ -111,7 +148,7 @@ class LLMEngine:
         sched = self.scheduler
         if sched.waiting and not self.block_manager.can_allocate(sched.waiting[0]):
             return 0
-        waiting_blocks = sum(s.num_blocks for s in sched.waiting)
+        waiting_blocks = sum(s.num_blocks for s in sched.waiting)  # forks share them
         return max(0, min(sched.num_free_slots(), self.block_manager.num_free_blocks - waiting_blocks))
 
     # ---- the step ---------------------------------------------------------------------------------
@@ -126,12 +163,7 @@ class LLMEngine:
         start = time.perf_counter()
         bm, sched = self.block_manager, self.scheduler
         queries, hits, preemptions = bm.num_cache_queries, bm.num_cache_hits, sched.num_preemptions
-        outputs = []
-        for seq in self._aborted:
-            try:
-                outputs.append(self._output(seq))
-            except Exception as e:  # noqa: BLE001 - decoding its text raised
-                outputs.append(self._fail(seq, e))
+        outputs = [self._output_or_fail(group) for group in self._aborted]
         self._aborted.clear()
         batch = sched.schedule()
         stats = StepStats()
@@ -139,8 +171,12 @@ class LLMEngine:
         if batch:
             now = time.monotonic()
             for seq in batch.seqs:
-                seq.first_scheduled_time = seq.first_scheduled_time or now
-            to_sample = [s for s, n in zip(batch.seqs, batch.num_tokens) if s.num_computed_tokens + n == s.num_tokens]
+                first = seq.group.first
+                first.first_scheduled_time = first.first_scheduled_time or now
+            for children in batch.forks.values():
+                for child in children:
+                    self.sampler.add_request(child, self.config.eos_token_id)
+            to_sample = batch.sampled()
             stats.num_decode_tokens = sum(1 for s, n in zip(batch.seqs, batch.num_tokens)
                                           if n == 1 and s.num_completion_tokens > 0 and s.num_uncomputed_tokens == 1)
             stats.num_prefill_tokens = batch.total_tokens - stats.num_decode_tokens
@@ -171,9 +207,10 @@ class LLMEngine:
             seq.num_computed_tokens += n
         positions = []
         for i, seq in enumerate(sampled):
-            seq.pending_index = i
             positions.append(seq.num_tokens)
-            seq.append_token(-1)
+            if seq.group.beam is None:  # a beam's next token is chosen once every beam's step is in
+                seq.pending_index = i
+                seq.append_token(-1)
         return _InFlight(batch, sampled, positions, tokens)
 
     def _collect(self, step: "_InFlight", finished_only: bool) -> list[RequestOutput]:
@@ -183,10 +220,12 @@ class LLMEngine:
     def _postprocess(self, batch: ScheduledBatch, sampled: list[Sequence], positions: list[int],
                      token_ids: list[int], logprobs, finished_only: bool):
         """Put each sampled token at its position, enter computed blocks in the prefix cache, finish
-        what is done."""
+        what is done; beam search takes its beams' top logprobs instead."""
         live = [(i, seq, pos, tok) for i, (seq, pos, tok) in enumerate(zip(sampled, positions, token_ids))
                 if not seq.is_finished]  # aborted, or finished by the step before
         for _, seq, pos, tok in live:
+            if seq.group.beam is not None:
+                continue
             if pos == seq.num_tokens:
                 seq.append_token(tok)
             else:
@@ -196,91 +235,117 @@ class LLMEngine:
             if not seq.is_finished:
                 self.block_manager.register_computed(seq)
         now = time.monotonic()
-        outputs = []
+        chosen, top_values, top_ids = logprobs
+        outputs, touched = [], {}
         for i, seq, pos, token_id in live:
+            group = seq.group
+            if seq.is_finished:  # its request failed on an earlier row of this step
+                continue
             try:
-                seq.first_token_time = seq.first_token_time or now
+                first = group.first
+                first.first_token_time = first.first_token_time or now
+                if group.beam is not None:
+                    if pos == seq.num_tokens and self._report_beam(group, seq, top_values[i], top_ids[i]):
+                        touched[group.request_id] = group
+                    continue
+                seq.cumulative_logprob += chosen[i]
                 if seq.params.logprobs is not None:
-                    chosen, top_vals, top_ids = logprobs
                     k = seq.params.logprobs
-                    top = dict(zip(top_ids[i][:k], top_vals[i][:k])) if top_ids is not None else {}
+                    top = dict(zip(top_ids[i][:k], top_values[i][:k])) if top_ids is not None else {}
                     seq.logprobs.append({"token_id": token_id, "logprob": chosen[i], "top": top})
                 reason = self._finish_reason(seq, token_id, pos + 1)
                 if reason is not None:
-                    self.scheduler.finish(seq, reason)
+                    self._finish(seq, reason, now)
                     seq.truncate(pos + 1)  # a later launch's placeholder is no part of the output
-                    seq.finished_time = now
-                if reason is not None or not finished_only:
-                    outputs.append(self._output(seq))
+                    if group.is_finished:
+                        group.finished_time = now
+                if group.is_finished or not finished_only:
+                    touched[group.request_id] = group
             except Exception as e:  # noqa: BLE001 - this request's own data (stop strings, text) raised
-                outputs.append(self._fail(seq, e))
+                touched.pop(group.request_id, None)
+                outputs.append(self._fail(group, e))
+        outputs += [self._output_or_fail(group) for group in touched.values()]
         return outputs
 
-    def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
+    def _report_beam(self, group: SequenceGroup, seq: Sequence, top_values: list[float], top_ids: list[int]) -> bool:
+        """Take a beam's candidates; once every beam has reported, the next beams replace them (forked from
+        the chosen ones, sharing their blocks). True when the search moved on."""
+        beam = group.beam
+        k = beam.num_candidates
+        beam.report(seq, top_values[:k], top_ids[:k])
+        if not beam.ready:
+            return False
+        extensions = beam.select()
+        now = time.monotonic()
+        kept, next_beams = set(), []
+        for ext in extensions:  # fork before any parent takes its token
+            parent = ext.parent
+            if parent.seq_id in kept:
+                child = self.scheduler.fork(parent, [len(next_beams)], parent.num_computed_tokens)[0]
+                self.sampler.add_request(child, self.config.eos_token_id, k)
+            else:
+                child = parent
+                kept.add(parent.seq_id)
+            next_beams.append(child)
+        for child, ext in zip(next_beams, extensions):
+            child.append_token(ext.token_id)
+            child.beam_score = ext.score
+            child.cumulative_logprob = float(ext.score)
+        for old in beam.beams:
+            if old.seq_id not in kept:
+                self._finish(old, None, now)
+        beam.beams = group.seqs = next_beams or group.seqs
+        if beam.done:
+            for old in group.live_seqs():
+                self._finish(old, None, now)
+            group.finished_time = now
+        return True
+
+    def _fail(self, group: SequenceGroup, error: Exception) -> RequestOutput:
         """End one request whose own data raised: it finishes "abort" with the error, the others go on.
         A fault of the engine itself (the forward pass, a device error) is never caught: it stops step()."""
-        seq.error = f"the request failed while its tokens were processed: {type(error).__name__}: {error}"
-        if not seq.is_finished:
-            self.scheduler.finish(seq, "abort")
-            seq.truncate(seq.num_prompt_tokens + seq.num_resolved_completion_tokens)
-            seq.finished_time = time.monotonic()
-        seq.finish_reason = "abort"
-        return self._output(seq)
+        group.error = f"the request failed while its tokens were processed: {type(error).__name__}: {error}"
+        if not group.is_finished:
+            self._end(group)
+        for seq in group.seqs:
+            seq.finish_reason = "abort"
+        return self._output(group)
 
     def _finish_reason(self, seq: Sequence, token_id: int, num_tokens: int) -> str | None:
         """Why `seq` ends with `token_id` as its token number `num_tokens`, or None if it goes on."""
         p = seq.params
-        if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.config.eos_token_id):
-            return "stop"
-        if p.stop and self.tokenizer is not None:
-            completion = seq.completion_token_ids[: num_tokens - seq.num_prompt_tokens]
-            text = self.tokenizer.decode(completion, skip_special_tokens=True)
-            found = [i for i in (text.find(s) for s in p.stop) if i >= 0]
-            if found:
-                seq.stop_text_len = min(found)
+        if num_tokens - seq.num_prompt_tokens >= p.min_tokens:  # before min_tokens only the length ends it
+            if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.config.eos_token_id):
                 return "stop"
+            if p.stop and self.tokenizer is not None:
+                completion = seq.completion_token_ids[: num_tokens - seq.num_prompt_tokens]
+                text = self.tokenizer.decode(completion, skip_special_tokens=True)
+                found = [i for i in (text.find(s) for s in p.stop) if i >= 0]
+                if found:
+                    seq.stop_text_len = min(found)
+                    return "stop"
         if num_tokens >= seq.max_num_tokens:
             return "length"
         return None
 
-    def _output(self, seq: Sequence) -> RequestOutput:
-        """The request's output; token lists are the sequence's own (no copies on the hot path)."""
-        completion = seq.completion_token_ids
-        finished = seq.is_finished
-        resolved = seq.num_resolved_completion_tokens
-        if resolved < len(completion):  # a placeholder is in flight: hand out the known part only
-            completion = completion[:resolved]
-        new = completion[seq.num_reported_tokens:]
-        seq.num_reported_tokens = resolved
-        text = None
-        if finished:
-            self.requests.pop(seq.request_id, None)
-            if seq.error is None:
-                text = self._final_text(seq)
-        return RequestOutput(
-            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, token_ids=completion,
-            new_token_ids=new, finished=finished, finish_reason=seq.finish_reason, text=text, error=seq.error,
-            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-            num_cached_tokens=seq.num_cached_tokens, arrival_time=seq.arrival_time,
-            first_scheduled_time=seq.first_scheduled_time, first_token_time=seq.first_token_time,
-            finished_time=seq.finished_time)
+    def _output_or_fail(self, group: SequenceGroup) -> RequestOutput:
+        try:
+            return self._output(group)
+        except Exception as e:  # noqa: BLE001 - decoding its text raised
+            return self._fail(group, e)
 
-    def _final_text(self, seq: Sequence) -> str | None:
-        if self.tokenizer is None:
-            return None
-        ids = seq.completion_token_ids
-        p = seq.params
-        if ids and seq.finish_reason == "stop" and seq.stop_text_len is None:
-            ids = ids[:-1]  # the stop token itself is not part of the text
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        return text[: seq.stop_text_len] if seq.stop_text_len is not None else text
+    def _output(self, group: SequenceGroup) -> RequestOutput:
+        if group.is_finished:
+            self.requests.pop(group.request_id, None)
+        return request_output(group, self.tokenizer)
 
     # ---- batch API --------------------------------------------------------------------------------
 
     def generate(self, prompts: list[str] | list[list[int]],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 sampling_params: SamplingParams | BeamSearchParams | list | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order."""
+        """Run every prompt to completion; outputs in prompt order. sampling_params: one for all prompts or
+        a list, one per prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(sampling_params, list):
@@ -319,6 +384,23 @@ class LLMEngine:
         bar.close()
         return [results[rid] for rid in ids]
 
+    def chat(self, conversations: list[list[dict]] | list[dict],
+             sampling_params: SamplingParams | BeamSearchParams | list | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """generate() for chat conversations (each a list of {"role", "content"} messages, or one such
+        list), through the model's chat template; one output per conversation."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self.generate([self.encode_chat(list(c)) for c in conversations], sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: list[str] | list[list[int]], params: BeamSearchParams,
+                    use_tqdm: bool = True) -> list[RequestOutput]:
+        """Beam search for every prompt; each output's .outputs are beam_width completions, best first (the
+        beams transformers' generate(num_beams=beam_width, early_stopping=True) returns)."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"beam_search takes BeamSearchParams, got {type(params).__name__}")
+        return self.generate(prompts, params, use_tqdm)
+
     def _check_open(self) -> None:
         if self._shut_down:
             raise RuntimeError("the engine was shut down; create a new one")
@@ -343,14 +425,14 @@ class LLM(LLMEngine):
     """The offline entry point: LLM(model, ...).generate(prompts, params)."""
 
 
-def _as_params(sp) -> SamplingParams:
+def _as_params(sp) -> SamplingParams | BeamSearchParams:
     if sp is None:
         return SamplingParams()
-    if isinstance(sp, SamplingParams):
+    if isinstance(sp, (SamplingParams, BeamSearchParams)):
         return sp
     if isinstance(sp, dict):
         try:
             return SamplingParams(**sp)
         except TypeError as e:
             raise ValueError(f"bad sampling params: {e}") from None
-    raise ValueError(f"sampling_params must be SamplingParams or a dict, got {type(sp).__name__}")
+    raise ValueError(f"sampling_params must be SamplingParams, BeamSearchParams or a dict, got {type(sp).__name__}")

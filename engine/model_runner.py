@@ -36,10 +36,16 @@ class StepInputs:
     # input rows whose token is still being sampled by the previous launch, and where it will be
     pending_rows: torch.Tensor | None = None
     pending_src: torch.Tensor | None = None
+    block_copies: torch.Tensor | None = None  # [2, C]: KV blocks copied (source row 0 to destination row 1) first
 
     @property
     def is_decode(self) -> bool:
         return self.max_seqlen_q == 1
+
+    @property
+    def samples_every_row(self) -> bool:
+        """One sampled row per input row, in order (what the decode graph's sampler takes)."""
+        return len(self.logits_indices) == len(self.input_ids)
 
 
 class ModelRunner:
@@ -179,7 +185,14 @@ class ModelRunner:
     # ---- one step ---------------------------------------------------------------------------------
 
     def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
-        if all(n == 1 for n in batch.num_tokens) and all(s.num_uncomputed_tokens == 1 for s in batch.seqs):
+        inputs = self._prepare(batch)
+        if batch.block_copies:
+            inputs.block_copies = torch.tensor(batch.block_copies, dtype=torch.int64).T.contiguous()
+        return inputs
+
+    def _prepare(self, batch: ScheduledBatch) -> StepInputs:
+        if (not batch.forks and all(n == 1 for n in batch.num_tokens)
+                and all(s.num_uncomputed_tokens == 1 for s in batch.seqs)):
             return self._prepare_decode(batch)
         input_ids: list[int] = []
         positions: list[int] = []
@@ -199,8 +212,8 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             cu_q.append(cu_q[-1] + n)
             lens_k.append(end)
-            if end == seq.num_tokens:
-                logits_indices.append(cu_q[-1] - 1)
+            if end == seq.num_tokens:  # sampled, once for it and once for each sequence forked from it
+                logits_indices += [cu_q[-1] - 1] * (1 + len(batch.forks.get(seq.seq_id, ())))
         width = max(len(s.block_table) for s in batch.seqs)
         tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in batch.seqs]
         return StepInputs(
@@ -237,6 +250,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states of every scheduled token."""
+        self.copy_blocks(inputs)
         to = self._to_device
         input_ids = to(inputs.input_ids)
         if inputs.pending_rows is not None:  # tokens the previous launch sampled on the device
@@ -255,6 +269,16 @@ class ModelRunner:
                 return self.model(input_ids, to(inputs.positions))
         finally:
             self.ctx.meta = None
+
+    def copy_blocks(self, inputs: StepInputs) -> None:
+        """The step's copies on write: each source block's K and V, in every layer, into its destination."""
+        if inputs.block_copies is None:
+            return
+        src, dst = self._to_device(inputs.block_copies)
+        cache = self.kv_cache
+        if cache.dtype.itemsize == 1:  # index_copy_ has no float8 kernels: copy the bytes
+            cache = cache.view(torch.uint8)
+        cache.index_copy_(2, dst, cache.index_select(2, src))
 
     def _pending_tokens(self, src: torch.Tensor) -> torch.Tensor:
         """The previous launch's sampled tokens at `src`; only rank 0 samples, so it sends them to the others."""
@@ -286,7 +310,9 @@ class ModelRunner:
         """Queue forward and sampling on the device; the returned handle waits for the tokens.
         plan: under tensor parallelism, the step's Sampler.plan, as the other ranks were sent it."""
         graphs = self.graphs
-        if st is not None and graphs is not None and graphs.samples and inputs.is_decode and graphs.fits(inputs):
+        if (st is not None and graphs is not None and graphs.samples and inputs.is_decode
+                and inputs.samples_every_row and graphs.fits(inputs)):
+            self.copy_blocks(inputs)
             return self.sampler.replay_graph(graphs, inputs, st, num_logprobs)
         hidden = self.forward(inputs)
         if st is None:

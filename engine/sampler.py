@@ -1,6 +1,8 @@
 """Sampling, owned in one place: each request's sampling row and random stream, each batch's tensors, and
 the path a step's tokens take (the decode graph's sampler, the logits on the host's side of the graph, or
-sharded over tensor-parallel ranks). Greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+sharded over tensor-parallel ranks). Greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs
+(every sampled token's, for cumulative logprobs, and the top ones asked for), and the logit adjustments
+of engine/penalties.py (penalties, biases, min_tokens), applied on the device before sampling.
 
 The Gumbel-max kernel (engine/kernels/sampling.py) draws where every row is the argmax of its own scaled,
 noised logits; the general path (filters, seeded requests) runs torch ops on the device.
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import penalties
 from engine.layers.fusion import fused
 
 
@@ -24,6 +27,7 @@ class SamplingTensors:
     generators: list             # [S] torch.Generator or None (None: the engine's shared stream)
     all_greedy: bool
     needs_filter: bool
+    adjust: penalties.LogitAdjustments | None = None  # penalties, biases, min_tokens of the batch's rows
 
 
 @dataclass(frozen=True)
@@ -47,59 +51,78 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)  # rows without a stream of their own
         self.seed_generator = torch.Generator().manual_seed(seed)  # host-side seeds for the Gumbel kernel
         self.last_tokens = torch.empty(0, dtype=torch.int64, device=device)  # the last step's, on the device
+        self.token_counts = penalties.TokenCounts(device, vocab_size)  # penalised sequences' tokens
         self._batch_ids: list[int] = []
         self._batch = None
 
     def release(self) -> None:
         """Drop the device tensors kept between steps (the engine shuts down)."""
         self.last_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.token_counts = penalties.TokenCounts(self.device, self.vocab_size)
         self._batch_ids, self._batch = [], None
 
-    def add_request(self, seq) -> None:
-        """What of a request's sampling reaches a device tensor, built when it is added, where an error is
-        its own: its row of the batch tensors and, seeded, its own random stream."""
+    def add_request(self, seq, eos_token_ids: list[int] = (), num_top_logprobs: int = -1) -> None:
+        """What of a sequence's sampling reaches a device tensor, built when it is added, where an error is
+        its request's own: its row of the batch tensors and, seeded, its own random stream (completion i of
+        a seeded request draws from a stream of its own, derived from the seed and i).
+        num_top_logprobs: top logprobs it needs beyond those its params ask for (beam search's candidates)."""
         params = seq.params
+        bad = next((t for t in (params.logit_bias or ()) if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary (ids must be in [0, {self.vocab_size}))")
         top_k = min(params.top_k, self.vocab_size) if params.top_k > 0 else self.vocab_size
         seq.sampling_row = (params.temperature, top_k, params.top_p, params.min_p)
         seq.generator = None
         if params.seed is not None and not params.greedy:
-            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            seq.generator = torch.Generator(device=self.device).manual_seed(stream_seed(params.seed, seq.index))
+        seq.num_top_logprobs = max(num_top_logprobs, -1 if params.logprobs is None else params.logprobs)
+        stops = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
+        seq.min_tokens_stop_ids = sorted({t for t in stops if t < self.vocab_size}) if params.min_tokens else []
+
+    def forget(self, seq) -> None:
+        """`seq` is finished: its row of the token counts is free again (a step still in flight that
+        counts into it runs first on the device)."""
+        self.token_counts.release(seq.seq_id)
 
     def batch_tensors(self, seqs: list) -> tuple[SamplingTensors | None, int]:
-        """(The tensors of the sequences sampled this step, the most top logprobs any asks for or -1); the
+        """(The tensors of the sequences sampled this step, the most top logprobs any needs or -1); the
         same tensors again for the same sequences (most decode steps)."""
         if not seqs:
             return None, -1
         ids = [s.seq_id for s in seqs]
         if ids == self._batch_ids:
-            return self._batch
+            st, num_logprobs = self._batch
+        else:
+            st, num_logprobs = self._build(seqs)
+            self._batch_ids, self._batch = ids, (st, num_logprobs)
+        if st.adjust is not None and st.adjust.min_tokens_rows:
+            penalties.suppress_until_min_tokens(st.adjust, seqs, self.device)
+        return st, num_logprobs
+
+    def _build(self, seqs: list) -> tuple[SamplingTensors, int]:
         device = self.device
         ps = [s.params for s in seqs]
         temperatures, top_ks, top_ps, min_ps = zip(*(s.sampling_row for s in seqs))
-
-        def tensor(values, dtype):  # pinned and asynchronous, so building it never waits for the GPU
-            t = torch.tensor(values, dtype=dtype)
-            return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
-
         st = SamplingTensors(
-            temperatures=tensor(temperatures, torch.float32),
-            top_ks=tensor(top_ks, torch.int64),
-            top_ps=tensor(top_ps, torch.float32),
-            min_ps=tensor(min_ps, torch.float32),
+            temperatures=penalties.on_device(temperatures, torch.float32, device),
+            top_ks=penalties.on_device(top_ks, torch.int64, device),
+            top_ps=penalties.on_device(top_ps, torch.float32, device),
+            min_ps=penalties.on_device(min_ps, torch.float32, device),
             generators=[s.generator for s in seqs],
             all_greedy=all(p.greedy for p in ps),
-            needs_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in ps))
-        num_logprobs = max((p.logprobs for p in ps if p.logprobs is not None), default=-1)
-        self._batch_ids, self._batch = ids, (st, num_logprobs)
-        return st, num_logprobs
+            needs_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in ps),
+            adjust=penalties.adjustments(seqs, self.token_counts, device) if any(p.adjusts_logits for p in ps)
+            else None)
+        return st, max(s.num_top_logprobs for s in seqs)
 
     def plan(self, st: SamplingTensors | None, num_logprobs: int, tp_size: int) -> StepSampling | None:
         """Rank 0: how every rank takes part in this step's sampling (None: nothing is sampled). Sharded
         where each token is the argmax of its own (scaled, noised) logits and nothing else needs whole
-        rows (no logprobs); the seed comes from the host generator, as on the unsharded path."""
+        rows (no top logprobs, no adjustments); the seed comes from the host generator, as on the
+        unsharded path."""
         if st is None:
             return None
-        if tp_size == 1 or num_logprobs >= 0 or not samples_by_argmax(st):
+        if tp_size == 1 or num_logprobs >= 0 or st.adjust is not None or not samples_by_argmax(st):
             return StepSampling(sharded=False)
         if st.all_greedy:
             return StepSampling(sharded=True, greedy=True)
@@ -107,29 +130,35 @@ class Sampler:
 
     def replay_graph(self, graphs, inputs, st: SamplingTensors, num_logprobs: int) -> "SampledTokens":
         """A decode step as one replay of a graph that holds the LM head and the sampler. Steps the graph's
-        sampler cannot take (logprobs, top-k/p, min-p, seeded requests) sample from its logits."""
-        in_graph = num_logprobs < 0 and samples_by_argmax(st)
+        sampler cannot take (top logprobs, top-k/p, min-p, seeded requests, adjusted logits) sample from
+        its logits."""
+        in_graph = num_logprobs < 0 and st.adjust is None and samples_by_argmax(st)
         seed = draw_seed(self.seed_generator) if in_graph and not st.all_greedy else 0  # as sample() draws
-        tokens, logits = graphs.replay_sampled(inputs, st.temperatures if in_graph else None, seed, self.last_tokens)
+        tokens, logprobs, logits = graphs.replay_sampled(inputs, st.temperatures if in_graph else None, seed,
+                                                         self.last_tokens)
         if not in_graph:
             return self.sample(logits, st, num_logprobs)
         self.last_tokens = tokens
-        return SampledTokens([tokens])
+        return SampledTokens([tokens, logprobs])
 
     def sample(self, logits: torch.Tensor, st: SamplingTensors, num_logprobs: int) -> "SampledTokens":
-        """The step's tokens (and logprobs) from whole rows of logits [S, V]."""
+        """The step's tokens and their logprobs (and the top logprobs) from whole rows of logits [S, V]."""
+        if st.adjust is not None:
+            logits = logits.to(torch.float32, copy=True)
+            penalties.apply(logits, st.adjust, self.token_counts)
         token_ids = sample(logits, st, self.generator, self.seed_generator)
         self.last_tokens = token_ids
-        parts = [token_ids]
-        if num_logprobs >= 0:
-            parts += [t for t in compute_logprobs(logits, token_ids, num_logprobs) if t is not None]
-        return SampledTokens(parts, num_logprobs)
+        if st.adjust is not None:
+            self.token_counts.add(st.adjust, token_ids)
+        parts = [t for t in compute_logprobs(logits, token_ids, num_logprobs) if t is not None]
+        return SampledTokens([token_ids] + parts, num_logprobs)
 
     def sample_shards(self, logits: torch.Tensor, tp, plan: StepSampling, temperatures: torch.Tensor | None,
                       first_column: int) -> "SampledTokens":
-        """Token ids [S] from each rank's vocabulary slice (logits [S, n] of tokens first_column ..): the best
-        of every rank's candidates. temperatures: rank 0's [S]; the other ranks pass None and receive them
-        (unless every row is greedy). Collective: every rank calls it."""
+        """Token ids [S] and their logprobs from each rank's vocabulary slice (logits [S, n] of tokens
+        first_column .. first_column + n - 1 of vocab_size): the best of every rank's candidates, whose
+        logprobs come from each rank's log-sum-exp. temperatures: rank 0's [S]; the other ranks pass None
+        and receive them (unless every row is greedy). Collective: every rank calls it."""
         if plan.greedy:
             temperatures = None
         else:  # rank 0 holds them on its device only, with no host copy to send along with the step
@@ -137,12 +166,13 @@ class Sampler:
                 temperatures = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
             temperatures = tp.broadcast_from_rank0(temperatures)
         candidates = shard_best(logits, temperatures, plan.seed, first_column, self.vocab_size)
-        self.last_tokens = token_ids = pick_token(tp.all_gather(candidates))
-        return SampledTokens([token_ids])
+        gathered = tp.all_gather(torch.cat([candidates, shard_logsumexp(logits, candidates, first_column)], dim=1))
+        self.last_tokens = token_ids = pick_token(gathered)
+        return SampledTokens([token_ids, picked_logprobs(gathered, token_ids)])
 
 
 class SampledTokens:
-    """Sampled ids (and logprobs) on their way to the host: one device→host copy per step."""
+    """Sampled ids, their logprobs (and top logprobs) on their way to the host: one device→host copy each."""
 
     def __init__(self, parts: list[torch.Tensor], num_logprobs: int = -1):
         self.num_logprobs = num_logprobs
@@ -156,16 +186,14 @@ class SampledTokens:
             self.parts = parts
 
     def result(self):
-        """(token ids, (chosen logprobs, top logprobs, top ids) or None) as lists."""
+        """(token ids, (their logprobs, top logprobs or None, top ids or None)) as lists."""
         if self.event is not None:
             self.event.synchronize()
         if not self.parts:
-            return [], None
+            return [], ([], None, None)
         lists = [p.tolist() for p in self.parts]
-        if self.num_logprobs < 0:
-            return lists[0], None
-        chosen, top = lists[1], lists[2:] or [None, None]
-        return lists[0], (chosen, top[0], top[1])
+        top = lists[2:] or [None, None]
+        return lists[0], (lists[1], top[0], top[1])
 
 
 # ---- inside the decode graph (engine/cuda_graphs.py) ----------------------------------------------
@@ -183,6 +211,11 @@ def take_pending(input_ids: torch.Tensor, pending_src: torch.Tensor, tokens: tor
 def sample_in_graph(logits: torch.Tensor, temperatures: torch.Tensor, seed: torch.Tensor, out: torch.Tensor) -> None:
     """Gumbel-max (greedy where t = 0) into `out`, the seed read from device memory when the graph replays."""
     gumbel_kernels().gumbel_argmax(logits, temperatures, seed, out=out)
+
+
+def logprobs_in_graph(logits: torch.Tensor, token_ids: torch.Tensor, out: torch.Tensor) -> None:
+    """Each sampled token's logprob into `out` (the tokens read from device memory when the graph replays)."""
+    gumbel_kernels().token_logprobs(logits, token_ids, out=out)
 
 
 # ---- the sampling itself ----------------------------------------------------------------------------
@@ -306,8 +339,48 @@ def _filter(scores: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int):
-    """(logprob of each sampled token [S], top-`num_top` logprobs [S, n] and their ids [S, n])."""
+    """(logprob of each sampled token [S], top-`num_top` logprobs [S, n] and their ids [S, n], or None
+    for both where num_top <= 0)."""
+    if num_top <= 0:
+        return token_logprobs(logits, token_ids), None, None
     logprobs = logits.float().log_softmax(dim=-1)
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-    top = logprobs.topk(num_top, dim=-1) if num_top else None
-    return chosen, (top.values if top else None), (top.indices if top else None)
+    top = logprobs.topk(num_top, dim=-1)
+    return chosen, top.values, top.indices
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits)[token] per row, float32 [S]: one pass of a kernel on CUDA, torch ops elsewhere."""
+    if logits.is_cuda and gumbel_kernels() is not None:
+        return gumbel_kernels().token_logprobs(logits, token_ids)
+    scores = logits.float()
+    return scores.gather(1, token_ids.unsqueeze(1)).squeeze(1) - scores.logsumexp(dim=-1)
+
+
+def stream_seed(seed: int, index: int) -> int:
+    """The seed of completion `index`'s random stream: the request's seed for the first, then a mix of
+    both (splitmix64), so that requests with nearby seeds share no stream."""
+    if index == 0:
+        return seed
+    z = (seed + index * 0x9E3779B97F4A7C15) % 2**64
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 % 2**64
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB % 2**64
+    return (z ^ (z >> 31)) >> 1
+
+
+def shard_logsumexp(logits: torch.Tensor, candidates: torch.Tensor, first_column: int) -> torch.Tensor:
+    """[S, 2] float64 for one rank's slice: (the logit of its candidate token, the log-sum-exp of its
+    slice), -inf both where it holds nothing; picked_logprobs combines every rank's."""
+    if logits.shape[1] == 0:
+        return torch.full((logits.shape[0], 2), float("-inf"), dtype=torch.float64, device=logits.device)
+    scores = logits.float()
+    local = (candidates[:, 1].long() - first_column).unsqueeze(1)
+    return torch.stack([scores.gather(1, local).squeeze(1), scores.logsumexp(dim=-1)], dim=1).double()
+
+
+def picked_logprobs(gathered: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """The logprob of each row's picked token, float32 [S], from every rank's [S, 4] (score, id, logit of
+    its candidate, log-sum-exp of its slice) as gathered [ranks, S, 4]."""
+    ids, logits, lse = gathered[..., 1], gathered[..., 2], gathered[..., 3]
+    picked = torch.where(ids == token_ids.double(), logits, float("-inf")).max(dim=0).values
+    return (picked - lse.logsumexp(dim=0)).float()

@@ -8,17 +8,26 @@ This module imports nothing heavy: producers import it without torch.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 MAX_LOGPROBS = 20
+MAX_N = 128            # completions (n, best_of) or beams of one request
+MAX_LOGIT_BIAS = 300   # biased tokens of one request (OpenAI's limit)
+MAX_BIAS = 100.0       # |bias| of one token (OpenAI's)
+MAX_PENALTY = 2.0      # |presence_penalty|, |frequency_penalty| (OpenAI's)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what a value must fit to reach a device tensor or a generator
+_TOKEN_ID_TEXT = re.compile(r"[0-9]{1,19}")  # a token id as a JSON object key spells it
 
 
-def _spec(default, kind: str, allowed: str, ok: Callable[[Any], bool] = lambda v: True, **bounds):
-    """A field with its kind ("float", "int", "bool", "strings", "token_ids"), the sentence an error gives,
-    the check, and the numeric bounds the wire's JSON schema states."""
-    return field(default=default, metadata={"kind": kind, "allowed": allowed, "ok": ok, "bounds": bounds})
+def _spec(default, kind: str, allowed: str, ok: Callable[[Any], bool] = lambda v: True, nullable: bool = False,
+          **bounds):
+    """A field with its kind ("float", "int", "bool", "strings", "token_ids", "token_biases"), the sentence an
+    error gives, the check, and the numeric bounds the wire's JSON schema states. nullable: None is a value
+    of its own although the default is not (max_tokens=None: until max_model_len)."""
+    return field(default=default, metadata={"kind": kind, "allowed": allowed, "ok": ok, "bounds": bounds,
+                                            "nullable": nullable})
 
 
 def _int64(v: int) -> bool:
@@ -29,13 +38,18 @@ def _int64(v: int) -> bool:
 class SamplingParams:
     """How to sample one request. temperature=0 means greedy."""
 
+    n: int = _spec(1, "int", f"an integer in [1, {MAX_N}]", lambda v: 1 <= v <= MAX_N, ge=1, le=MAX_N)
+    best_of: int | None = _spec(None, "int", f"null or an integer in [n, {MAX_N}]", lambda v: 1 <= v <= MAX_N,
+                                ge=1, le=MAX_N)
     temperature: float = _spec(1.0, "float", "a finite number >= 0 (0 means greedy)", lambda v: v >= 0, ge=0)
     top_p: float = _spec(1.0, "float", "a number in (0, 1]", lambda v: 0 < v <= 1, gt=0, le=1)
     top_k: int = _spec(-1, "int", "-1 (off) or an integer in [1, 2**63-1]",
                        lambda v: v == -1 or 1 <= v <= INT64_MAX, ge=-1, le=INT64_MAX)
     min_p: float = _spec(0.0, "float", "a number in [0, 1]", lambda v: 0 <= v <= 1, ge=0, le=1)
-    max_tokens: int = _spec(64, "int", "an integer in [1, 2**63-1]", lambda v: 1 <= v <= INT64_MAX,
-                            ge=1, le=INT64_MAX)
+    max_tokens: int | None = _spec(64, "int", "an integer in [1, 2**63-1], or null (until max_model_len)",
+                                   lambda v: 1 <= v <= INT64_MAX, nullable=True, ge=1, le=INT64_MAX)
+    min_tokens: int = _spec(0, "int", "an integer in [0, max_tokens]", lambda v: 0 <= v <= INT64_MAX,
+                            ge=0, le=INT64_MAX)
     ignore_eos: bool = _spec(False, "bool", "true or false")
     stop: list[str] | str | None = _spec(None, "strings", "a string or a list of non-empty strings",
                                          lambda v: len(v) > 0)
@@ -43,12 +57,21 @@ class SamplingParams:
                                              lambda v: 0 <= v <= INT64_MAX)
     seed: int | None = _spec(None, "int", "an integer in [-2**63, 2**63-1], or null", _int64,
                              ge=INT64_MIN, le=INT64_MAX)
+    repetition_penalty: float = _spec(1.0, "float", "a finite number > 0 (1 is off)", lambda v: v > 0, gt=0)
+    presence_penalty: float = _spec(0.0, "float", f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+                                    lambda v: abs(v) <= MAX_PENALTY, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = _spec(0.0, "float", f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+                                     lambda v: abs(v) <= MAX_PENALTY, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    logit_bias: dict[int, float] | None = _spec(
+        None, "token_biases", f"null or a map of at most {MAX_LOGIT_BIAS} token ids (integers or their decimal "
+        f"strings) to biases in [-{MAX_BIAS:g}, {MAX_BIAS:g}]", lambda v: abs(v) <= MAX_BIAS)
     logprobs: int | None = _spec(None, "int", f"null or an integer in [0, {MAX_LOGPROBS}]",
                                  lambda v: 0 <= v <= MAX_LOGPROBS, ge=0, le=MAX_LOGPROBS)
 
     def __post_init__(self) -> None:
         for f in fields(self):
             setattr(self, f.name, check_field(f.name, getattr(self, f.name)))
+        check_together(self)
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
 
@@ -56,21 +79,59 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def num_sequences(self) -> int:
+        """How many sequences the request runs: best_of, or n."""
+        return self.best_of or self.n
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether its logits are changed before sampling (penalties, biases, min_tokens)."""
+        return (self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+                or bool(self.logit_bias) or self.min_tokens > 0)
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search as transformers' generate(num_beams=beam_width, num_return_sequences=beam_width,
+    length_penalty=length_penalty, early_stopping=True, do_sample=False) runs it."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        checks = {"beam_width": (int, lambda v: 1 <= v <= MAX_N, f"an integer in [1, {MAX_N}]"),
+                  "max_tokens": (int, lambda v: 1 <= v <= INT64_MAX, "an integer in [1, 2**63-1]"),
+                  "ignore_eos": (bool, lambda v: True, "true or false"),
+                  "length_penalty": (float, lambda v: True, "a finite number")}
+        for name, (kind, ok, allowed) in checks.items():
+            value = getattr(self, name)
+            if kind is float and _is(int, value):
+                value = float(value)
+            if not (_is(kind, value) and ok(value)):
+                raise ValueError(f"{name} must be {allowed}, got {_brief(getattr(self, name))}")
+            setattr(self, name, value)
+
 
 FIELDS = {f.name: f for f in fields(SamplingParams)}
 
 
 def check_field(name: str, value):
-    """`value` as field `name` holds it (a lone stop string becomes a list); ValueError naming the field,
-    what it allows and (briefly) what it got."""
+    """`value` as field `name` holds it (a lone stop string becomes a list, logit_bias keys become ints);
+    ValueError naming the field, what it allows and (briefly) what it got."""
     f = FIELDS[name]
     meta = f.metadata
-    if value is None and f.default is None:
+    if value is None and (f.default is None or meta["nullable"]):
         return None
     kind, ok, given = meta["kind"], meta["ok"], value
     if kind == "strings" and isinstance(value, str):
         value = [value]
-    if kind in ("strings", "token_ids"):
+    if kind == "token_biases":
+        value = _token_biases(value, ok)
+        good = value is not None
+    elif kind in ("strings", "token_ids"):
         item_type = str if kind == "strings" else int
         good = isinstance(value, list) and all(_is(item_type, v) and ok(v) for v in value)
     else:
@@ -80,6 +141,30 @@ def check_field(name: str, value):
     if not good:
         raise ValueError(f"{name} must be {meta['allowed']}, got {_brief(given)}")
     return value
+
+
+def check_together(params) -> None:
+    """The checks that involve two fields (`params`: a SamplingParams or the wire's Sampling)."""
+    if params.best_of is not None and params.best_of < params.n:
+        raise ValueError(f"best_of must be null or an integer in [n, {MAX_N}] (n is {params.n}), got {params.best_of}")
+    if params.max_tokens is not None and params.min_tokens > params.max_tokens:
+        raise ValueError(f"min_tokens must be an integer in [0, max_tokens] (max_tokens is {params.max_tokens}), "
+                         f"got {params.min_tokens}")
+
+
+def _token_biases(value, ok) -> dict[int, float] | None:
+    """{token id: bias} from a dict whose keys are ints or decimal strings (JSON's keys), or None if it is
+    not one."""
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        return None
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        if isinstance(key, str) and _TOKEN_ID_TEXT.fullmatch(key):
+            key = int(key)
+        if not (_is(int, key) and 0 <= key <= INT64_MAX and _is(float, bias) and ok(bias)) or key in out:
+            return None
+        out[key] = float(bias)
+    return out
 
 
 def _is(kind: type, value) -> bool:

@@ -5,11 +5,15 @@ sequences go first: decodes (one token each), then prompts part-way through a ch
 budget left admits waiting sequences, whose prompts are cut into chunks when they do not fit. When a
 decode needs a KV block and none is free, the newest running sequence is preempted: its blocks are
 freed and it waits to be recomputed (its computed blocks usually come back from the prefix cache).
+
+A request of n > 1 sequences is admitted when there are slots for all of them; when its prompt's last
+chunk is scheduled the prompt's sequence forks into the others, which share its blocks and are sampled
+from the same logits (`ScheduledBatch.forks`).
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
@@ -19,6 +23,18 @@ from engine.sequence import Sequence, SequenceStatus
 class ScheduledBatch:
     seqs: list[Sequence]
     num_tokens: list[int]         # tokens computed for each sequence in this step
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination), before the step
+    forks: dict[int, list[Sequence]] = field(default_factory=dict)     # seq_id -> sequences sampled from its row
+
+    def sampled(self) -> list[Sequence]:
+        """The sequences that get a token from this step, in the order of the step's logits rows: each whose
+        scheduled tokens reach its end, followed by those forked from it."""
+        out = []
+        for seq, n in zip(self.seqs, self.num_tokens):
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                out.append(seq)
+                out += self.forks.get(seq.seq_id, ())
+        return out
 
     @property
     def total_tokens(self) -> int:
@@ -66,23 +82,46 @@ class Scheduler:
                 break
             if seq.status != SequenceStatus.RUNNING:
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
-            batch.seqs.append(seq)
-            batch.num_tokens.append(n)
-            budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            budget -= self._add(batch, seq, min(seq.num_uncomputed_tokens, budget))
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if not self.block_manager.can_allocate(seq):
+            if len(self.running) + seq.admission_width > self.max_num_seqs or not self.block_manager.can_allocate(seq):
                 break
             self.waiting.popleft()
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
-            batch.seqs.append(seq)
-            batch.num_tokens.append(n)
-            budget -= n
+            budget -= self._add(batch, seq, min(seq.num_uncomputed_tokens, budget))
+        batch.block_copies = self.block_manager.take_copies()
         return batch
+
+    def _add(self, batch: ScheduledBatch, seq: Sequence, n: int) -> int:
+        """Schedule n prompt tokens of `seq`; at its prompt's end a group's first sequence forks."""
+        batch.seqs.append(seq)
+        batch.num_tokens.append(n)
+        group = seq.group
+        if group is not None and not group.forked and group.beam is None and seq.num_computed_tokens + n == seq.num_tokens:
+            children = batch.forks[seq.seq_id] = self.fork(seq, range(1, group.width), seq.num_computed_tokens + n)
+            group.seqs += children
+            group.forked = True
+        return n
+
+    def fork(self, parent: Sequence, indices, num_computed: int) -> list[Sequence]:
+        """Sequences of `parent`'s group, one per index, that share its blocks (computed up to num_computed)
+        and its state in the scheduler: running after the running ones, or waiting right behind it."""
+        children = []
+        for index in indices:
+            child = parent.fork(index)
+            child.num_computed_tokens = num_computed if parent.status == SequenceStatus.RUNNING else 0
+            self.block_manager.fork(parent, child)
+            children.append(child)
+        if parent.status == SequenceStatus.RUNNING:
+            self.running.extend(children)
+        else:
+            at = self.waiting.index(parent) + 1
+            for child in reversed(children):
+                self.waiting.insert(at, child)
+        return children
 
     def _make_room_for(self, seq: Sequence) -> bool:
         """Preempt the newest running sequences until `seq` can take its next token's slot."""
@@ -101,7 +140,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: str | None) -> None:
         """Mark `seq` finished and release its blocks."""
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
@@ -112,4 +151,4 @@ class Scheduler:
         seq.finish_reason = reason
 
     def num_free_slots(self) -> int:
-        return max(0, self.max_num_seqs - len(self.running) - len(self.waiting))
+        return max(0, self.max_num_seqs - len(self.running) - sum(s.admission_width for s in self.waiting))

@@ -1,4 +1,9 @@
-"""One request's state: its tokens, where its KV lives, and how far it has been computed."""
+"""One request's state: its sequences' tokens, where their KV lives, and how far each has been computed.
+
+A request is a SequenceGroup. It starts as one sequence (the prompt); with n > 1 (or best_of) that
+sequence forks into the others when its prompt's last chunk is scheduled, and beam search forks and drops
+beams every step. Forked sequences share their parent's KV blocks (engine/block_manager.py).
+"""
 from __future__ import annotations
 
 import time
@@ -18,9 +23,11 @@ class SequenceStatus(Enum):
 
 class Sequence:
     def __init__(self, token_ids: list[int], params: SamplingParams, block_size: int,
-                 request_id: str | None = None):
+                 request_id: str | None = None, group: "SequenceGroup | None" = None, index: int = 0):
         self.seq_id = next(_seq_ids)
         self.request_id = request_id if request_id is not None else str(self.seq_id)
+        self.group = group
+        self.index = index             # its completion's index in the group
         self.status = SequenceStatus.WAITING
         self.params = params
         self.block_size = block_size
@@ -36,8 +43,10 @@ class Sequence:
         self.error: str | None = None  # set when the request failed on its own data
         self.stop_text_len: int | None = None  # text is cut here when a stop string matched
         self.logprobs: list[dict] = []
+        self.cumulative_logprob = 0.0  # the sum of its completion tokens' logprobs
+        self.beam_score = 0.0          # beam search: the running beam's summed logprob, as float32
         self.num_reported_tokens = 0   # completion tokens already handed out by step()
-        self.max_num_tokens = len(self.token_ids) + params.max_tokens  # capped by the engine
+        self.max_num_tokens = len(self.token_ids) + (params.max_tokens or 0)  # capped by the engine
         self.pending_index = -1        # row of its last token in the launch still sampling it (-1 in token_ids)
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None
@@ -76,6 +85,12 @@ class Sequence:
         ids = self.completion_token_ids
         return len(ids) - 1 if ids and ids[-1] < 0 else len(ids)
 
+    @property
+    def admission_width(self) -> int:
+        """Sequence slots its admission takes: a group's first sequence will fork into all of them."""
+        group = self.group
+        return group.width if group is not None and self is group.seqs[0] and not group.forked else 1
+
     def truncate(self, num_tokens: int) -> None:
         del self.token_ids[num_tokens:]
         del self.completion_token_ids[max(0, num_tokens - self.num_prompt_tokens):]
@@ -83,3 +98,51 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self.completion_token_ids.append(token_id)
+
+    def fork(self, index: int) -> "Sequence":
+        """A new sequence of the same group with this one's tokens and computed state; the caller shares its
+        KV blocks (BlockManager.fork) and places it in the scheduler."""
+        child = Sequence.__new__(Sequence)
+        child.__dict__.update(self.__dict__)
+        child.seq_id = next(_seq_ids)
+        child.index = index
+        child.token_ids = list(self.token_ids)
+        child.completion_token_ids = list(self.completion_token_ids)
+        child.block_table = []
+        child.logprobs = list(self.logprobs)
+        child.num_reported_tokens = 0
+        child.pending_index = -1
+        return child
+
+
+class SequenceGroup:
+    """One request: its prompt, its parameters and its sequences (n, best_of or beam_width of them)."""
+
+    def __init__(self, request_id: str, token_ids: list[int], params: SamplingParams, block_size: int,
+                 beam=None):
+        self.request_id = request_id
+        self.params = params
+        self.beam = beam  # engine.beam_search.BeamSearch for a beam search request, else None
+        self.width = beam.width if beam is not None else params.num_sequences
+        self.forked = self.width == 1  # the first sequence forks into the others once (for beams: the first step)
+        # sampling: every sequence, by index; beam search: the running beams
+        self.seqs = [Sequence(token_ids, params, block_size, request_id, self)]
+        self.error: str | None = None
+        self.finished_time: float | None = None
+
+    @property
+    def first(self) -> Sequence:
+        return self.seqs[0]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.seqs[0].prompt_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
+        return all(s.is_finished for s in self.seqs)
+
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished]

@@ -101,6 +101,22 @@ class _SamplingChecks(_Strict):
             data = {**data, "stop": [data["stop"]]}
         return data
 
+    @model_validator(mode="after")
+    def _fields_together(self):
+        sampling_params.check_together(self)
+        return self
+
+    def model_dump(self, **kwargs) -> dict:
+        """As pydantic's, except that a null which means something (max_tokens: until max_model_len) stays
+        under exclude_none, so the engine gets it instead of the default."""
+        data = super().model_dump(**kwargs)
+        if kwargs.get("exclude_none"):
+            for name, f in sampling_params.FIELDS.items():
+                if f.metadata["nullable"] and getattr(self, name) is None and name not in data:
+                    if name not in (kwargs.get("exclude") or ()):
+                        data[name] = None
+        return data
+
 
 def _wire_fields() -> dict:
     """Each field of engine.SamplingParams as a pydantic field: its type, default, bounds and description."""
@@ -110,6 +126,8 @@ def _wire_fields() -> dict:
         annotation = hints[name]
         if name == "stop":  # a lone string is made a list before validation
             annotation = list[str] | None
+        elif f.metadata["kind"] == "token_biases":  # JSON's object keys are strings: "50256" is token 50256
+            annotation = dict[int | str, float] | None
         out[name] = (annotation, Field(f.default, description=f.metadata["allowed"], **f.metadata["bounds"]))
     return out
 
@@ -163,7 +181,21 @@ class Timings(BaseModel):
     e2e_s: float | None = None
 
 
+class Completion(BaseModel):
+    """One of a job's completions (sampling n > 1 or best_of)."""
+
+    index: int = 0
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list | None = None
+    cumulative_logprob: float | None = None
+
+
 class JobResult(BaseModel):
+    """A job's outcome. text, token_ids, finish_reason, logprobs and cumulative_logprob are the first
+    completion's; `outputs` holds every completion when the job asked for more than one (n > 1)."""
+
     job_id: str
     status: FinalStatus
     text: str = ""
@@ -172,7 +204,9 @@ class JobResult(BaseModel):
     error: str | None = None
     usage: Usage = Field(default_factory=Usage)
     timings: Timings = Field(default_factory=Timings)
-    logprobs: list | None = None
+    logprobs: list | None = None  # per token: token_id, token (its text), logprob, top ({id: logprob}), top_logprobs
+    cumulative_logprob: float | None = None  # the sum of the completion's token logprobs
+    outputs: list[Completion] | None = None
     attempts: int = 0
     worker: str | None = None
 

@@ -13,6 +13,9 @@ on a near-tie.) Nothing reads device memory on the host, so sampling queues like
 Under tensor parallelism each rank holds a slice of the columns: gumbel_best scans a slice with the
 noise of the whole row's columns and returns the best score with its column, so the best over the
 slices is the whole row's token.
+
+token_logprobs gives each row's log-probability of its sampled token, log_softmax(logits)[token], from
+a log-sum-exp over the row in the same (row, split) grid: every completion's cumulative logprob.
 """
 from __future__ import annotations
 
@@ -253,4 +256,76 @@ def _launch(logits: torch.Tensor, temperatures: torch.Tensor, seed: int | torch.
         _gumbel_merge_kernel[(num_rows,)](part, out, scores, num_splits,
                                           SPLITS_PAD=triton.next_power_of_2(num_splits), WITH_SCORE=with_score,
                                           num_warps=1)
+    return out
+
+
+LSE_BLOCK = 1024
+
+
+@triton.jit
+def _lse_split_kernel(logits_ptr, part_ptr, stride_row, vocab, cols_per_split, num_splits, BLOCK: tl.constexpr):
+    """One split of a row: (max, sum of exp(logit - max)) over its columns, into part [S, splits, 2]."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    start = split * cols_per_split
+    end = tl.minimum(start + cols_per_split, vocab)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    offs = tl.arange(0, BLOCK)
+    top = float("-inf")
+    total = 0.0
+    for c0 in range(start, end, BLOCK):
+        cols = c0 + offs
+        x = tl.load(row_ptr + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
+        new_top = tl.maximum(top, tl.max(x, axis=0))
+        shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # an all -inf prefix adds nothing
+        total = total * tl.exp(top - shift) + tl.sum(tl.exp(x - shift), axis=0)
+        top = new_top
+    part = part_ptr + (row * num_splits + split) * 2
+    tl.store(part, top)
+    tl.store(part + 1, total)
+
+
+@triton.jit
+def _token_logprob_kernel(logits_ptr, tokens_ptr, part_ptr, out_ptr, stride_row, num_splits,
+                          SPLITS_PAD: tl.constexpr):
+    """log_softmax(row)[token] = logit[token] - log-sum-exp of the row, from its splits' partials."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, SPLITS_PAD)
+    mask = offs < num_splits
+    part = part_ptr + (row * num_splits + offs) * 2
+    tops = tl.load(part, mask=mask, other=float("-inf"))
+    totals = tl.load(part + 1, mask=mask, other=0.0)
+    top = tl.max(tops, axis=0)
+    shift = tl.where(top == float("-inf"), 0.0, top)
+    lse = shift + tl.log(tl.sum(totals * tl.exp(tops - shift), axis=0))
+    token = tl.load(tokens_ptr + row)
+    logit = tl.load(logits_ptr + row.to(tl.int64) * stride_row + token).to(tl.float32)
+    tl.store(out_ptr + row, logit - lse)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *, num_splits: int | None = None,
+                   block: int = LSE_BLOCK, out: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [S]: log_softmax(logits[i])[token_ids[i]] for each row, the log-sum-exp in float32 whatever
+    the logits' dtype. logits: [S, V], unit column stride; token_ids: [S] int64 in [0, V), on the device
+    (read when the kernel runs: a CUDA graph captures it). out: a [S] float32 tensor to write into."""
+    assert logits.dim() == 2 and token_ids.shape == logits.shape[:1], "logits [S, V], token_ids [S]"
+    assert token_ids.dtype == torch.int64 and token_ids.is_contiguous(), "token_ids: [S] int64"
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    num_rows, vocab = logits.shape
+    if out is None:
+        out = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
+    assert out.shape == (num_rows,) and out.dtype == torch.float32 and out.is_contiguous(), "out: [S] float32"
+    if num_rows == 0:
+        return out
+    num_tiles = triton.cdiv(vocab, block)
+    if num_splits is None:
+        num_splits = choose_num_splits(num_rows, num_tiles, num_sms(logits.device))
+    tiles_per_split = triton.cdiv(num_tiles, max(1, min(num_splits, num_tiles)))
+    num_splits = triton.cdiv(num_tiles, tiles_per_split)
+    part = torch.empty(num_rows, num_splits, 2, dtype=torch.float32, device=logits.device)
+    _lse_split_kernel[(num_rows, num_splits)](logits, part, logits.stride(0), vocab, tiles_per_split * block,
+                                              num_splits, BLOCK=block, num_warps=DEFAULT_WARPS)
+    _token_logprob_kernel[(num_rows,)](logits, token_ids, part, out, logits.stride(0), num_splits,
+                                       SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=1)
     return out
