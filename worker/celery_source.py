@@ -39,7 +39,8 @@ log = logging.getLogger("redline.worker")
 
 TASK_NAME = "redline.generate"
 JOB_ID_PREFIX = "celery-"  # a task's job id in the engine, the logs and its JobResult: celery-<task id>
-POLL_S = 0.1  # the thread comes round at least this often: acks, room for a held task, stopping
+POLL_S = 0.02  # the thread comes round at least this often: acks, room for a held task, stopping
+RESTORE_EVERY_S = 1.0  # how often an idle thread has kombu look for dead workers' messages to put back
 BACKEND_RETRIES = 10  # Celery retries a failed result store this often (with backoff); then the task is requeued
 
 
@@ -71,7 +72,8 @@ def celery_app(url: str, settings):
         broker_transport_options={
             "visibility_timeout": timeout, "unacked_key": unacked, "unacked_index_key": f"{unacked}_index",
             # a worker killed while it restores others' messages holds this lock no longer than the timeout
-            "unacked_mutex_key": f"{unacked}_mutex", "unacked_mutex_expire": max(round(timeout), 1)})
+            "unacked_mutex_key": f"{unacked}_mutex", "unacked_mutex_expire": max(round(timeout), 1),
+            "unacked_restore_throttle": round(RESTORE_EVERY_S / POLL_S)})  # one idle poll in this many looks
     return app
 
 
@@ -108,7 +110,7 @@ def job_spec(body, message_priority, max_job_bytes: int) -> p.JobSpec:
                          f"got {len(args)} positional")
     if not isinstance(kwargs, dict):
         raise ValueError("the task's kwargs are not a mapping")
-    if "deadline_s" in kwargs:
+    if kwargs.get("deadline_s") is not None:
         raise ValueError("deadline_s does not work through Celery (its messages carry no send time): pass "
                          "expires=SECONDS to send_task instead")
     if kwargs.get("stream"):
@@ -350,7 +352,8 @@ class CelerySource:
         return {"ok": f"tasks {', '.join(map(str, task_ids))} flagged as revoked"}
 
     def _settle_now(self, message, task_id: str, status: str, error: str, exc: Exception | None = None) -> None:
-        stored = self._store(task_id, status, error=error, exc=exc)
+        """Store the final state of a task that ends without running, then ack its message."""
+        stored = self._store(task_id, status, error=p.clean_error(error), exc=exc)
         if stored:
             self.metrics.job_completed(status, source=self.name)
         self._settle.put((message, stored))
