@@ -209,4 +209,19 @@ def load_hf_config(model_dir: str):
     with open(Path(model_dir) / "config.json") as f:
         raw = json.load(f)
     model_class(raw.get("architectures"))  # clear error before transformers sees an unknown model type
+    check_not_quantized(raw)
     return AutoConfig.from_pretrained(model_dir)
+
+
+def check_not_quantized(raw_config: dict) -> None:
+    """A checkpoint whose config.json has a quantization_config (fp8, gptq, awq, bitsandbytes, ...) is refused:
+    its tensors are not float weights, and loading them as such would give garbage."""
+    quant = raw_config.get("quantization_config")
+    if quant is None:
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if not method and isinstance(quant, dict) and (quant.get("load_in_4bit") or quant.get("load_in_8bit")):
+        method = "bitsandbytes"
+    method = str(method or "unknown method")[:40]
+    raise ValueError(f"the checkpoint is quantized ({method}); quantized checkpoints are not supported yet: "
+                     "use the model's float (bf16/fp16) checkpoint")

@@ -34,13 +34,33 @@ def load_safetensors(model: nn.Module, model_dir: str) -> None:
                 target, shard_id = _target_name(name, packed)
                 param = params.get(target)
                 if param is None:
-                    raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
-                loader = getattr(param, "weight_loader", _copy_loader)
-                loader(param, f.get_tensor(name).to(param.dtype), shard_id)
+                    raise ValueError(_no_place(name, model))
+                tensor = f.get_tensor(name).to(param.dtype)
+                full_shape = getattr(param, "full_shape", None)
+                if shard_id is None and full_shape is not None and tuple(tensor.shape) != tuple(full_shape):
+                    raise ValueError(f"checkpoint tensor {name!r} of shape {tuple(tensor.shape)} does not fit "
+                                     f"{target} of shape {tuple(full_shape)}")
+                if shard_id is None:  # the whole tensor (for a packed parameter, all its parts: Phi-3's qkv_proj)
+                    getattr(param, "load_full", _copy_loader)(param, tensor)
+                else:
+                    param.weight_loader(param, tensor, shard_id)
                 loaded.add(target)
     missing = {n for n in params if n not in loaded} - ({"lm_head.weight"} if model.tie_word_embeddings else set())
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights for: {', '.join(sorted(missing)[:5])}")
+
+
+# the tensors quantized checkpoints carry beside (or instead of) their weights
+QUANTIZED_TENSOR_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale", "qweight", "qzeros", "scales",
+                             "g_idx", "weight_zero_point", "weight_packed", "SCB", "absmax", "quant_map",
+                             "quant_state.bitsandbytes__nf4", "quant_state.bitsandbytes__fp4")
+
+
+def _no_place(name: str, model: nn.Module) -> str:
+    if name.endswith(QUANTIZED_TENSOR_SUFFIXES):
+        return (f"checkpoint tensor {name!r} belongs to a quantized checkpoint; quantized checkpoints are not "
+                "supported yet: use the model's float (bf16/fp16) checkpoint")
+    return f"checkpoint tensor {name!r} has no place in {type(model).__name__}"
 
 
 def _copy_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:

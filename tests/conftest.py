@@ -10,6 +10,8 @@ import torch
 from engine.builtin import TINY_MODEL_DIR
 
 FAMILIES = ("qwen3", "qwen2", "llama")
+# families with sliding-window layers (windows shorter than the tests' prompts), soft-capping, Gemma's norms
+WINDOWED_FAMILIES = ("mistral", "gemma2", "gemma3", "phi3")
 
 
 def make_checkpoint(family: str, out_dir: Path, seed: int = 0, tokenizer: bool = True, **overrides) -> Path:
@@ -31,10 +33,43 @@ def make_checkpoint(family: str, out_dir: Path, seed: int = 0, tokenizer: bool =
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
         config = tf.LlamaConfig(rope_parameters=rope, **{**common, **overrides})
         cls = tf.LlamaForCausalLM
+    elif family == "mistral":
+        config = tf.MistralConfig(**{**common, "sliding_window": 10, "head_dim": 16, **overrides})
+        cls = tf.MistralForCausalLM
+    elif family == "gemma2":  # one local layer (window 12), one global; caps small enough to bite
+        gemma = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=12, attn_logit_softcapping=3.0,
+                     final_logit_softcapping=4.0, hidden_activation="gelu_pytorch_tanh")
+        config = tf.Gemma2Config(**{**common, **gemma, **overrides})
+        cls = tf.Gemma2ForCausalLM
+    elif family == "gemma3":  # two local layers on their own rope (window 9), one global with linear scaling
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}
+        gemma = dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=9, num_hidden_layers=3,
+                     layer_types=["sliding_attention", "sliding_attention", "full_attention"], rope_parameters=rope,
+                     hidden_activation="gelu_pytorch_tanh")
+        config = tf.Gemma3TextConfig(**{**common, **gemma, **overrides})
+        cls = tf.Gemma3ForCausalLM
+    elif family == "phi3":  # LongRoPE whose long factors start past 256 positions (the long test lowers it)
+        half = common["hidden_size"] // common["num_attention_heads"] // 2
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                "long_factor": [2.0 + 0.5 * i for i in range(half)]}
+        config = tf.Phi3Config(**{**common, "sliding_window": 11, "original_max_position_embeddings": 256,
+                                  "rope_parameters": rope, "pad_token_id": 0, **overrides})
+        cls = tf.Phi3ForCausalLM
     else:
         raise ValueError(family)
     torch.manual_seed(seed)
     model = cls(config).eval()
+    if family in ("gemma2", "gemma3"):
+        # Gemma's norms start at zero (a scale of one): make their weights matter; larger q/k norms sharpen
+        # Gemma 3's attention, so that its windows matter. (Untied embeddings: tied ones, scaled by
+        # sqrt(hidden_size), would make a tiny random model repeat its last token.)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    param.normal_(1.0, 0.3)
+                elif name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.3)
     model.save_pretrained(out_dir, safe_serialization=True)
     if tokenizer:
         for f in Path(TINY_MODEL_DIR).iterdir():
@@ -54,10 +89,11 @@ def qwen3_checkpoint(tmp_path_factory) -> Path:
 
 
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy completions from transformers itself, one prompt at a time (no padding effects)."""
+    """Greedy completions from transformers itself, one prompt at a time (no padding effects), with its eager
+    attention (the one that soft-caps logits and masks sliding windows in every family)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     outs = []
     with torch.no_grad():
         for p in prompts:

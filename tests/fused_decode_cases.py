@@ -26,10 +26,27 @@ CPU_CASES = [
     # one sequence whose last splits hold no positions: only the others take tickets (SKIP_EMPTY)
     ("gqa2_d64_one_seq_empty_splits", 4, 2, 64, 16, [70], True, 8, False, 0),
 ]
+# sliding windows (narrower than a KV tile, across pages and splits), soft-capped logits and Gemma's q/k norm
+# (scaling by 1 + weight): ..., window, softcap, unit_offset
+WINDOW_CPU_CASES = [
+    ("gqa2_d64_window5_split3", 4, 2, 64, 16, [37, 5, 64, 1], True, 3, True, 0, 5, 0.0, True),
+    ("gqa4_d128_window40_softcap", 8, 2, 128, 16, [100, 41, 40, 7], True, None, True, 2, 40, 3.0, True),
+    ("mha_d64_window17_split8_one_seq", 4, 4, 64, 16, [90], False, 8, False, 0, 17, 0.0, False),
+    ("gqa2_d64_softcap_only", 4, 2, 64, 32, [70, 3], True, None, False, 0, 0, 2.0, False),
+]
 # with a one-byte KV cache (kv_cache_dtype="fp8"): stores round to fp8, the attention widens what it reads
 FP8_CPU_CASES = [
     ("fp8_gqa2_d64_norm", 4, 2, 64, 16, [37, 5, 64, 1], True, None, True, 0),
     ("fp8_gqa4_d128_padded_split3", 8, 2, 128, 16, [45, 17], True, 3, True, 2),
+]
+WINDOW_GPU_CASES = [  # Gemma 3 1B's shape (4 query heads, 1 KV head, head_dim 256, window 512) and Gemma 2's cap
+    ("gemma3_1b_batch1_window512", 4, 1, 256, 256, [3000], True, None, False, 0, 512, 0.0, True),
+    ("gemma3_1b_batch64_window512", 4, 1, 256, 256, [(97 * i) % 2500 + 1 for i in range(64)], True, None, True, 0,
+     512, 0.0, True),
+    ("gemma2_2b_batch16_window4096_softcap", 8, 4, 256, 256, [(301 * i) % 6000 + 1 for i in range(16)], False, None,
+     True, 3, 4096, 50.0, False),
+    ("mistral_7b_batch8_window4096", 32, 8, 128, 256, [(1411 * i) % 9000 + 1 for i in range(8)], False, None,
+     True, 0, 4096, 0.0, False),
 ]
 GPU_CASES = [
     ("qwen3_0.6b_batch1", 16, 8, 128, 256, [1024], True, None, False, 0),
@@ -90,27 +107,31 @@ def check_fused_decode(cases, device: str, dtype: torch.dtype = torch.bfloat16,
     from engine.kernels.paged_decode import decode_order
 
     results = {}
-    for seed, (name, heads, kv_heads, head_dim, page, lens, has_norm, splits, ordered, padding) in enumerate(cases):
+    for seed, (name, heads, kv_heads, head_dim, page, lens, has_norm, splits, ordered, padding, *extra) in \
+            enumerate(cases):
+        window, softcap, unit_offset = extra or (0, 0.0, False)
         qkv, positions, slots, seqlens, tables, caches, cos, sin, (qw, kw) = decode_problem(
             heads, kv_heads, head_dim, page, lens, has_norm, padding, dtype, device, seed, cache_dtype)
         max_len = max(lens)
         order = decode_order(seqlens) if ordered else None
         scale = head_dim ** -0.5
+        terms = dict(window=window, softcap=softcap)
 
         unfused = [c.clone() for c in caches]
-        q = qkv_prep(qkv, positions, cos, sin, qw, kw, 1e-6, unfused[0], unfused[1], slots, heads, kv_heads, head_dim)
+        q = qkv_prep(qkv, positions, cos, sin, qw, kw, 1e-6, unfused[0], unfused[1], slots, heads, kv_heads, head_dim,
+                     unit_offset=unit_offset)
         expected = paged_decode(q, unfused[0], unfused[1], seqlens, tables, max_len, scale, num_splits=splits,
-                                order=order)
+                                order=order, **terms)
 
         fused = [c.clone() for c in caches]
         counters = torch.zeros(len(seqlens) * kv_heads + 5, dtype=torch.int32, device=device)
         # inputs read after the wait (as after cuBLAS), then before it (as after the GEMV)
         out = fused_decode(qkv, positions, cos, sin, qw, kw, 1e-6, fused[0], fused[1], slots, seqlens, tables,
                            max_len, scale, heads, kv_heads, counters, order=order, num_splits=splits,
-                           after_gemv=False)
+                           after_gemv=False, unit_offset=unit_offset, **terms)
         again = fused_decode(qkv, positions, cos, sin, qw, kw, 1e-6, fused[0], fused[1], slots, seqlens, tables,
                              max_len, scale, heads, kv_heads, counters, order=order, num_splits=splits,
-                             after_gemv=True)
+                             after_gemv=True, unit_offset=unit_offset, **terms)
         real = len(lens)
         finite = bool(torch.isfinite(out).all().item())  # padding rows too
         results[f"{name}_out"] = (relative_error(out[:real], expected[:real]), finite)
@@ -127,7 +148,7 @@ def check_fused_decode(cases, device: str, dtype: torch.dtype = torch.bfloat16,
                          cu_seqlens_q=torch.arange(real + 1, dtype=torch.int32, device=device),
                          seqlens_k=seqlens[:real], block_tables=tables[:real], max_seqlen_q=1,
                          max_seqlen_k=max_len, scale=scale)
-        results[f"{name}_reference"] = (relative_error(out[:real], reference_attention(case)), finite)
+        results[f"{name}_reference"] = (relative_error(out[:real], reference_attention(case, window, softcap)), finite)
     return results
 
 
@@ -167,7 +188,7 @@ def _main() -> None:
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     torch.set_num_threads(1)
-    results = check_fused_decode(CPU_CASES, "cpu")
+    results = check_fused_decode(CPU_CASES + WINDOW_CPU_CASES, "cpu")
     results.update(check_fused_decode(FP8_CPU_CASES, "cpu", cache_dtype=torch.float8_e4m3fn))
     results.update(check_cache_strides(CPU_CASES[:2], "cpu"))
     print(json.dumps(results))

@@ -60,8 +60,9 @@ def make_case(q_lens: list[int], k_lens: list[int], num_heads: int, num_kv_heads
         scale=head_dim ** -0.5)
 
 
-def reference_attention(case: PagedCase) -> torch.Tensor:
-    """fp32 causal attention, one sequence at a time, gathering each context block by block."""
+def reference_attention(case: PagedCase, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """fp32 causal attention, one sequence at a time, gathering each context block by block; window: a query
+    at position i sees keys j with i - j < window (0: all); softcap: logits cap x tanh(logit / cap)."""
     q, k_cache, v_cache = case.q.float(), case.k_cache.float(), case.v_cache.float()
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group = q.shape[1] // num_kv_heads
@@ -74,9 +75,14 @@ def reference_attention(case: PagedCase) -> torch.Tensor:
         k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:len_k].repeat_interleave(group, 1)
         v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:len_k].repeat_interleave(group, 1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end], k) * case.scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(len_k - len_q, len_k, device=q.device)[:, None]
         k_pos = torch.arange(len_k, device=q.device)[None, :]
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        hidden = k_pos > q_pos
+        if window:
+            hidden |= q_pos - k_pos >= window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     return out
 
@@ -340,16 +346,20 @@ def check_backend_contract(device: str, dtype: torch.dtype = torch.bfloat16) -> 
     torch_backend.store_kvcache(key, -key, caches[0], caches[1], slots)
     results["backend_store_kvcache"] = (float(sum((a != b).sum().item() for a, b in zip(mine, caches))), True)
     results.update(_check_attention_layer_decode(triton_backend, torch_backend, device, dtype))
+    # a Gemma layer: a window narrower than the contexts, soft-capped logits, the q/k norm scaling by 1 + weight
+    results.update(_check_attention_layer_decode(triton_backend, torch_backend, device, dtype, window=6,
+                                                 softcap=2.0, gemma=True))
     return results
 
 
-def _check_attention_layer_decode(triton_backend, torch_backend, device: str, dtype: torch.dtype) -> dict:
+def _check_attention_layer_decode(triton_backend, torch_backend, device: str, dtype: torch.dtype, window: int = 0,
+                                  softcap: float = 0.0, gemma: bool = False) -> dict:
     """The Attention layer on a decode batch with each backend, from the same qkv rows: the triton one
     takes its one-kernel path (decode_from_qkv), the torch one the eager layers; outputs and caches."""
     from engine.attention import AttentionMetadata, ForwardContext
     from engine.layers.attention import Attention
     from engine.layers.fusion import PlainTorch
-    from engine.layers.norm import RMSNorm
+    from engine.layers.norm import GemmaRMSNorm, RMSNorm
     from engine.layers.rotary import RotaryEmbedding
 
     heads, kv_heads, head_dim, page = 8, 2, 64, 16
@@ -363,7 +373,7 @@ def _check_attention_layer_decode(triton_backend, torch_backend, device: str, dt
                              block_tables=case.block_tables, max_seqlen_q=1, max_seqlen_k=case.max_seqlen_k,
                              is_decode=True)
     rotary = RotaryEmbedding(head_dim, 128, 1e6, {"rope_type": "default"}).to(device)
-    norms = [RMSNorm(head_dim, 1e-6).to(device) for _ in range(2)]
+    norms = [(GemmaRMSNorm if gemma else RMSNorm)(head_dim, 1e-6).to(device) for _ in range(2)]
     for n in norms:
         n.weight.data = (torch.rand(head_dim, generator=gen) + 0.5).to(dtype).to(device)
     outs, caches, fused = [], [], []
@@ -378,17 +388,19 @@ def _check_attention_layer_decode(triton_backend, torch_backend, device: str, dt
     try:
         with PlainTorch():  # the eager layers, rounding at every op as the kernels emulate
             for backend in (triton_backend, torch_backend):
-                layer = Attention(heads, kv_heads, head_dim, head_dim ** -0.5, ForwardContext(backend))
+                layer = Attention(heads, kv_heads, head_dim, head_dim ** -0.5, ForwardContext(backend), window=window,
+                                  softcap=softcap)
                 layer.k_cache, layer.v_cache = case.k_cache.clone(), case.v_cache.clone()
                 layer.ctx.meta = meta
                 outs.append(layer(qkv, positions, rotary, norms[0], norms[1]))
                 caches.append((layer.k_cache, layer.v_cache))
     finally:
         del triton_backend.decode_from_qkv
-    return {"layer_decode_fused_path": (float(fused != [True]), True),
-            "layer_decode": (relative_error(outs[0], outs[1]), not outs[0].isnan().any().item()),
-            "layer_decode_k_cache": (relative_error(caches[0][0], caches[1][0]), True),
-            "layer_decode_store_v": (float((caches[0][1] != caches[1][1]).sum().item()), True)}
+    name = "gemma_layer_decode" if gemma else "layer_decode"
+    return {f"{name}_fused_path": (float(fused != [True]), True),
+            name: (relative_error(outs[0], outs[1]), not outs[0].isnan().any().item()),
+            f"{name}_k_cache": (relative_error(caches[0][0], caches[1][0]), True),
+            f"{name}_store_v": (float((caches[0][1] != caches[1][1]).sum().item()), True)}
 
 
 def check_qkv_prep(device: str, dtype: torch.dtype = torch.bfloat16, cache_dtype: torch.dtype | None = None) -> dict:
@@ -399,13 +411,15 @@ def check_qkv_prep(device: str, dtype: torch.dtype = torch.bfloat16, cache_dtype
     """
     from engine.kernels import qkv_prep
     from engine.layers.fusion import PlainTorch
-    from engine.layers.norm import RMSNorm
+    from engine.layers.norm import GemmaRMSNorm, RMSNorm
     from engine.layers.rotary import RotaryEmbedding
 
     results = {}
+    # gemma_*: Gemma 3's q/k norm, scaling by 1 + weight
     cases = (("qknorm_gqa2_d64", 4, 2, 64, True, 16), ("plain_gqa8_d96", 8, 1, 96, False, 32),
-             ("qknorm_gqa7_d128", 14, 2, 128, True, 16))
+             ("qknorm_gqa7_d128", 14, 2, 128, True, 16), ("gemma_qknorm_gqa4_d256", 4, 1, 256, True, 16))
     for name, heads, kv_heads, head_dim, has_norm, page in cases:
+        norm_class = GemmaRMSNorm if name.startswith("gemma") else RMSNorm
         gen = torch.Generator().manual_seed(len(name))
         num_tokens, num_blocks = 11, 6
         width = (heads + 2 * kv_heads) * head_dim
@@ -416,7 +430,7 @@ def check_qkv_prep(device: str, dtype: torch.dtype = torch.bfloat16, cache_dtype
         slots[torch.rand(num_tokens, generator=gen) < 0.25] = -1
         slots = slots.to(device)
         rotary = RotaryEmbedding(head_dim, 512, 1e6, {"rope_type": "default"}).to(device)
-        norms = [RMSNorm(head_dim, 1e-6).to(device) for _ in range(2)]
+        norms = [norm_class(head_dim, 1e-6).to(device) for _ in range(2)]
         for n in norms:
             n.weight.data = (torch.rand(head_dim, generator=gen) + 0.5).to(dtype).to(device)
         caches = [torch.randn(num_blocks, page, kv_heads, head_dim, generator=gen).to(dtype).to(cache_dtype or dtype)
@@ -438,7 +452,7 @@ def check_qkv_prep(device: str, dtype: torch.dtype = torch.bfloat16, cache_dtype
         mine = [c.clone() for c in caches]
         q = qkv_prep(qkv, positions, rotary.cos, rotary.sin, norms[0].weight if has_norm else None,
                      norms[1].weight if has_norm else None, 1e-6, mine[0], mine[1], slots,
-                     heads, kv_heads, head_dim)
+                     heads, kv_heads, head_dim, unit_offset=norm_class.unit_offset)
         results[f"{name}_q"] = (relative_error(q, q_ref), not q.isnan().any().item())
         results[f"{name}_k_cache"] = (relative_error(mine[0], cache_ref[0]), True)
         # values are copied, and every slot that is not written keeps its old contents
@@ -536,7 +550,8 @@ def check_fp8_cache(device: str, dtype: torch.dtype = torch.bfloat16) -> dict:
 
 
 def check_norm_act(device: str, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """RMSNorm (with and without the residual add) and SiLU·mul kernels against the eager layers.
+    """RMSNorm (with and without the residual add; Gemma's, scaling by 1 + weight), the gated activations
+    (SiLU·mul, GELU-tanh·mul) and logit soft-capping kernels against the eager layers.
 
     The residual sum must be exact (`store_residual`: differing elements); `*_exact_share` is the share
     of outputs that differ from the eager layers' at all (the mean may be summed in another order).
@@ -547,25 +562,112 @@ def check_norm_act(device: str, dtype: torch.dtype = torch.bfloat16) -> dict:
     results = {}
     with fusion.PlainTorch():  # the fusion functions below run their eager torch path
         for rows, hidden in ((1, 64), (5, 96), (3, 1024)):
-            name = f"rms_{rows}x{hidden}"
             gen = torch.Generator().manual_seed(rows * hidden)
             x = (torch.randn(rows, hidden, generator=gen) * 2).to(dtype).to(device)
             residual = torch.randn(rows, hidden, generator=gen).to(dtype).to(device)
-            weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype).to(device)
-            ref, ref_residual = fusion.add_rms_norm(x, residual, weight, 1e-6)
-            out, new_residual = norm_act.rms_norm(x, weight, 1e-6, residual=residual)
-            results[f"{name}_add"] = (relative_error(out, ref), not out.isnan().any().item())
-            results[f"{name}_store_residual"] = (float((new_residual != ref_residual).sum().item()), True)
-            plain_ref = fusion.rms_norm(x, weight, 1e-6)
-            plain = norm_act.rms_norm(x, weight, 1e-6)
-            results[f"{name}_plain"] = (relative_error(plain, plain_ref), not plain.isnan().any().item())
+            for unit_offset in (False, True):
+                name = f"rms_{rows}x{hidden}{'_unit_offset' if unit_offset else ''}"
+                weight = (torch.rand(hidden, generator=gen) + (-0.5 if unit_offset else 0.5)).to(dtype).to(device)
+                ref, ref_residual = fusion.add_rms_norm(x, residual, weight, 1e-6, unit_offset)
+                out, new_residual = norm_act.rms_norm(x, weight, 1e-6, residual=residual, unit_offset=unit_offset)
+                results[f"{name}_add"] = (relative_error(out, ref), not out.isnan().any().item())
+                results[f"{name}_store_residual"] = (float((new_residual != ref_residual).sum().item()), True)
+                plain_ref = fusion.rms_norm(x, weight, 1e-6, unit_offset)
+                plain = norm_act.rms_norm(x, weight, 1e-6, unit_offset=unit_offset)
+                results[f"{name}_plain"] = (relative_error(plain, plain_ref), not plain.isnan().any().item())
+                if dtype == torch.bfloat16:
+                    results[f"{name}_add_exact_share"] = (float((out != ref).float().mean().item()), True)
             packed = (torch.randn(rows, 2 * hidden, generator=gen) * 3).to(dtype).to(device)
-            act_ref = fusion.silu_and_mul(packed)
-            act = norm_act.silu_and_mul(packed)
-            results[f"silu_{rows}x{hidden}"] = (relative_error(act, act_ref), not act.isnan().any().item())
+            for act in ("silu", "gelu_tanh"):
+                act_ref = fusion.act_and_mul(packed, act)
+                out = norm_act.act_and_mul(packed, act)
+                results[f"{act}_{rows}x{hidden}"] = (relative_error(out, act_ref), not out.isnan().any().item())
+                # (GELU's 1 + tanh cancels for large negative gates, where the last-ulp differences of our
+                # exp-based tanh and torch's move the tiny outputs: the relative error alone is checked)
+                if dtype == torch.bfloat16 and act == "silu":
+                    results[f"{act}_{rows}x{hidden}_exact_share"] = (float((out != act_ref).float().mean().item()), True)
+            # logits from -40 to 40 (a strided view, as the LM head's slice of a padded vocabulary)
+            logits = (torch.randn(rows, hidden + 5, generator=gen) * 15).to(dtype).to(device)[:, :hidden]
+            capped_ref = fusion.soft_cap(logits.clone(), 4.0)
+            capped = norm_act.soft_cap(logits.clone(), 4.0)
+            results[f"soft_cap_{rows}x{hidden}"] = (relative_error(capped, capped_ref), not capped.isnan().any().item())
             if dtype == torch.bfloat16:
-                results[f"{name}_add_exact_share"] = (float((out != ref).float().mean().item()), True)
-                results[f"silu_{rows}x{hidden}_exact_share"] = (float((act != act_ref).float().mean().item()), True)
+                results[f"soft_cap_{rows}x{hidden}_exact_share"] = (
+                    float((capped != capped_ref).float().mean().item()), True)
+    return results
+
+
+# Sliding windows and soft-capped logits: (name, heads, KV heads, head dim, page, q_lens (None: all decodes),
+# k_lens, window, softcap). Windows narrower than a KV tile, a page and a query tile, wider than every context,
+# one position; the interpreter's tiles are 16 wide (decode, prefill) and 32 query rows.
+WINDOW_CASES = [
+    ("window5_mixed_gqa2", 4, 2, 64, 16, [1, 9, 1, 40, 1, 20], [20, 40, 70, 40, 7, 90], 5, 0.0),
+    ("window24_prefill_chunks", 8, 2, 64, 16, [33, 50, 17], [70, 50, 120], 24, 0.0),
+    ("window1_mixed", 4, 4, 64, 8, [1, 12, 1], [30, 12, 3], 1, 0.0),
+    ("window_wider_than_context", 8, 1, 64, 16, [1, 25, 1], [35, 25, 9], 500, 0.0),
+    ("window37_page32_decode", 8, 2, 128, 32, None, [100, 37, 38, 1, 250], 37, 0.0),
+    ("softcap_mixed_gqa7", 14, 2, 64, 16, [1, 30, 1, 9], [50, 30, 17, 40], 0, 2.5),
+    ("window12_softcap_gemma", 4, 2, 64, 16, [1, 33, 1, 20], [60, 33, 90, 41], 12, 3.0),
+]
+
+
+# the GPU sizes: Gemma 3 1B (head_dim 256, window 512), Gemma 2 2B (window 4096, cap 50), Phi-3-mini (head_dim 96,
+# window 2047), and windows narrower than the GPU's KV and query tiles over 16-position pages
+WINDOW_GPU_CASES = [
+    ("gemma3_1b_window512", 4, 1, 256, 256, *random_lengths(48, 3000, 900, 0.6, 1), 512, 0.0),
+    ("gemma2_2b_window4096_softcap", 8, 4, 256, 256, *random_lengths(24, 6000, 2000, 0.5, 2), 4096, 50.0),
+    ("phi3_mini_window2047_d96", 32, 32, 96, 256, *random_lengths(16, 4000, 1500, 0.5, 3), 2047, 0.0),
+    ("qwen_window100_page16", 16, 8, 128, 16, *random_lengths(32, 1500, 600, 0.5, 4), 100, 0.0),
+    ("window7_softcap_d64", 8, 2, 64, 16, *random_lengths(20, 800, 300, 0.4, 5), 7, 20.0),
+]
+
+
+def check_windowed(device: str, dtype: torch.dtype = torch.bfloat16, cases=WINDOW_CASES) -> dict:
+    """Prefill (every row through the prefill kernel), the backend's split (chunks through prefill, one-token
+    rows through split-KV decode, at several split counts, longest first) and decode alone against the fp32
+    reference with the same sliding window and soft-cap; the triton backend against the torch one."""
+    from engine.attention import AttentionMetadata, has_decode_rows
+    from engine.attention.torch_backend import TorchBackend
+    from engine.attention.triton_backend import TritonBackend
+    from engine.kernels import paged_decode, paged_prefill
+    from engine.kernels.paged_decode import decode_order
+
+    results = {}
+    for seed, (name, heads, kv_heads, head_dim, page, q_lens, k_lens, window, softcap) in enumerate(cases):
+        q_lens = q_lens or [1] * len(k_lens)
+        case = make_case(q_lens, k_lens, heads, kv_heads, head_dim, page, dtype, device, seed=seed + 40)
+        case.q = case.q * 3  # sharper attention: the window's edge and the cap matter
+        ref = reference_attention(case, window, softcap)
+        full = reference_attention(case)
+        if softcap or window < max(k_lens):  # 0 where the reference moved (the error check wants below 1e-2)
+            results[f"{name}_window_or_cap_matters"] = (float(relative_error(full, ref) < 0.05), True)
+        common = (case.q, case.k_cache, case.v_cache)
+        if max(q_lens) > 1:
+            out = torch.full_like(case.q, float("nan"))
+            paged_prefill(*common, case.cu_seqlens_q, case.seqlens_k, case.block_tables, case.max_seqlen_q,
+                          case.scale, out=out, window=window, softcap=softcap)
+            results[f"{name}_prefill"] = (relative_error(out, ref), not out.isnan().any().item())
+        for splits in (None, 1, 3):
+            out = torch.full_like(case.q, float("nan"))
+            mixed = case.cu_seqlens_q if max(q_lens) > 1 else None
+            if mixed is not None:
+                paged_prefill(*common, case.cu_seqlens_q, case.seqlens_k, case.block_tables, case.max_seqlen_q,
+                              case.scale, out=out, skip_decodes=True, window=window, softcap=softcap)
+            paged_decode(*common, case.seqlens_k, case.block_tables, case.max_seqlen_k, case.scale, out=out,
+                         num_splits=splits, cu_seqlens_q=mixed, order=decode_order(case.seqlens_k),
+                         window=window, softcap=softcap)
+            results[f"{name}_routed_splits_{splits or 'default'}"] = (relative_error(out, ref),
+                                                                     not out.isnan().any().item())
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((case.q.shape[0],), -1, dtype=torch.int32, device=device),
+            cu_seqlens_q=case.cu_seqlens_q, seqlens_k=case.seqlens_k, block_tables=case.block_tables,
+            max_seqlen_q=case.max_seqlen_q, max_seqlen_k=case.max_seqlen_k, is_decode=max(q_lens) == 1,
+            has_decode_rows=has_decode_rows(case.cu_seqlens_q.cpu()))
+        out = TritonBackend().forward(*common, meta, case.scale, window=window, softcap=softcap)
+        expected = TorchBackend().forward(case.q.float(), case.k_cache.float(), case.v_cache.float(), meta,
+                                          case.scale, window=window, softcap=softcap)
+        results[f"{name}_backend"] = (relative_error(out, expected), not out.isnan().any().item())
+        results[f"{name}_torch_backend_is_reference"] = (relative_error(expected, ref), True)
     return results
 
 
@@ -595,6 +697,11 @@ def _main() -> None:
             results["qkv_prep"] = {"skipped": str(e)}
     if "norm_act" in names or not sys.argv[1:]:
         results["norm_act"] = check_norm_act("cpu")
+    if "windowed" in names or not sys.argv[1:]:
+        try:
+            results["windowed"] = check_windowed("cpu")
+        except ImportError as e:  # the engine's attention package is not importable here
+            results["windowed"] = {"skipped": str(e)}
     if "backend" in names or not sys.argv[1:]:
         try:
             results["backend"] = check_backend_contract("cpu")

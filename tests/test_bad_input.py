@@ -47,7 +47,8 @@ def test_unknown_model_path_is_a_clear_error(tmp_path):
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
-    with pytest.raises(ValueError, match="supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+    with pytest.raises(ValueError, match="supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
+                                         "Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM"):
         LLM(str(tmp_path), device="cpu")
 
 

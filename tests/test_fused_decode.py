@@ -11,7 +11,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fused_decode_cases import FP8_CPU_CASES, FP8_GPU_CASES, GPU_CASES, decode_problem, check_fused_decode  # noqa: E402
+from fused_decode_cases import (FP8_CPU_CASES, FP8_GPU_CASES, GPU_CASES, WINDOW_CPU_CASES,  # noqa: E402
+                                WINDOW_GPU_CASES, check_fused_decode, decode_problem)
 from interpreter import run_under_interpreter  # noqa: E402
 from test_kernels import assert_results  # noqa: E402
 
@@ -21,7 +22,7 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 @needs_triton
 def test_fused_decode_equals_qkv_prep_then_decode_under_interpreter():
     results = run_under_interpreter(Path(__file__).parent / "fused_decode_cases.py")
-    assert len(results) == (7 + len(FP8_CPU_CASES)) * 8 + 2 * 2, sorted(results)
+    assert len(results) == (7 + len(WINDOW_CPU_CASES) + len(FP8_CPU_CASES)) * 8 + 2 * 2, sorted(results)
     assert_results(results)
 
 
@@ -43,6 +44,14 @@ def test_loop_stages_take_one_after_the_gemv_by_default_and_each_setting_where_i
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_decode_equals_qkv_prep_then_decode_on_gpu():
     assert_results(check_fused_decode(GPU_CASES, "cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_decode_with_sliding_window_and_soft_cap_equals_qkv_prep_then_decode_on_gpu():
+    results = check_fused_decode(WINDOW_GPU_CASES, "cuda")
+    assert len(results) == len(WINDOW_GPU_CASES) * 8
+    assert_results(results)
 
 
 @pytest.mark.gpu

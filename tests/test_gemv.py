@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 from engine.kernels import gemv as gemv_module  # noqa: E402
 from engine.kernels.gemv import MAX_SLICE, MIN_PROGRAMS, gemv, slice_rows  # noqa: E402
 from engine.kernels.launch import pdl_options  # noqa: E402
-from engine.kernels.norm_act import rms_norm, silu_and_mul  # noqa: E402
+from engine.kernels.norm_act import act_and_mul, rms_norm  # noqa: E402
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
 # (N, K) of the Qwen3-0.6B and Qwen3-8B projections, and the 8B's at TP=2
@@ -31,11 +31,13 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def check_case(M: int, N: int, K: int, dtype: torch.dtype, bias: bool, device: str, strided: bool = False,
-               gated: bool = False, norm: str | None = None, seed: int = 0, dot: bool | None = None) -> dict:
-    """gemv against F.linear in float32 on random inputs; gated: against F.linear of silu_and_mul(x) (the
+               gated: bool = False, norm: str | None = None, seed: int = 0, dot: bool | None = None,
+               act: str = "silu", unit_offset: bool = False) -> dict:
+    """gemv against F.linear in float32 on random inputs; gated: against F.linear of act_and_mul(x, act) (the
     engine's own activation, whose roundings the fused prologue must repeat); norm "residual" or "plain":
-    against F.linear of the engine's RMSNorm kernel's output (with or without a residual added first),
-    and the new residual equal to that kernel's. dot: gemv's choice of kernel (None: its own)."""
+    against F.linear of the engine's RMSNorm kernel's output (with or without a residual added first; scaled
+    by 1 + weight with unit_offset), and the new residual equal to that kernel's. dot: gemv's choice of kernel
+    (None: its own)."""
     gen = torch.Generator().manual_seed(seed)
     width = 2 * K if gated else K
     x = torch.randn(M, width + 24, generator=gen)[:, 7:7 + width] if strided else torch.randn(M, width, generator=gen)
@@ -47,14 +49,14 @@ def check_case(M: int, N: int, K: int, dtype: torch.dtype, bias: bool, device: s
     b = b.to(device, dtype) if b is not None else None
     result = {}
     if norm is None:
-        out = gemv(x, w, b, gated=gated, dot=dot)
-        x_in = silu_and_mul(x) if gated else x
+        out = gemv(x, w, b, gated=gated, dot=dot, act=act)
+        x_in = act_and_mul(x, act) if gated else x
     elif residual is None:
-        out = gemv(x, w, b, norm=(None, norm_weight, 1e-6), dot=dot)
-        x_in = rms_norm(x, norm_weight, 1e-6)
+        out = gemv(x, w, b, norm=(None, norm_weight, 1e-6), dot=dot, unit_offset=unit_offset)
+        x_in = rms_norm(x, norm_weight, 1e-6, unit_offset=unit_offset)
     else:
-        out, new_residual = gemv(x, w, b, norm=(residual, norm_weight, 1e-6), dot=dot)
-        x_in, want_residual = rms_norm(x, norm_weight, 1e-6, residual=residual)
+        out, new_residual = gemv(x, w, b, norm=(residual, norm_weight, 1e-6), dot=dot, unit_offset=unit_offset)
+        x_in, want_residual = rms_norm(x, norm_weight, 1e-6, residual=residual, unit_offset=unit_offset)
         result["residual_equal"] = torch.equal(new_residual, want_residual)
     ref = F.linear(x_in.float(), w.float(), b.float() if b is not None else None)
     return {**result, "error": relative_error(out, ref), "dtype": str(dtype).removeprefix("torch."),
@@ -91,6 +93,14 @@ def interpreter_cases() -> dict[str, dict]:
         for dtype in (torch.float32, torch.bfloat16):
             results[f"dot-{norm or 'gated'}-M9-N40-K72-{str(dtype).removeprefix('torch.')}"] = check_case(
                 9, 40, 72, dtype, True, "cpu", norm=norm, gated=gated, strided=True, seed=9, dot=True)
+    # Gemma's: GeGLU (gelu_tanh) gating and the norm scaling by 1 + weight, in the row loop and the dot kernel
+    for M, dot in ((1, False), (2, False), (9, True)):
+        for dtype in (torch.float32, torch.bfloat16):
+            suffix = f"M{M}-{'dot' if dot else 'rows'}-{str(dtype).removeprefix('torch.')}"
+            results[f"gelu-gated-{suffix}"] = check_case(M, 50, 72, dtype, False, "cpu", gated=True, seed=M + 1,
+                                                         dot=dot, act="gelu_tanh")
+            results[f"unit-offset-norm-{suffix}"] = check_case(M, 40, 72, dtype, False, "cpu", norm="residual",
+                                                               seed=M + 2, dot=dot, unit_offset=True)
     return results
 
 
@@ -100,7 +110,7 @@ def interpreted() -> dict:
 
 
 def test_gemv_matches_f_linear_under_interpreter(interpreted):
-    assert len(interpreted) == 3 * 2 * 2 * 2 + 2 + 4 + 6 + 4 * 2 * 2 + 3 * 2
+    assert len(interpreted) == 3 * 2 * 2 * 2 + 2 + 4 + 6 + 4 * 2 * 2 + 3 * 2 + 3 * 2 * 2
     for name, result in interpreted.items():
         assert result["dtype_ok"] and result["shape_ok"], f"{name}: wrong output dtype or shape"
         assert result.get("residual_equal", True), f"{name}: the new residual differs from x + residual"
@@ -193,7 +203,7 @@ def test_gemv_matches_f_linear_on_model_shapes_on_gpu(N, K):
         assert error < 1e-2, f"[{N}, {K}] M={M}: relative error {error:.3g}"
         gate_up = torch.randn(M, 2 * K, device="cuda", dtype=torch.bfloat16)
         fused = gemv(gate_up, w, gated=True)
-        error = relative_error(fused, F.linear(silu_and_mul(gate_up).float(), w.float()))
+        error = relative_error(fused, F.linear(act_and_mul(gate_up).float(), w.float()))
         assert error < 1e-2, f"[{N}, {K}] M={M} gated: relative error {error:.3g}"
         residual = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         norm_weight = torch.rand(K, device="cuda", dtype=torch.bfloat16) + 0.5

@@ -15,9 +15,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from interpreter import run_under_interpreter  # noqa: E402
-from kernel_cases import (CPU_SHAPES, GPU_SHAPES, check_decode_padding,  # noqa: E402
-                          check_fp8_cache, check_norm_act, check_qkv_prep, check_shape,
-                          check_unequal_decode)
+from kernel_cases import (CPU_SHAPES, GPU_SHAPES, WINDOW_CASES, WINDOW_GPU_CASES,  # noqa: E402
+                          check_decode_padding, check_fp8_cache, check_norm_act, check_qkv_prep, check_shape,
+                          check_unequal_decode, check_windowed)
 
 REL_TOL = 1e-2
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -90,6 +90,21 @@ def test_fp8_kv_cache_kernels_match_reference_and_torch_cast_on_gpu():
 
 
 @needs_triton
+def test_sliding_window_and_soft_cap_attention_match_reference_under_interpreter(interpreted):
+    results = interpreted["windowed"]
+    assert sum(k.endswith("_backend") for k in results) == len(WINDOW_CASES), results.get("skipped", sorted(results))
+    assert_results(results)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sliding_window_and_soft_cap_attention_match_reference_on_gpu():
+    results = check_windowed("cuda", cases=WINDOW_GPU_CASES)
+    assert sum(k.endswith("_backend") for k in results) == len(WINDOW_GPU_CASES)
+    assert_results(results)
+
+
+@needs_triton
 def test_qkv_prep_matches_eager_layers_under_interpreter(interpreted):
     assert_results(interpreted["qkv_prep"])
 
@@ -101,13 +116,13 @@ def test_qkv_prep_matches_eager_layers_on_gpu():
 
 
 @needs_triton
-def test_norm_and_silu_kernels_match_eager_layers_under_interpreter(interpreted):
+def test_norm_activation_and_soft_cap_kernels_match_eager_layers_under_interpreter(interpreted):
     assert_results(interpreted["norm_act"])
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_norm_and_silu_kernels_match_eager_layers_on_gpu():
+def test_norm_activation_and_soft_cap_kernels_match_eager_layers_on_gpu():
     assert_results(check_norm_act("cuda"))
 
 

@@ -88,11 +88,11 @@ def test_tma_linear_replays_in_a_cuda_graph_with_new_inputs():
 @pytest.mark.parametrize("M", [1, 24, 64, 100, 256])
 @pytest.mark.parametrize("N, K", [(6144, 1024), (200, 96)])
 def test_gated_tma_linear_gives_silu_and_mul_of_the_product(M, N, K):
-    from engine.kernels.norm_act import silu_and_mul
+    from engine.kernels.norm_act import act_and_mul
     gen = torch.Generator(device="cuda").manual_seed(M + N)
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) / K ** 0.5
-    ref = silu_and_mul(F.linear(x, w))
+    ref = act_and_mul(F.linear(x, w))
     for block_n in (16, 32, 64, 128):
         out = torch.full((M, N // 2), float("nan"), device="cuda", dtype=torch.bfloat16)
         tma_linear(x, w, out, TmaConfig(64 if M <= 64 else 128, block_n, 64, 2), gated=True)

@@ -38,6 +38,13 @@ class ForwardContext:
         self.backend = backend
         self.meta: AttentionMetadata | None = None
 
+    def prepare(self) -> None:
+        """Before a forward pass's first layer: what the backend derives from the metadata once for every
+        layer's attention (TritonBackend.prepare)."""
+        prepare = getattr(self.backend, "prepare", None)
+        if prepare is not None and self.meta is not None:
+            prepare(self.meta)
+
 
 def get_backend(name: str, device: torch.device, kv_cache_dtype: torch.dtype | None = None):
     """The backend for `name`; "auto" picks flash, then triton on CUDA, torch elsewhere (triton over flash

@@ -5,7 +5,8 @@ Two generations are understood:
   paged KV needs a block size that is a multiple of 256.
 - flash-attn 4 (`flash_attn.cute.flash_attn_varlen_func`, wheels, Hopper and Blackwell): paged
   varlen attention through `page_table` + `seqused_k`, any page size.
-New K/V go into the cache through the engine's Triton kernel either way.
+New K/V go into the cache through the engine's Triton kernel either way. A sliding window and attention-logit
+soft-capping are flash-attn's own window_size and softcap arguments.
 """
 from __future__ import annotations
 
@@ -71,29 +72,34 @@ class FlashBackend:
         store_kvcache(key, value, k_cache, v_cache, slot_mapping)
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: "AttentionMetadata", scale: float) -> torch.Tensor:
+                meta: "AttentionMetadata", scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         if self.flavor == "fa4":
-            return self._forward_fa4(q, k_cache, v_cache, meta, scale)
-        return self._forward_fa2(q, k_cache, v_cache, meta, scale)
+            return self._forward_fa4(q, k_cache, v_cache, meta, scale, window, softcap)
+        return self._forward_fa2(q, k_cache, v_cache, meta, scale, window, softcap)
 
-    def _forward_fa2(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
+    def _forward_fa2(self, q, k_cache, v_cache, meta, scale, window, softcap) -> torch.Tensor:
         varlen, with_kvcache = self._funcs
         if k_cache.shape[1] % 256 != 0:
             raise ValueError(f"flash-attn 2 pages the KV cache in multiples of 256 tokens; "
                              f"kvcache_block_size is {k_cache.shape[1]} (use 256 or attention_backend='triton')")
+        # flash-attn's window (left, right) counts the keys besides the query's own: (window - 1, 0)
+        window_size = (window - 1, 0) if window else (-1, -1)
         if meta.is_decode:
             out = with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seqlens_k,
-                               block_table=meta.block_tables, softmax_scale=scale, causal=True)
+                               block_table=meta.block_tables, softmax_scale=scale, causal=True,
+                               window_size=window_size, softcap=softcap)
             return out.squeeze(1)
         cu_seqlens_k = F.pad(meta.seqlens_k.cumsum(0, dtype=torch.int32), (1, 0))
         return varlen(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
-                      softmax_scale=scale, causal=True, block_table=meta.block_tables)
+                      softmax_scale=scale, causal=True, block_table=meta.block_tables,
+                      window_size=window_size, softcap=softcap)
 
-    def _forward_fa4(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
+    def _forward_fa4(self, q, k_cache, v_cache, meta, scale, window, softcap) -> torch.Tensor:
         (varlen,) = self._funcs
         # flash-attn 4 aligns the causal mask bottom-right per sequence, as the contract wants
         out = varlen(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, seqused_k=meta.seqlens_k,
                      max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
-                     page_table=meta.block_tables.clamp(min=0), softmax_scale=scale, causal=True)
+                     page_table=meta.block_tables.clamp(min=0), softmax_scale=scale, causal=True,
+                     window_size=(window - 1, 0) if window else (None, None), softcap=softcap)
         return out[0] if isinstance(out, tuple) else out

@@ -29,7 +29,7 @@ class TorchBackend:
         v_cache.view(-1, *v_cache.shape[2:])[slots] = to_cache(value[valid], v_cache.dtype)
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         out = torch.empty_like(q)
         block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
         group = q.shape[1] // num_kv_heads
@@ -42,9 +42,22 @@ class TorchBackend:
             blocks = meta.block_tables[b, :num_blocks].long()
             k = k_cache[blocks].flatten(0, 1)[:len_k].to(q.dtype).repeat_interleave(group, dim=1)
             v = v_cache[blocks].flatten(0, 1)[:len_k].to(q.dtype).repeat_interleave(group, dim=1)
-            q_pos = torch.arange(len_k - len_q, len_k, device=q.device)
-            mask = q_pos[:, None] >= torch.arange(len_k, device=q.device)[None, :]
-            o = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
+            q_pos = torch.arange(len_k - len_q, len_k, device=q.device)[:, None]
+            k_pos = torch.arange(len_k, device=q.device)[None, :]
+            mask = q_pos >= k_pos
+            if window:  # a query at position i sees keys j with i - j < window
+                mask &= q_pos - k_pos < window
+            o = attend(q[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask, scale, softcap)
             out[start:end] = o.transpose(0, 1)
         return out
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+           softcap: float = 0.0) -> torch.Tensor:
+    """Attention of q [H, Lq, D] over k, v [H, Lk, D] where mask [Lq, Lk] is True; with softcap, each logit
+    becomes cap x tanh(logit / cap) before the mask and softmax (as transformers' eager Gemma 2)."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), v)

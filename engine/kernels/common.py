@@ -1,4 +1,5 @@
-"""Pieces shared by several of the engine's kernels: rounding as eager torch rounds, dot products, launch sizes."""
+"""Pieces shared by several of the engine's kernels: rounding as eager torch rounds, dot products, launch sizes,
+the activations."""
 from __future__ import annotations
 
 import functools
@@ -47,3 +48,26 @@ def round_to(x, dtype: tl.constexpr):
         return bits.to(tl.float32, bitcast=True)
     else:
         return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def tanh(x):
+    """tanh of float32 x from one exp2 (the interpreter has no libdevice tanh): (1 - e) / (1 + e) with
+    e = exp(-2|x|), within a few ulps of 1 where |tanh| nears it (GELU's 1 + tanh of large negative
+    inputs cancels there) and ~1e-7 absolute near 0."""
+    e = tl.exp2(tl.abs(x) * -2.8853900817779268)  # exp(-2|x|) = exp2(-2 log2(e) |x|)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def gate_act(x, ACT: tl.constexpr):
+    """The gate's activation of a gated MLP, float32: "silu" (SwiGLU) or "gelu_tanh" (GeGLU with GELU's tanh
+    approximation, torch's gelu(approximate="tanh"))."""
+    if ACT == "gelu_tanh":
+        return 0.5 * x * (1.0 + tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))  # sqrt(2 / pi)
+    else:
+        return x / (1.0 + tl.exp(-x))
+
+
+GATE_ACTS = ("silu", "gelu_tanh")

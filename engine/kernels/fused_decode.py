@@ -12,7 +12,8 @@ of it folded in:
   KV head's query heads (the merge kernel's arithmetic) and resets the counter for the next launch.
 
 So a layer's decode attention is one launch in the chain of kernels that a batch-1 step waits on,
-instead of three. Prefill and mixed batches keep the separate kernels.
+instead of three. Prefill and mixed batches keep the separate kernels. A sliding window and attention-logit
+soft-capping are paged_decode's.
 """
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ import triton.language as tl
 from engine.kernels import gemv
 from engine.kernels.common import num_sms, round_to
 from engine.kernels.launch import launch_dependents, pdl_options, wait_for_previous
-from engine.kernels.paged_decode import (MAX_GRID_SEQS, DecodeConfig, attend_range, choose_num_splits,
-                                         default_decode_config, grid_program, split_range)
-from engine.kernels.paged_tiles import LOG2E, check_paged_inputs, group_pad, prefetch_page_tile, to_cache, upcast_dot
+from engine.kernels.paged_decode import (MAX_GRID_SEQS, DecodeConfig, attend_range, attended_length,
+                                         choose_num_splits, default_decode_config, grid_program, split_range)
+from engine.kernels.paged_tiles import (check_paged_inputs, group_pad, prefetch_page_tile, score_scales, to_cache,
+                                       upcast_dot, window_start)
 from engine.kernels.qkv_prep import norm_rope
 
 # float32 partial values the merging program loads at once: 8,192 is the two query heads of a Qwen3-0.6B KV
@@ -39,10 +41,11 @@ def _fused_decode_kernel(
     k_cache_ptr, v_cache_ptr, out_ptr, seqlens_k_ptr, block_tables_ptr,
     part_out_ptr, part_lse_ptr, counters_ptr, order_ptr,
     stride_t, stride_cos, stride_ot, stride_oh, stride_page, stride_slot, stride_khead, stride_bt,
-    qk_scale, eps, num_heads, num_kv_heads, num_splits,
+    qk_scale, softcap, window, eps, num_heads, num_kv_heads, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    UPCAST: tl.constexpr, HAS_NORM: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, HAS_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr,
     EARLY: tl.constexpr, EARLY_PAGE: tl.constexpr, PREFETCH: tl.constexpr, MERGE_HEADS: tl.constexpr,
     SKIP_EMPTY: tl.constexpr,
 ):
@@ -53,7 +56,9 @@ def _fused_decode_kernel(
     # first kernel; the rotary tables): off the chain that starts when the qkv projection completes.
     kv_head, seq, split = grid_program(order_ptr, ORDERED)
     seqlen = tl.load(seqlens_k_ptr + seq)
-    per_split, start, end = split_range(seqlen, split, num_splits, BLOCK_N)
+    first_key = window_start(seqlen, window, SLIDING)
+    first_tile = (first_key // BLOCK_N) * BLOCK_N
+    per_split, start, end = split_range(seqlen, first_key, split, num_splits, BLOCK_N)
     dtype = out_ptr.dtype.element_ty
     pos = tl.load(positions_ptr + seq)
     offs_half = tl.arange(0, HALF)
@@ -82,7 +87,7 @@ def _fused_decode_kernel(
     # The new token's K and V, for the program whose range holds the sequence's last position (slot -1: a
     # CUDA graph's padding row), read beside the queries: that program's chain, the longest of its KV head,
     # then waits for one round trip to L2, not two.
-    holds_new = (split == (seqlen - 1) // tl.maximum(per_split, 1)) & (slot >= 0)
+    holds_new = (split == (seqlen - 1 - first_tile) // tl.maximum(per_split, 1)) & (slot >= 0)
     new_mask = offs_half[None, :] < tl.where(holds_new, HALF, 0)  # all of the row, or none of it
     k_lo = row + (num_heads + kv_head) * HEAD_DIM + offs_half[None, :]
     v_lo = k_lo + num_kv_heads * HEAD_DIM
@@ -90,11 +95,13 @@ def _fused_decode_kernel(
     k2 = tl.load(k_lo + HALF, mask=new_mask, other=0.0).to(tl.float32)
     v1 = tl.load(v_lo, mask=new_mask, other=0.0)
     v2 = tl.load(v_lo + HALF, mask=new_mask, other=0.0)
-    q1, q2 = norm_rope(q1, q2, q_weight_ptr, cos, sin, offs_half, all_half, eps, HEAD_DIM, HAS_NORM, HALF, dtype)
+    q1, q2 = norm_rope(q1, q2, q_weight_ptr, cos, sin, offs_half, all_half, eps, HEAD_DIM, HAS_NORM, UNIT_OFFSET,
+                       HALF, dtype)
     q = tl.reshape(tl.permute(tl.join(q1.to(dtype), q2.to(dtype)), (0, 2, 1)), (GROUP_PAD, HEAD_DIM))
 
     if holds_new:  # normed and rotated as qkv_prep does, then stored
-        k1, k2 = norm_rope(k1, k2, k_weight_ptr, cos, sin, offs_half, all_half, eps, HEAD_DIM, HAS_NORM, HALF, dtype)
+        k1, k2 = norm_rope(k1, k2, k_weight_ptr, cos, sin, offs_half, all_half, eps, HEAD_DIM, HAS_NORM,
+                           UNIT_OFFSET, HALF, dtype)
         dst = (slot // PAGE_SIZE) * stride_page + (slot % PAGE_SIZE) * stride_slot + kv_head * stride_khead \
             + offs_half[None, :]
         cache_dtype = k_cache_ptr.dtype.element_ty  # the model's dtype, or fp8 (rounded from it)
@@ -105,9 +112,9 @@ def _fused_decode_kernel(
     tl.debug_barrier()  # the program's own stores are visible to all its threads' cache reads below
 
     offs_d = tl.arange(0, HEAD_DIM)
-    out, lse = attend_range(q, k_cache_ptr, v_cache_ptr, block_table_row,
-                             kv_head * stride_khead, offs_d, start, end, qk_scale, stride_page, stride_slot,
-                             first_page, GROUP_PAD, HEAD_DIM, HEAD_DIM, PAGE_SIZE, BLOCK_N, UPCAST, EARLY_PAGE)
+    out, lse = attend_range(q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head * stride_khead, offs_d, start,
+                            end, first_key, qk_scale, softcap, stride_page, stride_slot, first_page, GROUP_PAD,
+                            HEAD_DIM, HEAD_DIM, PAGE_SIZE, BLOCK_N, UPCAST, EARLY_PAGE, SLIDING, SOFTCAP)
     if SPLITS_PAD == 1:
         o_ptrs = out_ptr + seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(dtype), mask=g_mask[:, None])
@@ -115,7 +122,7 @@ def _fused_decode_kernel(
         # The merge reads the partials of the splits that hold positions (the first `used`; a padding row's
         # first); the others' would weigh 0. With SKIP_EMPTY only those splits write a partial and take a
         # ticket: at one sequence the empty ones' tickets queued on the same counter before the last one.
-        used = tl.minimum(tl.cdiv(tl.maximum(seqlen, 1), tl.maximum(per_split, 1)), num_splits)
+        used = tl.minimum(tl.cdiv(tl.maximum(seqlen - first_tile, 1), tl.maximum(per_split, 1)), num_splits)
         takers = num_splits
         if SKIP_EMPTY:
             takers = used
@@ -173,7 +180,8 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
                  seqlens_k: torch.Tensor, block_tables: torch.Tensor, max_seqlen_k: int, scale: float,
                  num_heads: int, num_kv_heads: int, counters: torch.Tensor, order: torch.Tensor | None = None,
                  num_splits: int | None = None, config: DecodeConfig | None = None,
-                 after_gemv: bool | None = None) -> torch.Tensor:
+                 after_gemv: bool | None = None, window: int = 0, softcap: float = 0.0,
+                 unit_offset: bool = False) -> torch.Tensor:
     """Attention output [B, H, D] of one new token per sequence, from its qkv row [B, (H + 2 Hkv) D]:
     what qkv_prep followed by paged_decode computes, K/V stored the same way.
 
@@ -182,6 +190,7 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
 
     after_gemv: whether the engine's GEMV computed qkv (it lets this kernel start early, and the kernel
     then reads its inputs before its wait); None: taken to be so for up to gemv.MAX_ROWS rows.
+    window, softcap: as paged_decode's; unit_offset: as qkv_prep's.
     """
     head_dim = k_cache.shape[3]
     if not fits(head_dim):
@@ -201,8 +210,9 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
     assert counters.dtype == torch.int32 and counters.numel() >= num_seqs * num_kv_heads
     config = config or default_decode_config(qkv)
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seqlen_k, config.block_n,
-                                       num_sms(qkv.device), config.grid_programs_per_sm)
+        attended = attended_length(max_seqlen_k, window, config.block_n)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, attended, config.block_n, num_sms(qkv.device),
+                                       config.grid_programs_per_sm)
     # early reads where the qkv projection is the GEMV, whose programs let this kernel start before it
     # completes (-0.024 ms a batch-1 step); after cuBLAS they gained nothing and cost 0.4-0.7% at 16-64 rows
     early = num_seqs <= gemv.MAX_ROWS if after_gemv is None else after_gemv
@@ -221,10 +231,11 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
         seqlens_k if order is None else order,
         qkv.stride(0), cos.stride(0), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        scale * LOG2E, eps, num_heads, num_kv_heads, num_splits,
+        *score_scales(scale, softcap), window, eps, num_heads, num_kv_heads, num_splits,
         GROUP=group, GROUP_PAD=max(16, group_pad(group)), HEAD_DIM=head_dim, HALF=head_dim // 2,
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=config.block_n, SPLITS_PAD=triton.next_power_of_2(num_splits),
-        UPCAST=upcast_dot(qkv), HAS_NORM=has_norm, ORDERED=order is not None,
+        UPCAST=upcast_dot(qkv), HAS_NORM=has_norm, UNIT_OFFSET=unit_offset, SLIDING=window > 0, SOFTCAP=softcap > 0,
+        ORDERED=order is not None,
         EARLY=early, EARLY_PAGE=page_early, PREFETCH=page_early and prefetch_applies(qkv),
         MERGE_HEADS=merge_heads(group, triton.next_power_of_2(num_splits), head_dim), SKIP_EMPTY=num_seqs == 1,
         num_warps=config.num_warps, num_stages=loop_stages(config, early),

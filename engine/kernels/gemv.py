@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import precise_dot, round_to
+from engine.kernels.common import GATE_ACTS, gate_act, precise_dot, round_to
 from engine.kernels.launch import launch_dependents, pdl_options, wait_for_previous
 from engine.kernels.paged_tiles import upcast_dot
 
@@ -49,7 +49,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
                  res_ptr, norm_w_ptr, res_out_ptr, stride_rm, stride_rom, eps,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                 ROWS: tl.constexpr, PDL: tl.constexpr):
+                 ACT: tl.constexpr, UNIT_OFFSET: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
     if ROWS > 1:
         launch_dependents(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -76,9 +76,9 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
     dtype = out_ptr.dtype.element_ty
     for m in tl.static_range(ROWS):  # unrolled, so every row's loads issue before the first row's sums
         x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        if GATED:  # x row is [gate | up]: silu(gate) * up, rounded as the SiLU·mul kernel rounds
+        if GATED:  # x row is [gate | up]: act(gate) * up, rounded as the activation kernel rounds
             up = tl.load(x_ptr + m * stride_xm + K + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            x = round_to(round_to(x / (1.0 + tl.exp(-x)), dtype) * up, dtype)
+            x = round_to(round_to(gate_act(x, ACT), dtype) * up, dtype)
         if NORM:  # RMSNorm of the row (after the residual add), rounded as the RMSNorm kernel rounds
             if HAS_RESIDUAL:
                 x = round_to(x + tl.load(res_ptr + m * stride_rm + offs_k, mask=k_mask, other=0.0).to(tl.float32),
@@ -86,7 +86,10 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
                 if tl.program_id(0) == 0:  # every program sums the row; one writes the new residual
                     tl.store(res_out_ptr + m * stride_rom + offs_k, x.to(dtype), mask=k_mask)
             inv = tl.math.rsqrt(tl.sum(x * x, axis=0) / K + eps)
-            x = round_to(norm_w * round_to(x * inv, dtype), dtype)
+            if UNIT_OFFSET:  # Gemma's: scaled by 1 + weight, rounded once
+                x = round_to(x * inv * (1.0 + norm_w), dtype)
+            else:
+                x = round_to(norm_w * round_to(x * inv, dtype), dtype)
         acc = tl.sum(w * x[None, :], axis=1)
         if HAS_BIAS:
             acc += bias
@@ -94,10 +97,10 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
 
 
 @triton.jit
-def _dot_rows(x_ptr, stride_xm, offs_m, m_mask, cols, col_mask, K, GATED: tl.constexpr, dtype: tl.constexpr,
-              COL_MASK: tl.constexpr):
+def _dot_rows(x_ptr, stride_xm, offs_m, m_mask, cols, col_mask, K, GATED: tl.constexpr, ACT: tl.constexpr,
+              dtype: tl.constexpr, COL_MASK: tl.constexpr):
     """Rows of x as float32 [groups, rows, columns of a group] (masked rows, and with COL_MASK masked
-    columns, 0); gated: the SiLU·mul of the row's [gate | up] halves, rounded as gemv's row loop rounds."""
+    columns, 0); gated: act(gate) * up of the row's [gate | up] halves, rounded as gemv's row loop rounds."""
     ptrs = x_ptr + offs_m[None, :, None].to(tl.int64) * stride_xm + cols
     mask = m_mask[None, :, None]
     if COL_MASK:
@@ -105,7 +108,7 @@ def _dot_rows(x_ptr, stride_xm, offs_m, m_mask, cols, col_mask, K, GATED: tl.con
     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     if GATED:
         up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
-        x = round_to(round_to(x / (1.0 + tl.exp(-x)), dtype) * up, dtype)
+        x = round_to(round_to(gate_act(x, ACT), dtype) * up, dtype)
     return x
 
 
@@ -121,8 +124,8 @@ def _gemv_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride
                      res_ptr, norm_w_ptr, res_out_ptr, stride_rm, stride_rom, eps,
                      BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, K1: tl.constexpr, G1: tl.constexpr,
                      K2: tl.constexpr, G2: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                     GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ACT: tl.constexpr,
+                     UNIT_OFFSET: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     """gemv for more rows on the tensor cores. The weight slice is held as two parts, columns [0, K1) and
     [K1, K1 + K2) (K1 the largest power of two not above K, K2 a power of two covering the rest, or 0), each
     [groups, BLOCK_N, columns of a group]; x is read after the wait in the same shape, BLOCK_M rows."""
@@ -150,9 +153,9 @@ def _gemv_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride
     dtype = out_ptr.dtype.element_ty
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
-    x1 = _dot_rows(x_ptr, stride_xm, offs_m, m_mask, cols1, None, K, GATED, dtype, False)
+    x1 = _dot_rows(x_ptr, stride_xm, offs_m, m_mask, cols1, None, K, GATED, ACT, dtype, False)
     if K2 > 0:
-        x2 = _dot_rows(x_ptr, stride_xm, offs_m, m_mask, cols2, col2_mask, K, GATED, dtype, True)
+        x2 = _dot_rows(x_ptr, stride_xm, offs_m, m_mask, cols2, col2_mask, K, GATED, ACT, dtype, True)
     if NORM:  # RMSNorm of each row (after the residual add), rounded as the RMSNorm kernel rounds
         if HAS_RESIDUAL:
             res_rows = offs_m[None, :, None].to(tl.int64)
@@ -170,9 +173,14 @@ def _gemv_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride
         if K2 > 0:
             squares += tl.sum(tl.sum(x2 * x2, axis=2), axis=0)
         inv = tl.math.rsqrt(squares / K + eps)[None, :, None]
-        x1 = round_to(nw1 * round_to(x1 * inv, dtype), dtype)
-        if K2 > 0:
-            x2 = round_to(nw2 * round_to(x2 * inv, dtype), dtype)
+        if UNIT_OFFSET:  # Gemma's: scaled by 1 + weight, rounded once
+            x1 = round_to(x1 * inv * (1.0 + nw1), dtype)
+            if K2 > 0:
+                x2 = round_to(x2 * inv * (1.0 + nw2), dtype)
+        else:
+            x1 = round_to(nw1 * round_to(x1 * inv, dtype), dtype)
+            if K2 > 0:
+                x2 = round_to(nw2 * round_to(x2 * inv, dtype), dtype)
     acc = _group_dot(w1, x1.to(dtype), UPCAST, IEEE)
     if K2 > 0:
         acc += _group_dot(w2, x2.to(dtype), UPCAST, IEEE)
@@ -209,14 +217,15 @@ def dot_fits(K: int, block_n: int | None = None) -> bool:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          gated: bool = False, norm: "tuple[torch.Tensor | None, torch.Tensor, float] | None" = None,
-         block_n: int | None = None, num_warps: int | None = None, dot: bool | None = None):
+         block_n: int | None = None, num_warps: int | None = None, dot: bool | None = None, act: str = "silu",
+         unit_offset: bool = False):
     """F.linear(x, weight, bias) for x [M, K] with few rows (each costs every program a pass over its
     slice) and weight [N, K], K contiguous; output in x's dtype. gated: x is [M, 2K], packed [gate | up],
-    and the product is with silu(gate) * up (the SiLU·mul kernel fused in).
+    and the product is with act(gate) * up (the activation kernel fused in; act "silu" or "gelu_tanh").
 
     norm = (residual or None, norm weight [K], eps): the product is with rms_norm(x + residual) x norm
-    weight (the RMSNorm kernel fused in), and the result is (output, x + residual), or just the output
-    without a residual.
+    weight (the RMSNorm kernel fused in; unit_offset: x (1 + norm weight), Gemma's), and the result is
+    (output, x + residual), or just the output without a residual.
 
     block_n, num_warps: the weight rows a program holds (a power of two) and its warps, in place of the
     defaults (slice_rows; 8 warps above EIGHT_WARPS_ABOVE elements).
@@ -226,6 +235,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     N, K = weight.shape
     if norm is not None and gated:
         raise ValueError("gemv fuses either the RMSNorm or the SiLU·mul, not both")
+    if act not in GATE_ACTS:
+        raise ValueError(f"activation {act!r} is not one of {', '.join(GATE_ACTS)}")
     width = 2 * K if gated else K
     if x.dim() != 2 or x.shape[1] != width:
         raise ValueError(f"x must be [M, {width}] for a weight of [{N}, {K}]{' (gated)' if gated else ''}, "
@@ -247,7 +258,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if dot is None:
         dot = M > DOT_ABOVE_ROWS and block_n is None and dot_fits(K)
     if dot and M:
-        return _gemv_dot(x, weight, bias, out, gated, residual, norm_weight, eps, res_out, block_n, num_warps)
+        return _gemv_dot(x, weight, bias, out, gated, residual, norm_weight, eps, res_out, block_n, num_warps, act,
+                         unit_offset)
     block_n = block_n or slice_rows(N, K)
     block_k = triton.next_power_of_2(K)
     if block_n < 1 or block_n & (block_n - 1) or block_n * block_k > 4 * MAX_SLICE:
@@ -260,11 +272,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             out.stride(0), res_in, norm_weight if norm_weight is not None else weight, res_to, res_in.stride(0),
             res_to.stride(0), eps, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=N % block_n == 0, EVEN_K=K == block_k,
             HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None, HAS_RESIDUAL=residual is not None,
-            ROWS=M, num_warps=num_warps or (8 if block_n * block_k > EIGHT_WARPS_ABOVE else 4), **pdl_options(x))
+            ACT=act, UNIT_OFFSET=unit_offset, ROWS=M,
+            num_warps=num_warps or (8 if block_n * block_k > EIGHT_WARPS_ABOVE else 4), **pdl_options(x))
     return out if res_out is None else (out, res_out)
 
 
-def _gemv_dot(x, weight, bias, out, gated, residual, norm_weight, eps, res_out, block_n, num_warps):
+def _gemv_dot(x, weight, bias, out, gated, residual, norm_weight, eps, res_out, block_n, num_warps, act,
+              unit_offset):
     M, (N, K) = x.shape[0], weight.shape
     block_n = block_n or dot_block_n(K)
     if block_n < 1 or block_n & (block_n - 1) or not dot_fits(K, block_n):
@@ -281,7 +295,8 @@ def _gemv_dot(x, weight, bias, out, gated, residual, norm_weight, eps, res_out, 
         out.stride(0), res_in, norm_weight if norm_weight is not None else weight, res_to, res_in.stride(0),
         res_to.stride(0), eps, BLOCK_N=block_n, BLOCK_M=block_m, K1=k1, G1=min(num_warps, k1 // 16),
         K2=k2, G2=min(num_warps, max(1, k2 // 16)), EVEN_N=N % block_n == 0, HAS_BIAS=bias is not None,
-        GATED=gated, NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, UPCAST=upcast_dot(x),
+        GATED=gated, NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, ACT=act,
+        UNIT_OFFSET=unit_offset, UPCAST=upcast_dot(x),
         IEEE=x.dtype == torch.float32, num_warps=num_warps, **pdl_options(x))
     return out if res_out is None else (out, res_out)
 

@@ -7,6 +7,9 @@ the sequences' programs started longest first where an order is given.
 
 CUDA-graph safe: grids and scratch sizes come from Python ints (batch, max_seqlen_k), and ranges are
 derived from the lengths on the device, so one captured launch is correct for any lengths.
+
+Under a sliding window the splits share the window's positions (from the tile of its first key) instead of
+the whole context, and the keys before the window are masked; attention-logit soft-capping caps each score.
 """
 from __future__ import annotations
 
@@ -18,8 +21,8 @@ import triton.language as tl
 
 from engine.kernels.common import num_sms
 from engine.kernels.launch import launch_dependents, pdl_options, wait_for_previous
-from engine.kernels.paged_tiles import (LOG2E, check_paged_inputs, group_pad, kv_tile_offsets, mma,
-                                       page_tile_offsets, query_for_cache, upcast_dot)
+from engine.kernels.paged_tiles import (check_paged_inputs, group_pad, kv_tile_offsets, mma, page_tile_offsets,
+                                       query_for_cache, score_scales, scores_log2, upcast_dot, window_start)
 
 MAX_GRID_SEQS = 65535  # the grid's sequence axis is its second (CUDA caps it there)
 
@@ -38,11 +41,13 @@ class DecodeConfig:
 
 
 @triton.jit
-def _attend_tile(q, k_cache_ptr, v_cache_ptr, offs, mask, valid_n, qk_scale, m_i, l_i, acc, UPCAST: tl.constexpr):
-    """One tile of attend_range's online softmax: (m_i, l_i, acc) after the positions at offs."""
+def _attend_tile(q, k_cache_ptr, v_cache_ptr, offs, mask, visible, qk_scale, softcap, m_i, l_i, acc,
+                 SOFTCAP: tl.constexpr, UPCAST: tl.constexpr):
+    """One tile of attend_range's online softmax: (m_i, l_i, acc) after the positions at offs (visible: those
+    of them the query sees)."""
     k = tl.load(k_cache_ptr + offs, mask=mask, other=0.0).to(q.dtype)  # an fp8 cache widens here (to fp16)
-    s = mma(q, tl.trans(k), UPCAST) * qk_scale
-    s = tl.where(valid_n[None, :], s, float("-inf"))
+    s = scores_log2(mma(q, tl.trans(k), UPCAST), qk_scale, softcap, SOFTCAP)
+    s = tl.where(visible[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -53,14 +58,15 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, offs, mask, valid_n, qk_scale, m_i
 
 
 @triton.jit
-def attend_range(q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset, offs_d, start, end, qk_scale,
-                  stride_page, stride_slot, first_page, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-                  FIRST_PAGE: tl.constexpr):
+def attend_range(q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset, offs_d, start, end, first_key,
+                 qk_scale, softcap, stride_page, stride_slot, first_page, GROUP_PAD: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 UPCAST: tl.constexpr, FIRST_PAGE: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr):
     """Online softmax of q [GROUP_PAD, BLOCK_D] over KV positions start..end-1 (start a multiple of
-    BLOCK_N): the normalised output, and its log2-domain log-sum-exp (-inf where there are no keys).
-    FIRST_PAGE: first_page is the page of the first tile, read by the caller (early, off the chain of
-    dependent loads); pages then hold whole tiles and BLOCK_D is HEAD_DIM."""
+    BLOCK_N), with SLIDING those from first_key on only: the normalised output, and its log2-domain
+    log-sum-exp (-inf where there are no keys). FIRST_PAGE: first_page is the page of the first tile, read by
+    the caller (early, off the chain of dependent loads); pages then hold whole tiles and BLOCK_D is
+    HEAD_DIM. qk_scale, softcap: as paged_tiles.score_scales gives them."""
     m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
@@ -70,15 +76,21 @@ def attend_range(q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset, offs
         tl.static_assert(PAGE_SIZE % BLOCK_N == 0 and BLOCK_D == HEAD_DIM)
         offs, valid_n = page_tile_offsets(first_page, start, end, head_offset, offs_d, stride_page, stride_slot,
                                           PAGE_SIZE, BLOCK_N)
-        m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, offs, valid_n[:, None], valid_n, qk_scale,
-                                     m_i, l_i, acc, UPCAST)
+        visible = valid_n
+        if SLIDING:
+            visible = visible & (start + tl.arange(0, BLOCK_N) >= first_key)
+        m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, offs, valid_n[:, None], visible, qk_scale,
+                                     softcap, m_i, l_i, acc, SOFTCAP, UPCAST)
         loop_start = start + BLOCK_N
     for n0 in range(loop_start, end, BLOCK_N):
         offs, mask, valid_n = kv_tile_offsets(block_table_row, n0, end, head_offset, offs_d,
                                               stride_page, stride_slot, PAGE_SIZE, BLOCK_N,
                                               HEAD_DIM, BLOCK_D, True)
-        m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, offs, mask, valid_n, qk_scale, m_i, l_i, acc,
-                                     UPCAST)
+        visible = valid_n
+        if SLIDING:
+            visible = visible & (n0 + tl.arange(0, BLOCK_N) >= first_key)
+        m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, offs, mask, visible, qk_scale, softcap,
+                                     m_i, l_i, acc, SOFTCAP, UPCAST)
     has_keys = l_i > 0.0  # false for an empty range or a zero-length padding sequence
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
@@ -97,10 +109,12 @@ def grid_program(order_ptr, ORDERED: tl.constexpr):
 
 
 @triton.jit
-def split_range(seqlen, split, num_splits, BLOCK_N: tl.constexpr):
-    """(positions per split, whole KV tiles; start, end) of one split of a sequence."""
-    per_split = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
+def split_range(seqlen, first_key, split, num_splits, BLOCK_N: tl.constexpr):
+    """(positions per split, whole KV tiles; start, end) of one split of the positions a sequence's last query
+    sees, first_key..seqlen-1, counted from the KV tile that holds first_key."""
+    first_tile = (first_key // BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seqlen - first_tile, num_splits), BLOCK_N) * BLOCK_N
+    start = first_tile + split * per_split
     return per_split, start, tl.minimum(start + per_split, seqlen)
 
 
@@ -108,10 +122,11 @@ def split_range(seqlen, split, num_splits, BLOCK_N: tl.constexpr):
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seqlens_k_ptr, block_tables_ptr, cu_seqlens_q_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_page, stride_slot, stride_khead, stride_bt,
-    qk_scale, num_heads, part_out_ptr, part_lse_ptr, num_splits, order_ptr,
+    qk_scale, softcap, window, num_heads, part_out_ptr, part_lse_ptr, num_splits, order_ptr,
     DIRECT: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, MIXED: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, MIXED: tl.constexpr, ORDERED: tl.constexpr, SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr, PDL: tl.constexpr,
 ):
     launch_dependents(PDL)
     wait_for_previous(PDL)
@@ -122,7 +137,8 @@ def _decode_split_kernel(
         if tl.load(cu_seqlens_q_ptr + seq + 1) - token != 1:
             return
     seqlen = tl.load(seqlens_k_ptr + seq)
-    per_split, start, end = split_range(seqlen, split, num_splits, BLOCK_N)
+    first_key = window_start(seqlen, window, SLIDING)
+    per_split, start, end = split_range(seqlen, first_key, split, num_splits, BLOCK_N)
 
     offs_g = tl.arange(0, GROUP_PAD)
     head = kv_head * GROUP + offs_g
@@ -132,8 +148,9 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + token.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     out, lse = attend_range(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
-                             kv_head * stride_khead, offs_d, start, end, qk_scale, stride_page, stride_slot, 0,
-                             GROUP_PAD, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, UPCAST, False)
+                            kv_head * stride_khead, offs_d, start, end, first_key, qk_scale, softcap, stride_page,
+                            stride_slot, 0, GROUP_PAD, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, UPCAST, False,
+                            SLIDING, SOFTCAP)
     if DIRECT:
         o_ptrs = out_ptr + token.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
@@ -189,13 +206,20 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, block
                       num_sms: int, programs_per_sm: int = 4) -> int:
     """Enough programs for about `programs_per_sm` per SM (one program streams its range
     serially, so an SM needs several in flight to keep memory busy, and short ranges shorten the tail
-    that unequal lengths leave), each split at least two KV tiles long."""
+    that unequal lengths leave), each split at least two KV tiles long. max_seqlen_k: the most positions a
+    sequence's query sees (attended_length)."""
     programs = num_seqs * num_kv_heads
     if programs >= programs_per_sm * num_sms:
         return 1
     wanted = triton.cdiv(programs_per_sm * num_sms, programs)
     longest = max(1, triton.cdiv(max_seqlen_k, 2 * block_n))
     return max(1, min(wanted, longest, 64))
+
+
+def attended_length(max_seqlen_k: int, window: int, block_n: int) -> int:
+    """The most KV positions a split-KV launch walks for one sequence: its context, or under a sliding window
+    the window's positions from the KV tile of its first key."""
+    return min(max_seqlen_k, window + block_n - 1) if window > 0 else max_seqlen_k
 
 
 def decode_order(seqlens_k: torch.Tensor) -> torch.Tensor:
@@ -216,14 +240,16 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  seqlens_k: torch.Tensor, block_tables: torch.Tensor, max_seqlen_k: int,
                  scale: float, out: torch.Tensor | None = None, num_splits: int | None = None,
                  config: DecodeConfig | None = None, cu_seqlens_q: torch.Tensor | None = None,
-                 order: torch.Tensor | None = None) -> torch.Tensor:
+                 order: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """One query token per sequence (q: [B, H, D]) over its paged context of seqlens_k[b] positions.
 
     With cu_seqlens_q, q is a varlen batch: only its one-token sequences are computed (into their
     rows of `out`), the rest are left for paged_prefill(..., skip_decodes=True). num_splits: ranges
     per sequence (default: choose_num_splits). `order`: a permutation of the B sequences, the order
     their programs start in; decode_order(seqlens_k) puts the longest first, so unequal lengths leave
-    a shorter tail. The results do not depend on it.
+    a shorter tail. The results do not depend on it. window: a sliding window (the query at position
+    seqlens_k[b] - 1 sees keys from seqlens_k[b] - window on), 0 for none. softcap: attention-logit
+    soft-capping (cap x tanh(score / cap)), 0 for none.
     """
     num_heads, num_kv_heads, group = check_paged_inputs(q, k_cache, v_cache)
     num_seqs, head_dim = seqlens_k.shape[0], q.shape[2]
@@ -241,8 +267,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if num_seqs > MAX_GRID_SEQS:
         raise ValueError(f"decode batches of at most {MAX_GRID_SEQS} sequences, got {num_seqs}")
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seqlen_k, config.block_n,
-                                       num_sms(q.device), config.grid_programs_per_sm)
+        attended = attended_length(max_seqlen_k, window, config.block_n)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, attended, config.block_n, num_sms(q.device),
+                                       config.grid_programs_per_sm)
     shape = (num_seqs, num_heads, num_splits)
     part_out = torch.empty(*shape, block_d, dtype=torch.float32, device=q.device) if num_splits > 1 else out
     part_lse = torch.empty(shape, dtype=torch.float32, device=q.device) if num_splits > 1 else out
@@ -250,10 +277,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, out, seqlens_k, block_tables, cu_seqlens_q,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        scale * LOG2E, num_heads, part_out, part_lse, num_splits, seqlens_k if order is None else order,
+        *score_scales(scale, softcap), window, num_heads, part_out, part_lse, num_splits,
+        seqlens_k if order is None else order,
         DIRECT=num_splits == 1, GROUP=group, GROUP_PAD=max(16, group_pad(group)), HEAD_DIM=head_dim,
         BLOCK_D=block_d, PAGE_SIZE=k_cache.shape[1], BLOCK_N=config.block_n, UPCAST=upcast_dot(q), MIXED=mixed,
-        ORDERED=order is not None, num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(q))
+        ORDERED=order is not None, SLIDING=window > 0, SOFTCAP=softcap > 0, num_warps=config.num_warps,
+        num_stages=config.num_stages, **pdl_options(q))
     if num_splits == 1:
         return out
     _decode_merge_kernel[(num_seqs, num_heads)](

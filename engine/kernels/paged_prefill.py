@@ -5,7 +5,9 @@ query heads of one KV head, packed as BLOCK_Q * GROUP_PAD rows of one tl.dot ope
 each K/V tile once for the whole group and the matrix units see a tall M. It walks the sequence's
 KV positions through the block table with an online softmax: first the tiles every row may see in
 full (no mask), then the causal tail, where query token i of a chunk of q_len sits at position
-seqlen_k - q_len + i.
+seqlen_k - q_len + i. Under a sliding window (a query at position i sees keys j with i - j < window) the
+walk starts at the tile of the first key the tile's first row sees, and the tiles the window's edge crosses
+are masked too. Attention-logit soft-capping (Gemma 2) caps each score as it is computed.
 """
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.paged_tiles import (LOG2E, check_paged_inputs, group_pad, kv_tile_offsets, mma, query_for_cache,
-                                       upcast_dot)
+from engine.kernels.paged_tiles import (check_paged_inputs, group_pad, kv_tile_offsets, mma, query_for_cache,
+                                       score_scales, scores_log2, upcast_dot)
 
 
 @dataclass(frozen=True)
@@ -29,27 +31,32 @@ class PrefillConfig:
 
 @triton.jit
 def _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, n0, seqlen, q_pos,
-                 head_offset, offs_d, stride_page, stride_slot, qk_scale,
+                 head_offset, offs_d, stride_page, stride_slot, qk_scale, softcap, window,
                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_D: tl.constexpr, CAUSAL_TAIL: tl.constexpr, UPCAST: tl.constexpr):
+                 BLOCK_D: tl.constexpr, MASKED: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    """One KV tile of the online softmax. MASKED: the tile holds keys some row must not see (past its
+    position, or with SLIDING before its window); otherwise every row sees every key of it."""
     offs, mask, valid_n = kv_tile_offsets(block_table_row, n0, seqlen, head_offset, offs_d,
                                           stride_page, stride_slot, PAGE_SIZE, BLOCK_N,
-                                          HEAD_DIM, BLOCK_D, CAUSAL_TAIL)
-    if CAUSAL_TAIL or BLOCK_D != HEAD_DIM:
+                                          HEAD_DIM, BLOCK_D, MASKED)
+    if MASKED or BLOCK_D != HEAD_DIM:
         k = tl.load(k_cache_ptr + offs, mask=mask, other=0.0)
     else:
         k = tl.load(k_cache_ptr + offs)
     k = k.to(q.dtype)  # an fp8 cache widens here (to fp16)
-    s = mma(q, tl.trans(k), UPCAST) * qk_scale
-    if CAUSAL_TAIL:
+    s = scores_log2(mma(q, tl.trans(k), UPCAST), qk_scale, softcap, SOFTCAP)
+    if MASKED:
         offs_n = n0 + tl.arange(0, BLOCK_N)
         visible = (offs_n[None, :] <= q_pos[:, None]) & valid_n[None, :]
+        if SLIDING:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if CAUSAL_TAIL or BLOCK_D != HEAD_DIM:
+    if MASKED or BLOCK_D != HEAD_DIM:
         v = tl.load(v_cache_ptr + offs, mask=mask, other=0.0)
     else:
         v = tl.load(v_cache_ptr + offs)
@@ -63,10 +70,10 @@ def _paged_prefill_kernel(
     cu_seqlens_q_ptr, seqlens_k_ptr, block_tables_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_page, stride_slot, stride_khead, stride_bt,
-    qk_scale,
+    qk_scale, softcap, window,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, SKIP_DECODES: tl.constexpr,
+    UPCAST: tl.constexpr, SKIP_DECODES: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -101,15 +108,29 @@ def _paged_prefill_kernel(
     head_offset = kv_head * stride_khead
     tile_first_pos = first_q_pos + q_tile * BLOCK_Q
     tile_last_pos = first_q_pos + tl.minimum((q_tile + 1) * BLOCK_Q, q_len) - 1
-    full_end = ((tile_first_pos + 1) // BLOCK_N) * BLOCK_N  # KV tiles every row sees in full
-    for n0 in range(0, full_end, BLOCK_N):
+    full_end = ((tile_first_pos + 1) // BLOCK_N) * BLOCK_N  # KV tiles every row sees in full end here...
+    full_start = 0
+    if SLIDING:
+        # ...and start at the first tile inside the last row's window; before it, from the tile of the first
+        # key the first row sees, the window's edge is masked (everything, where the window is narrower than
+        # the query tile)
+        full_start = tl.minimum(tl.cdiv(tl.maximum(tile_last_pos - window + 1, 0), BLOCK_N) * BLOCK_N, full_end)
+        head_start = (tl.maximum(tile_first_pos - window + 1, 0) // BLOCK_N) * BLOCK_N
+        for n0 in range(head_start, full_start, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, n0,
+                                         seqlen, q_pos, head_offset, offs_d, stride_page, stride_slot,
+                                         qk_scale, softcap, window, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True,
+                                         SLIDING, SOFTCAP, UPCAST)
+    for n0 in range(full_start, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, n0,
                                      seqlen, q_pos, head_offset, offs_d, stride_page, stride_slot,
-                                     qk_scale, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, False, UPCAST)
+                                     qk_scale, softcap, window, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, False,
+                                     SLIDING, SOFTCAP, UPCAST)
     for n0 in range(full_end, tile_last_pos + 1, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, n0,
                                      seqlen, q_pos, head_offset, offs_d, stride_page, stride_slot,
-                                     qk_scale, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True, UPCAST)
+                                     qk_scale, softcap, window, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True,
+                                     SLIDING, SOFTCAP, UPCAST)
 
     out = acc / l_i[:, None]
     o_rows = (q_start + token).to(tl.int64) * stride_ot + head * stride_oh
@@ -128,10 +149,13 @@ def default_prefill_config(q: torch.Tensor) -> PrefillConfig:
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor, block_tables: torch.Tensor,
                   max_seqlen_q: int, scale: float, out: torch.Tensor | None = None,
-                  config: PrefillConfig | None = None, skip_decodes: bool = False) -> torch.Tensor:
+                  config: PrefillConfig | None = None, skip_decodes: bool = False, window: int = 0,
+                  softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of each sequence's query chunk over its paged context. q: [num_tokens, H, D].
 
     skip_decodes leaves one-token sequences alone (a tall query tile would waste its rows on them).
+    window: a sliding window (a query at position i sees keys j with i - j < window), 0 for none.
+    softcap: attention-logit soft-capping, each score cap x tanh(score / cap); 0 for none.
     """
     num_heads, num_kv_heads, group = check_paged_inputs(q, k_cache, v_cache)
     head_dim = q.shape[2]
@@ -150,10 +174,11 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, out, cu_seqlens_q, seqlens_k, block_tables,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        scale * LOG2E,
+        *score_scales(scale, softcap), window,
         GROUP=group, GROUP_PAD=gpad, BLOCK_Q=block_q,
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=config.block_n, UPCAST=upcast_dot(q),
-        SKIP_DECODES=skip_decodes, num_warps=config.num_warps, num_stages=config.num_stages,
+        SKIP_DECODES=skip_decodes, SLIDING=window > 0, SOFTCAP=softcap > 0, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out

@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.common import tanh
+
 
 @triton.jit
 def kv_tile_offsets(block_table_row, n0, seqlen, head_offset, offs_d,
@@ -45,6 +47,34 @@ def page_tile_offsets(page, n0, seqlen, head_offset, offs_d, stride_page, stride
     offs_n = n0 + tl.arange(0, BLOCK_N)
     row = page.to(tl.int64) * stride_page + (offs_n % PAGE_SIZE) * stride_slot
     return row[:, None] + head_offset + offs_d[None, :], offs_n < seqlen
+
+
+@triton.jit
+def scores_log2(dot, qk_scale, softcap, SOFTCAP: tl.constexpr):
+    """Attention logits in the log2 domain from the q.k dot products: dot x qk_scale, or with SOFTCAP (Gemma 2's
+    attention-logit soft-capping) softcap x tanh(dot x qk_scale). score_scales gives both factors."""
+    if SOFTCAP:
+        return tanh(dot * qk_scale) * softcap
+    else:
+        return dot * qk_scale
+
+
+def score_scales(scale: float, softcap: float = 0.0) -> tuple[float, float]:
+    """(qk_scale, softcap) for scores_log2: cap x tanh(q.k x scale / cap) in the log2 domain, or without a cap
+    (softcap 0) q.k x scale."""
+    if softcap:
+        return scale / softcap, softcap * LOG2E
+    return scale * LOG2E, 0.0
+
+
+@triton.jit
+def window_start(seqlen, window, SLIDING: tl.constexpr):
+    """The first KV position the last query position (seqlen - 1) sees: seqlen - window under a sliding window
+    (a query at position i sees keys j with i - j < window), else 0."""
+    if SLIDING:
+        return tl.maximum(seqlen - window, 0)
+    else:
+        return seqlen * 0
 
 
 @triton.jit

@@ -1,8 +1,8 @@
 """From the packed qkv projection to attention inputs in one kernel: one program per token.
 
-Splits the row into heads, applies the per-head q/k RMSNorm (Qwen3) and the rotary embedding (the two
-halves of the head), writes the rotated queries out and the keys and values straight into the paged
-cache. Each step rounds where the eager torch layers round (norm in float32, cast, weight product;
+Splits the row into heads, applies the per-head q/k RMSNorm (Qwen3; Gemma 3's scales by 1 + weight) and the
+rotary embedding (the two halves of the head), writes the rotated queries out and the keys and values straight
+into the paged cache. Each step rounds where the eager torch layers round (norm in float32, cast, weight product;
 every rotary product and sum cast back), so the fused result equals the unfused one in bf16.
 """
 from __future__ import annotations
@@ -18,15 +18,20 @@ from engine.kernels.paged_tiles import to_cache
 
 @triton.jit
 def norm_rope(x1, x2, w_ptr, cos, sin, offs_half, mask_half, eps, head_dim,
-               HAS_NORM: tl.constexpr, HALF: tl.constexpr, dtype: tl.constexpr):
-    """Rows of heads, split into halves [rows, HALF]: optional RMSNorm, then rotary; float32 out."""
+              HAS_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, HALF: tl.constexpr, dtype: tl.constexpr):
+    """Rows of heads, split into halves [rows, HALF]: optional RMSNorm (UNIT_OFFSET: scaled by 1 + weight in
+    float32 and rounded once, as Gemma's), then rotary; float32 out."""
     if HAS_NORM:
         mean_sq = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / head_dim
         inv = tl.math.rsqrt(mean_sq + eps)
         w1 = tl.load(w_ptr + offs_half, mask=mask_half, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + HALF + offs_half, mask=mask_half, other=0.0).to(tl.float32)
-        x1 = round_to(w1[None, :] * round_to(x1 * inv[:, None], dtype), dtype)
-        x2 = round_to(w2[None, :] * round_to(x2 * inv[:, None], dtype), dtype)
+        if UNIT_OFFSET:
+            x1 = round_to(x1 * inv[:, None] * (1.0 + w1[None, :]), dtype)
+            x2 = round_to(x2 * inv[:, None] * (1.0 + w2[None, :]), dtype)
+        else:
+            x1 = round_to(w1[None, :] * round_to(x1 * inv[:, None], dtype), dtype)
+            x2 = round_to(w2[None, :] * round_to(x2 * inv[:, None], dtype), dtype)
     out1 = round_to(round_to(x1 * cos[None, :], dtype) - round_to(x2 * sin[None, :], dtype), dtype)
     out2 = round_to(round_to(x2 * cos[None, :], dtype) + round_to(x1 * sin[None, :], dtype), dtype)
     return out1, out2
@@ -41,7 +46,7 @@ def _qkv_prep_kernel(
     num_heads, num_kv_heads, eps,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    HAS_NORM: tl.constexpr, PDL: tl.constexpr,
+    HAS_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, PDL: tl.constexpr,
 ):
     launch_dependents(PDL)
     wait_for_previous(PDL)
@@ -60,7 +65,8 @@ def _qkv_prep_kernel(
     q_lo = row + offs_h[:, None] * HEAD_DIM + offs_half[None, :]
     q1 = tl.load(q_lo, mask=mask_q, other=0.0).to(tl.float32)
     q2 = tl.load(q_lo + HALF, mask=mask_q, other=0.0).to(tl.float32)
-    q1, q2 = norm_rope(q1, q2, q_weight_ptr, cos, sin, offs_half, mask_half, eps, HEAD_DIM, HAS_NORM, HALF, dtype)
+    q1, q2 = norm_rope(q1, q2, q_weight_ptr, cos, sin, offs_half, mask_half, eps, HEAD_DIM, HAS_NORM, UNIT_OFFSET,
+                       HALF, dtype)
     q_dst = q_out_ptr + token * stride_qo_t + offs_h[:, None] * HEAD_DIM + offs_half[None, :]
     tl.store(q_dst, q1.to(dtype), mask=mask_q)
     tl.store(q_dst + HALF, q2.to(dtype), mask=mask_q)
@@ -73,7 +79,8 @@ def _qkv_prep_kernel(
         v_lo = k_lo + num_kv_heads * HEAD_DIM
         k1 = tl.load(k_lo, mask=mask_kv, other=0.0).to(tl.float32)
         k2 = tl.load(k_lo + HALF, mask=mask_kv, other=0.0).to(tl.float32)
-        k1, k2 = norm_rope(k1, k2, k_weight_ptr, cos, sin, offs_half, mask_half, eps, HEAD_DIM, HAS_NORM, HALF, dtype)
+        k1, k2 = norm_rope(k1, k2, k_weight_ptr, cos, sin, offs_half, mask_half, eps, HEAD_DIM, HAS_NORM,
+                           UNIT_OFFSET, HALF, dtype)
         page, offset = slot // PAGE_SIZE, slot % PAGE_SIZE
         heads = offs_kv[:, None] * HEAD_DIM + offs_half[None, :]
         k_dst = k_cache_ptr + page * stride_kc_page + offset * stride_kc_slot + heads
@@ -88,11 +95,12 @@ def _qkv_prep_kernel(
 def qkv_prep(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
              k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-             num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+             num_heads: int, num_kv_heads: int, head_dim: int, unit_offset: bool = False) -> torch.Tensor:
     """Rotated (and normed) queries [T, H, D]; keys and values go into the caches at `slot_mapping`.
 
     qkv: [T, (H + 2 Hkv) D] rows (q heads, then k, then v); cos/sin: [max_position, D / 2] float32
-    tables; q_weight/k_weight: the per-head RMSNorm weights [D], or both None for no q/k norm.
+    tables; q_weight/k_weight: the per-head RMSNorm weights [D], or both None for no q/k norm; unit_offset:
+    the norms scale by 1 + weight (Gemma's).
     """
     num_tokens = qkv.shape[0]
     assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and qkv.stride(1) == 1
@@ -114,6 +122,6 @@ def qkv_prep(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
         num_heads, num_kv_heads, eps,
         HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-        PAGE_SIZE=k_cache.shape[1], HAS_NORM=has_norm, **pdl_options(qkv),
+        PAGE_SIZE=k_cache.shape[1], HAS_NORM=has_norm, UNIT_OFFSET=unit_offset, **pdl_options(qkv),
     )
     return q

@@ -268,7 +268,7 @@ def tma_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None =
                config: TmaConfig | None = None, gated: bool = False) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T -> [M, N] in x's dtype (bf16 or fp16; rows of x, weight and out 16-byte
     aligned). gated: the weight is [gate | up] (N an even count of rows), and the result is the SiLU·mul of
-    the product's halves, [M, N / 2], as engine.kernels.norm_act.silu_and_mul of the product would give
+    the product's halves, [M, N / 2], as engine.kernels.norm_act.act_and_mul of the product would give
     (no split K). Hopper GPUs only (`available`)."""
     if gl is None:
         raise RuntimeError("tma_linear needs Triton with Gluon's Hopper module")

@@ -1,8 +1,9 @@
 """Fused elementwise chains on CUDA; plain eager torch elsewhere.
 
-RMSNorm (with the residual add) and SiLU·mul run as the engine's Triton kernels (engine/kernels/norm_act.py),
-and so do the projections of small decode batches (engine/kernels/gemv.py), which take the norm or the
-SiLU·mul before them into their prologue;
+RMSNorm (with the residual add; Gemma's scales by 1 + weight), the gated activations (SiLU·mul, GELU-tanh·mul)
+and logit soft-capping run as the engine's Triton kernels (engine/kernels/norm_act.py), and so do the projections
+of small decode batches (engine/kernels/gemv.py), which take the norm or the activation before them into their
+prologue;
 the other chains are compiled by torch.compile once (dynamic shapes) the first time they see a CUDA
 tensor. Inside `with PlainTorch():` everything stays eager PyTorch (no Triton kernel, no torch.compile): the
 model runner enters it for an engine built with fused_layers=False (EngineConfig), tests for a reference of
@@ -81,27 +82,31 @@ def takes_gemv(rows: torch.Tensor, weight: torch.Tensor) -> bool:
     return _gemv_for(rows, weight) is not None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension in float32."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dimension in float32; unit_offset: scaled by 1 + weight, rounded once (Gemma's)."""
     kernels = _kernels_for(x, weight)
     if kernels is not None:
-        return kernels.rms_norm(x, weight, eps)
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+        return kernels.rms_norm(x, weight, eps, unit_offset=unit_offset)
+    return _normed(x, weight, eps, unit_offset)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 unit_offset: bool = False):
     """(rms_norm(x + residual), x + residual)."""
     kernels = _kernels_for(x, weight)
     if kernels is not None:
-        return kernels.rms_norm(x, weight, eps, residual=residual)
+        return kernels.rms_norm(x, weight, eps, residual=residual, unit_offset=unit_offset)
     residual = x + residual
-    dtype = residual.dtype
-    h = residual.float()
+    return _normed(residual, weight, eps, unit_offset), residual
+
+
+def _normed(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype), residual
+    if unit_offset:
+        return (h * (1.0 + weight.float())).to(dtype)
+    return weight * h.to(dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -131,11 +136,13 @@ def takes_gated_tma(rows: torch.Tensor, gate_up_weight: torch.Tensor) -> bool:
 
 
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                        weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False):
+                        weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
+                        unit_offset: bool = False):
     """(linear(rms_norm(x + residual) x norm_weight, weight, bias), x + residual); without a residual (the
     first layer), the norm of x and x itself. Where the GEMV takes the rows, the residual add and the norm
     run in its prologue instead of a kernel of their own. gated (where takes_gated_tma): the weight is
-    [gate | up], and the first result is silu(gate) * up, computed in the TMA GEMM's epilogue."""
+    [gate | up], and the first result is silu(gate) * up, computed in the TMA GEMM's epilogue. unit_offset:
+    the norm scales by 1 + norm_weight (Gemma's)."""
     if gated:
         tma = _tma_for(x, weight) if bias is None else None
         if tma is None:
@@ -145,33 +152,59 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
             and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
                                       and residual.stride(1) == 1))):
         if residual is None:
-            return kernels.gemv(x, weight, bias, norm=(None, norm_weight, eps)), x
-        return kernels.gemv(x, weight, bias, norm=(residual, norm_weight, eps))
+            return kernels.gemv(x, weight, bias, norm=(None, norm_weight, eps), unit_offset=unit_offset), x
+        return kernels.gemv(x, weight, bias, norm=(residual, norm_weight, eps), unit_offset=unit_offset)
     if residual is None:
-        normed, residual = rms_norm(x, norm_weight, eps), x
+        normed, residual = rms_norm(x, norm_weight, eps, unit_offset), x
     else:
-        normed, residual = add_rms_norm(x, residual, norm_weight, eps)
+        normed, residual = add_rms_norm(x, residual, norm_weight, eps, unit_offset)
     if gated:
         return tma.tma_linear(normed, weight, gated=True), residual
     return linear(normed, weight, bias), residual
 
 
-def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """linear(silu_and_mul(x), weight, bias); where the GEMV takes the rows, the activation is computed in
-    its prologue instead of a kernel of its own."""
+def act_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       act: str = "silu") -> torch.Tensor:
+    """linear(act_and_mul(x, act), weight, bias); where the GEMV takes the rows, the activation is computed in
+    its prologue instead of a kernel of their own."""
     kernels = _gemv_for(x, weight)
     if kernels is not None:
-        return kernels.gemv(x, weight, bias, gated=True)
-    return linear(silu_and_mul(x), weight, bias)
+        return kernels.gemv(x, weight, bias, gated=True, act=act)
+    return linear(act_and_mul(x, act), weight, bias)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up over a packed [gate | up] last dimension."""
+GATE_ACTS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
+def act_and_mul(x: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """act(gate) * up over a packed [gate | up] last dimension: act "silu" (SwiGLU) or "gelu_tanh" (GeGLU with
+    GELU's tanh approximation)."""
     kernels = _kernels_for(x)
     if kernels is not None:
-        return kernels.silu_and_mul(x)
+        return kernels.act_and_mul(x, act)
     gate, up = x.chunk(2, -1)
-    return F.silu(gate) * up
+    return GATE_ACTS[act](gate) * up
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap x tanh(x / cap), elementwise (Gemma 2's final-logit soft-capping); on CUDA in place, in one kernel."""
+    kernels = _kernels_for(x)
+    if kernels is not None and x.dim() == 2 and x.stride(1) == 1:
+        return kernels.soft_cap(x, cap)
+    return torch.tanh(x / cap) * cap
+
+
+def embedding(input_ids: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """F.embedding, times scale (a 0-dim tensor of weight's dtype: Gemma's sqrt(hidden_size)) where given;
+    the lookup and the product compiled into one kernel on CUDA."""
+    if scale is None:
+        return F.embedding(input_ids, weight)
+    return _scaled_embedding(input_ids, weight, scale)
+
+
+@fused
+def _scaled_embedding(input_ids: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return F.embedding(input_ids, weight) * scale
 
 
 @fused

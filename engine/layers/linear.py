@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers.fusion import linear, silu_and_mul, silu_and_mul_linear
+from engine.layers.fusion import act_and_mul, act_and_mul_linear, linear
 from engine.layers.parallel import SINGLE, PushedSum, TPGroup, divide
 
 
@@ -100,12 +100,12 @@ class RowParallelLinear(_Linear):
     def forward(self, x: torch.Tensor) -> "torch.Tensor | PushedSum":
         return self._reduced(self.tp.partial_linear(x, self.weight, self.bias))
 
-    def forward_silu_and_mul(self, gate_up: torch.Tensor) -> "torch.Tensor | PushedSum":
-        """forward(silu_and_mul(gate_up)); the activation is fused into the projection where this rank's
+    def forward_act_and_mul(self, gate_up: torch.Tensor, act: str = "silu") -> "torch.Tensor | PushedSum":
+        """forward(act_and_mul(gate_up, act)); the activation is fused into the projection where this rank's
         part is a plain product (always for decode rows; see TPGroup.partial_linear)."""
         if self.tp.is_plain_product(gate_up):
-            return self._reduced(silu_and_mul_linear(gate_up, self.weight, self.bias))
-        return self.forward(silu_and_mul(gate_up))
+            return self._reduced(act_and_mul_linear(gate_up, self.weight, self.bias, act))
+        return self.forward(act_and_mul(gate_up, act))
 
     def _reduced(self, out):
         if not self.reduce_results:

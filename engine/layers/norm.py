@@ -1,7 +1,7 @@
 import torch
 from torch import nn
 
-from engine.layers.fusion import add_rms_norm_linear, rms_norm
+from engine.layers.fusion import add_rms_norm, add_rms_norm_linear, rms_norm
 from engine.layers.parallel import SINGLE, TPGroup
 
 
@@ -12,6 +12,8 @@ class RMSNorm(nn.Module):
     output left unsummed): the all-reduce, the residual add and the norm run as one step.
     """
 
+    unit_offset = False  # GemmaRMSNorm: the checkpoint's weight is the scale's offset from one
+
     def __init__(self, hidden_size: int, eps: float = 1e-6, tp: TPGroup = SINGLE):
         super().__init__()
         self.eps = eps
@@ -20,7 +22,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
-            return rms_norm(x, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps, self.unit_offset)
+        if self.tp.size == 1:
+            return add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset)
         return self.tp.all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
 
     def linear(self, x: torch.Tensor, residual: torch.Tensor | None, proj,
@@ -30,10 +34,21 @@ class RMSNorm(nn.Module):
         one kernel less. gated (one rank, rows the TMA GEMM takes: fusion.takes_gated_tma): proj is the
         [gate | up] projection and the first result silu(gate) * up, from the GEMM's epilogue."""
         if self.tp.size == 1 and proj.tp.size == 1:
-            return add_rms_norm_linear(x, residual, self.weight, self.eps, proj.weight, proj.bias, gated=gated)
+            return add_rms_norm_linear(x, residual, self.weight, self.eps, proj.weight, proj.bias, gated=gated,
+                                       unit_offset=self.unit_offset)
         if gated:
             raise ValueError("RMSNorm.linear(gated=True) runs on one rank only")
         if residual is None:
             return proj(self(x)), x
         x, residual = self(x, residual)
         return proj(x), residual
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: x / rms(x) x (1 + weight), in float32 and rounded once. Its input is always whole (the
+    Gemma layers sum their projections before their norms), so it takes no tensor-parallel group."""
+
+    unit_offset = True
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__(hidden_size, eps)

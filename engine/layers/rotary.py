@@ -6,26 +6,43 @@ import math
 import torch
 from torch import nn
 
+from engine.attention import AttentionMetadata
 from engine.layers.fusion import rotate
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
-def rope_settings(hf_config) -> tuple[float, dict]:
-    """(theta, scaling) from a config that uses rope_parameters (new) or rope_theta/rope_scaling (old)."""
+def rope_settings(hf_config, layer_type: str | None = None) -> tuple[float, dict]:
+    """(theta, scaling) from a config that uses rope_parameters (new) or rope_theta/rope_scaling (old);
+    layer_type: the parameters of that kind of layer where the config keeps one set per kind (Gemma 3's
+    "sliding_attention" and "full_attention")."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
     legacy = dict(getattr(hf_config, "rope_scaling", None) or {})
     scaling = {**legacy, **params}
     theta = scaling.pop("rope_theta", None) or getattr(hf_config, "rope_theta", None) or 10000.0
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+    if rope_type in ("su", "yarn") and "long_factor" in scaling:  # Phi-3's older names of longrope
+        rope_type = "longrope"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    partial = scaling.pop("partial_rotary_factor", None) or getattr(hf_config, "partial_rotary_factor", None) or 1.0
+    if partial != 1.0:
+        raise ValueError(f"partial rotary embeddings (partial_rotary_factor={partial}) are not supported")
     scaling["rope_type"] = rope_type
+    if rope_type == "longrope":
+        scaling.setdefault("original_max_position_embeddings",
+                           getattr(hf_config, "original_max_position_embeddings", None)
+                           or hf_config.max_position_embeddings)
     return float(theta), scaling
 
 
-def _inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def _inv_freq(head_dim: int, theta: float, scaling: dict, factors: list[float] | None = None) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    if factors is not None:  # longrope: each frequency divided by its own factor
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta ** exponents)
+    inv_freq = 1.0 / (theta ** exponents)
     rope_type = scaling["rope_type"]
     if rope_type == "linear":
         inv_freq = inv_freq / scaling["factor"]
@@ -41,17 +58,50 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
     return inv_freq
 
 
+def _tables(inv_freq: torch.Tensor, max_position: int, attention_factor: float = 1.0):
+    freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return freqs.cos() * attention_factor, freqs.sin() * attention_factor
+
+
 class RotaryEmbedding(nn.Module):
+    """cos/sin tables [rows, head_dim / 2] (float32) indexed by position, shared by the layers that use one
+    rope. LongRoPE (Phi-3's long-context checkpoints) keeps two sets of frequencies: a sequence whose
+    context is longer than original_max_position_embeddings rotates with the long factors, others with the
+    short ones, as the model's own code chooses per forward pass; the long set is the table's second half
+    (table_positions picks the row)."""
+
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict):
         super().__init__()
-        inv_freq = _inv_freq(head_dim, theta, scaling)
-        positions = torch.arange(max_position, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.long_after = None  # longrope: context lengths past this take the long factors
+        if scaling["rope_type"] == "longrope":
+            original = scaling["original_max_position_embeddings"]
+            factor = scaling.get("factor") or max_position / original
+            attention_factor = scaling.get("attention_factor") or (
+                1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original)))
+            short = _tables(_inv_freq(head_dim, theta, scaling, scaling["short_factor"]), max_position, attention_factor)
+            long = _tables(_inv_freq(head_dim, theta, scaling, scaling["long_factor"]), max_position, attention_factor)
+            cos, sin = torch.cat([short[0], long[0]]), torch.cat([short[1], long[1]])
+            self.long_after, self.max_position = original, max_position
+        else:
+            cos, sin = _tables(_inv_freq(head_dim, theta, scaling), max_position)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def table_positions(self, positions: torch.Tensor, meta: AttentionMetadata | None) -> torch.Tensor:
+        """The table row of each token: its position, or with LongRoPE, in the long half where its
+        sequence's context (meta.seqlens_k) is longer than original_max_position_embeddings."""
+        if self.long_after is None or meta is None:
+            return positions
+        if meta.is_decode:  # one token a sequence, at its context's last position
+            context = positions + 1
+        else:  # each token's sequence by cu_seqlens_q; rows past the last (a graph's padding) take the last's
+            tokens = torch.arange(positions.shape[0], device=positions.device, dtype=meta.cu_seqlens_q.dtype)
+            seq = torch.searchsorted(meta.cu_seqlens_q[1:], tokens, right=True).clamp(max=meta.seqlens_k.shape[0] - 1)
+            context = meta.seqlens_k[seq]
+        return torch.where(context > self.long_after, positions + self.max_position, positions)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, H, D], k: [T, Hkv, D]; rotates the two halves of D."""
+        """q: [T, H, D], k: [T, Hkv, D]; rotates the two halves of D. positions: table rows (table_positions)."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return rotate(q, cos, sin), rotate(k, cos, sin)

@@ -1,4 +1,5 @@
-"""The Llama decoder family: Llama, and through small flags Qwen2 (qkv bias) and Qwen3 (q/k norm).
+"""The Llama decoder family: Llama, and through small flags Qwen2 (qkv bias), Qwen3 (q/k norm), Mistral and
+Phi-3 (a sliding window on every layer).
 
 Pre-norm transformer: x → RMSNorm → attention (rotary, GQA) → + x → RMSNorm → SwiGLU MLP → + x.
 
@@ -11,19 +12,25 @@ import torch
 from torch import nn
 
 from engine.attention import ForwardContext
-from engine.layers.attention import Attention
+from engine.layers.attention import Attention, layer_type_windows
 from engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from engine.layers.fusion import takes_gated_tma, takes_gemv
-from engine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.layers.fusion import takes_gemv
+from engine.layers.linear import QKVParallelLinear, RowParallelLinear
+from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel import TPGroup, divide
 from engine.layers.rotary import RotaryEmbedding, rope_settings
 
 
+def head_dim_of(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg, family: "FamilyFlags", tp: TPGroup, ctx: ForwardContext):
+    def __init__(self, cfg, family: "FamilyFlags", tp: TPGroup, ctx: ForwardContext, rotary: RotaryEmbedding,
+                 window: int):
         super().__init__()
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.head_dim = head_dim_of(cfg)
         self.num_heads = divide(cfg.num_attention_heads, tp.size, "num_attention_heads")
         self.num_kv_heads = divide(cfg.num_key_value_heads, tp.size, "num_key_value_heads")
         bias = getattr(cfg, "attention_bias", False)
@@ -31,13 +38,13 @@ class DecoderAttention(nn.Module):
                                           cfg.num_key_value_heads, bias=bias or family.qkv_bias, tp=tp)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=bias, tp=tp,
                                         reduce_results=False)
-        theta, scaling = rope_settings(cfg)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, theta, scaling)
+        self.rotary_emb = rotary
         if family.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = family.qk_norm
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, ctx)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, ctx,
+                              window=window)
 
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """Attention over the packed q/k/v rows (qkv_proj's output, which the layer computes with its
@@ -47,29 +54,14 @@ class DecoderAttention(nn.Module):
         return self.o_proj(self.attn(qkv, positions, self.rotary_emb, q_norm, k_norm, after_gemv))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg, tp: TPGroup):
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, family: "FamilyFlags", tp: TPGroup, ctx: ForwardContext, rotary: RotaryEmbedding,
+                 window: int):
         super().__init__()
         if getattr(cfg, "mlp_bias", False):
             raise ValueError("mlp_bias=True is not supported")
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp=tp)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp, reduce_results=False)
-
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """SwiGLU of gate_up_proj's output (which the layer computes with its norm): down(silu(gate) * up)."""
-        return self.down_proj.forward_silu_and_mul(gate_up)
-
-    def activates_in_gate_up(self, x: torch.Tensor) -> bool:
-        """Whether, for x's rows, gate_up_proj's GEMM gives silu(gate) * up itself (one rank, the TMA GEMM's
-        rows): the layer then calls down_proj on that."""
-        return self.gate_up_proj.tp.size == 1 and takes_gated_tma(x, self.gate_up_proj.weight)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg, family: "FamilyFlags", tp: TPGroup, ctx: ForwardContext):
-        super().__init__()
-        self.self_attn = DecoderAttention(cfg, family, tp, ctx)
-        self.mlp = MLP(cfg, tp)
+        self.self_attn = DecoderAttention(cfg, family, tp, ctx, rotary, window)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "hidden_act", "silu"), tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp)
 
@@ -89,14 +81,15 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg, family: "FamilyFlags", tp: TPGroup, ctx: ForwardContext):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, family, tp, ctx) for _ in range(cfg.num_hidden_layers))
+        self.rotary_emb = RotaryEmbedding(head_dim_of(cfg), cfg.max_position_embeddings, *rope_settings(cfg))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, family, tp, ctx, self.rotary_emb, window)
+                                    for window in family.layer_windows(cfg))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp)
         self.ctx = ctx
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        prepare = getattr(self.ctx.backend, "prepare", None)
-        if prepare is not None and self.ctx.meta is not None:  # what every layer's attention reads, first
-            prepare(self.ctx.meta)
+        self.ctx.prepare()  # what every layer's attention reads, first
+        positions = self.rotary_emb.table_positions(positions, self.ctx.meta)
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
@@ -107,6 +100,9 @@ class DecoderModel(nn.Module):
 class FamilyFlags:
     qkv_bias = False
     qk_norm = False
+    # each layer's sliding window (0: the whole context): Llama's config has no layer_types (all global);
+    # Qwen2's and Qwen3's mark sliding layers where use_sliding_window is on
+    layer_windows = staticmethod(layer_type_windows)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -124,6 +120,11 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def layer_windows(cls, cfg) -> list[int]:
+        """Each layer's sliding window, 0 for the whole context."""
+        return cls.flags.layer_windows(cfg)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

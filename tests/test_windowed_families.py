@@ -1,0 +1,176 @@
+"""Mistral, Gemma 2, Gemma 3 and Phi-3 against transformers on the same checkpoints: sliding windows shorter
+than the prompts, Gemma's soft-capped logits, (1 + weight) norms, scaled embeddings and local rope, Phi-3's
+packed checkpoint and LongRoPE. Greedy tokens equal transformers' generate, also through prefix-cache hits,
+forced preemption, chunked prefill and TP=2; quantized checkpoints are refused with one clear error."""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from tests.conftest import WINDOWED_FAMILIES, hf_greedy, make_checkpoint
+from tests.test_tp import assert_ranks_gone, generate_ids
+
+MAX_NEW = 24
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+
+
+def prompts_of(n: int, shared_prefix: int = 0, seed: int = 1, longest: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 500) for _ in range(shared_prefix)]
+    return [prefix + [rng.randrange(3, 500) for _ in range(rng.randint(1, longest))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module", params=WINDOWED_FAMILIES)
+def reference(request, tmp_path_factory):
+    """A checkpoint of the family, prompts (most longer than its windows; six sharing a 40-token prefix) and
+    transformers' greedy completions."""
+    model_dir = make_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+    prompts = prompts_of(14) + prompts_of(6, shared_prefix=40, seed=2)
+    return model_dir, prompts, hf_greedy(model_dir, prompts, MAX_NEW)
+
+
+def test_greedy_tokens_match_transformers(reference):
+    model_dir, prompts, expected = reference
+    llm = LLM(str(model_dir), device="cpu", kvcache_block_size=8)
+    assert generate_ids(llm, prompts, GREEDY) == expected
+
+
+def test_prefix_cache_preemption_and_chunked_prefill_keep_tokens_identical(reference):
+    """Cached prefixes (blocks computed for another sequence, some older than the window), sequences
+    preempted and recomputed, prompts split into chunks that start inside a window: transformers' tokens."""
+    model_dir, prompts, expected = reference
+    llm = LLM(str(model_dir), device="cpu", kvcache_block_size=4, num_kvcache_blocks=40, max_model_len=128,
+              max_num_batched_tokens=24)
+    chunked, schedule = [], llm.scheduler.schedule
+
+    def spy():
+        batch = schedule()
+        chunked.extend(n for s, n in zip(batch.seqs, batch.num_tokens) if s.num_computed_tokens + n < s.num_tokens)
+        return batch
+
+    llm.scheduler.schedule = spy
+    assert generate_ids(llm, prompts + prompts[-6:], GREEDY) == expected + expected[-6:]
+    assert chunked, "no prompt was split into chunks"
+    assert llm.scheduler.num_preemptions > 0
+    assert llm.block_manager.num_cache_hits > 0
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+@pytest.mark.timeout(300)
+def test_tp2_tokens_match_transformers_with_prefix_cache_and_preemption(reference):
+    model_dir, prompts, expected = reference
+    llm = LLM(str(model_dir), device="cpu", tensor_parallel_size=2, kvcache_block_size=4, num_kvcache_blocks=40,
+              max_model_len=128, max_num_batched_tokens=32)
+    pids = llm.runner.worker_pids
+    try:
+        assert generate_ids(llm, prompts + prompts[-4:], GREEDY) == expected + expected[-4:]
+        assert llm.scheduler.num_preemptions > 0
+        assert llm.block_manager.num_cache_hits > 0
+    finally:
+        llm.shutdown()
+    assert_ranks_gone(pids)
+
+
+def test_gemma2_final_soft_cap_reaches_the_sampler(tmp_path):
+    """The capped logits are what the sampler sees: each token's logprob equals transformers' log_softmax of
+    its capped logits (greedy tokens alone would not tell, capping keeps the argmax)."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = make_checkpoint("gemma2", tmp_path / "gemma2", final_logit_softcapping=1.5)
+    prompts = prompts_of(3, seed=5)
+    llm = LLM(str(model_dir), device="cpu", kvcache_block_size=8)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, logprobs=1), use_tqdm=False)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([prompt + out.token_ids[:-1]])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1:]
+        assert logits.abs().max() <= 1.5  # the cap is in transformers' logits too
+        want = logits.log_softmax(-1).gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
+        assert [lp["logprob"] for lp in out.logprobs] == pytest.approx(want.tolist(), abs=1e-4)
+
+
+def test_phi3_longrope_takes_the_long_factors_past_the_original_length_as_transformers_does(tmp_path):
+    """Sequences that stay within original_max_position_embeddings rotate with the short factors, prompts longer
+    than it with the long ones throughout. (A sequence that crosses it while generating keeps its earlier keys'
+    rotation here, where transformers recomputes its whole cache with the long factors at that token.)"""
+    model_dir = make_checkpoint("phi3", tmp_path / "phi3", original_max_position_embeddings=40,
+                                max_position_embeddings=1024)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(1, 40 - MAX_NEW + 1))] for _ in range(5)]
+    prompts += [[rng.randrange(3, 500) for _ in range(rng.randint(41, 90))] for _ in range(5)]
+    expected = hf_greedy(model_dir, prompts, MAX_NEW)
+    llm = LLM(str(model_dir), device="cpu", kvcache_block_size=8)
+    assert llm.runner.model.model.rotary_emb.long_after == 40
+    assert generate_ids(llm, prompts, GREEDY) == expected
+    # the premise: the long factors change these completions (the same model with long = short factors)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["rope_parameters"]["long_factor"] = config["rope_parameters"]["short_factor"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    assert generate_ids(LLM(str(model_dir), device="cpu", kvcache_block_size=8), prompts, GREEDY) != expected
+
+
+QUANTIZATION_CONFIGS = [
+    ("fp8", {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}),
+    ("gptq", {"quant_method": "gptq", "bits": 4, "group_size": 128}),
+    ("awq", {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}),
+    ("bitsandbytes", {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}),
+    ("bitsandbytes", {"load_in_8bit": True}),  # as configs were written before quant_method
+    ("compressed-tensors", {"quant_method": "compressed-tensors", "format": "float-quantized"}),
+]
+
+
+@pytest.mark.parametrize("method,quantization", QUANTIZATION_CONFIGS,
+                         ids=[f"{method}-{'-'.join(q)}" for method, q in QUANTIZATION_CONFIGS])
+def test_quantized_checkpoint_is_refused_with_one_line_naming_its_method(qwen3_checkpoint, tmp_path, method,
+                                                                         quantization):
+    model_dir = tmp_path / "quantized"
+    shutil.copytree(qwen3_checkpoint, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+    with pytest.raises(ValueError) as error:
+        LLM(str(model_dir), device="cpu")
+    message = str(error.value)
+    assert f"quantized ({method})" in message and "not supported yet" in message
+    assert "\n" not in message
+
+
+def test_quantized_tensors_without_a_quantization_config_are_named_as_such(qwen3_checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model_dir = tmp_path / "scales"
+    shutil.copytree(qwen3_checkpoint, model_dir)
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors["model.layers.0.mlp.down_proj.weight_scale_inv"] = torch.ones(1, 1)
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.down_proj\.weight_scale_inv' belongs to a "
+                                         r"quantized checkpoint; quantized checkpoints are not supported yet"):
+        LLM(str(model_dir), device="cpu")
+
+
+def test_shipped_gemma3_and_phi3_shapes_resolve_to_their_families():
+    from engine.config import EngineConfig
+    from engine.models import model_class
+
+    gemma = EngineConfig("gemma3-1b", load_format="dummy", device="cpu")
+    windows = model_class(gemma.hf_config.architectures).layer_windows(gemma.hf_config)
+    assert windows == [512] * 5 + [0] + [512] * 5 + [0] + [512] * 5 + [0] + [512] * 5 + [0] + [512, 512]
+    phi3 = EngineConfig("phi3-mini", load_format="dummy", device="cpu")
+    assert model_class(phi3.hf_config.architectures).layer_windows(phi3.hf_config) == [2047] * 32
+
+
+def test_unsupported_rope_variants_are_refused_with_the_reason():
+    from types import SimpleNamespace
+
+    from engine.layers.rotary import rope_settings
+
+    partial = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75})
+    with pytest.raises(ValueError, match=r"partial rotary embeddings \(partial_rotary_factor=0.75\) are not supported"):
+        rope_settings(partial)
+    with pytest.raises(ValueError, match="rope scaling type 'dynamic' is not supported"):
+        rope_settings(SimpleNamespace(rope_parameters={"rope_type": "dynamic", "factor": 2.0}))
