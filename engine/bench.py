@@ -128,18 +128,30 @@ def build_llm(args: argparse.Namespace):
 
 def floor_seconds(hf_config, prompts: list[list[int]], params, bandwidth: float, dtype_bytes: int = 2,
                   tensor_parallel_size: int = 1, kv_dtype_bytes: int | None = None) -> float:
-    """Bytes that must cross device memory (each generated token's context K/V once, the weights once per
-    decode step, all sequences decoding together) over the bandwidth. kv_dtype_bytes: bytes of a cached
-    K/V element (default dtype_bytes; 1 for an fp8 cache)."""
-    kv_bytes = kv_bytes_per_token(hf_config, kv_dtype_bytes or dtype_bytes)
-    context_tokens = 0
+    """Bytes that must cross device memory (each generated token's context K/V once, in a sliding-window
+    layer only the window's, the weights once per decode step, all sequences decoding together) over the
+    bandwidth. kv_dtype_bytes: bytes of a cached K/V element (default dtype_bytes; 1 for an fp8 cache)."""
+    from engine.models import model_class
+
+    layer_kv = kv_bytes_per_token(hf_config, kv_dtype_bytes or dtype_bytes) // hf_config.num_hidden_layers
+    windows = model_class(hf_config.architectures).layer_windows(hf_config)
+    context_bytes = 0
     for prompt, sp in zip(prompts, params):
-        n = sp.max_tokens
-        context_tokens += n * len(prompt) + n * (n - 1) // 2
+        for window in windows:
+            context_bytes += attended_positions(len(prompt), sp.max_tokens, window) * layer_kv
     decode_steps = max(sp.max_tokens for sp in params)
     weight_bytes = count_parameters(hf_config) * dtype_bytes
-    total = context_tokens * kv_bytes + decode_steps * weight_bytes
-    return total / (bandwidth * tensor_parallel_size)
+    return (context_bytes + decode_steps * weight_bytes) / (bandwidth * tensor_parallel_size)
+
+
+def attended_positions(prompt_len: int, new_tokens: int, window: int = 0) -> int:
+    """Context positions the generated tokens of one sequence read in one layer: the i-th reads prompt_len + i,
+    or at most window of them in a sliding-window layer (window 0: none)."""
+    total = new_tokens * prompt_len + new_tokens * (new_tokens - 1) // 2
+    if window <= 0:
+        return total
+    below = min(max(window - prompt_len, 0), new_tokens)  # tokens whose context is still within the window
+    return below * prompt_len + below * (below - 1) // 2 + (new_tokens - below) * window
 
 
 def kv_bytes_per_token(hf_config, kv_dtype_bytes: int = 2) -> int:

@@ -101,3 +101,16 @@ def test_bench_profile_traces_the_steps_asked_for_and_refuses_bad_ranges(tmp_pat
     assert record["kernels_compiled_in_run"] == 0 and record["traced_seconds"] > 0
     assert sorted(p.name for p in tmp_path.glob("*.json")) == ["trace_tp1_steps0-0.json", "trace_tp1_steps2-3.json"]
     assert json.loads((tmp_path / "trace_tp1_steps2-3.json").read_text())["traceEvents"]
+
+
+def test_floor_reads_only_the_window_of_sliding_window_layers():
+    from engine.config import load_hf_config
+
+    assert bench.attended_positions(10, 5) == 10 + 11 + 12 + 13 + 14
+    assert bench.attended_positions(10, 5, window=12) == 10 + 11 + 12 + 12 + 12
+    assert bench.attended_positions(30, 3, window=12) == 3 * 12
+    gemma = load_hf_config(bench.resolve_model("gemma3-1b"))  # five of every six layers see 512 positions
+    prompts, params = bench.make_workload(parse())
+    windowed = bench.floor_seconds(gemma, prompts, params, 3.02e12)
+    gemma.layer_types = ["full_attention"] * gemma.num_hidden_layers
+    assert 0.5 < windowed / bench.floor_seconds(gemma, prompts, params, 3.02e12) < 0.8

@@ -115,6 +115,16 @@ def test_phi3_longrope_takes_the_long_factors_past_the_original_length_as_transf
     assert generate_ids(LLM(str(model_dir), device="cpu", kvcache_block_size=8), prompts, GREEDY) != expected
 
 
+def test_qwen2_with_use_sliding_window_windows_the_layers_past_max_window_layers(tmp_path):
+    model_dir = make_checkpoint("qwen2", tmp_path / "qwen2", use_sliding_window=True, sliding_window=8,
+                                max_window_layers=1)
+    prompts = prompts_of(8, seed=9)
+    expected = hf_greedy(model_dir, prompts, MAX_NEW)
+    llm = LLM(str(model_dir), device="cpu", kvcache_block_size=8)
+    assert [layer.self_attn.attn.window for layer in llm.runner.model.model.layers] == [0, 8]
+    assert generate_ids(llm, prompts, GREEDY) == expected
+
+
 QUANTIZATION_CONFIGS = [
     ("fp8", {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}),
     ("gptq", {"quant_method": "gptq", "bits": 4, "group_size": 128}),
@@ -126,7 +136,7 @@ QUANTIZATION_CONFIGS = [
 
 
 @pytest.mark.parametrize("method,quantization", QUANTIZATION_CONFIGS,
-                         ids=[f"{method}-{'-'.join(q)}" for method, q in QUANTIZATION_CONFIGS])
+                         ids=[m if "quant_method" in q else f"{m}-{next(iter(q))}" for m, q in QUANTIZATION_CONFIGS])
 def test_quantized_checkpoint_is_refused_with_one_line_naming_its_method(qwen3_checkpoint, tmp_path, method,
                                                                          quantization):
     model_dir = tmp_path / "quantized"
