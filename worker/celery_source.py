@@ -41,6 +41,9 @@ TASK_NAME = "redline.generate"
 JOB_ID_PREFIX = "celery-"  # a task's job id in the engine, the logs and its JobResult: celery-<task id>
 POLL_S = 0.02  # the thread comes round at least this often: acks, room for a held task, stopping
 RESTORE_EVERY_S = 1.0  # how often an idle thread has kombu look for dead workers' messages to put back
+# kombu's BRPOP waits this long in Redis. A message it takes while the worker stops reading is put back by
+# kombu, so the thread waits one out before it says it reads no more (it delays a worker's exit this long).
+BRPOP_TIMEOUT_S = 0.1
 BACKEND_RETRIES = 10  # Celery retries a failed result store this often (with backoff); then the task is requeued
 
 
@@ -73,7 +76,8 @@ def celery_app(url: str, settings):
             "visibility_timeout": timeout, "unacked_key": unacked, "unacked_index_key": f"{unacked}_index",
             # a worker killed while it restores others' messages holds this lock no longer than the timeout
             "unacked_mutex_key": f"{unacked}_mutex", "unacked_mutex_expire": max(round(timeout), 1),
-            "unacked_restore_throttle": round(RESTORE_EVERY_S / POLL_S)})  # one idle poll in this many looks
+            "unacked_restore_throttle": round(RESTORE_EVERY_S / POLL_S),  # one idle poll in this many looks
+            "polling_interval": BRPOP_TIMEOUT_S})  # the Redis transport's BRPOP timeout
     return app
 
 
@@ -161,6 +165,7 @@ class CelerySource:
         self._held: list[CeleryTask] = []  # delivered while the engine had no room; next in line
         self._settle: queue.SimpleQueue = queue.SimpleQueue()  # (message, True: ack | False: requeue)
         self._next_stamp = 0.0
+        self._reads_end: float | None = None  # once it stops reading: when a BRPOP sent before has returned
         self._errors: tuple = ()
 
     # ---- the thread ----
@@ -185,7 +190,7 @@ class CelerySource:
 
     def _serve(self, conn, consumer) -> None:
         w, credit = self.worker, None
-        while not w.closed.is_set():
+        while not (w.closed.is_set() and self.reading_done.is_set()):
             try:
                 self._settle_messages()
                 if not w.stopping.is_set():
@@ -195,8 +200,10 @@ class CelerySource:
                     if wanted != credit:
                         consumer.qos(prefetch_count=wanted)
                         credit = wanted
-                elif not self.reading_done.is_set():
+                elif self._reads_end is None:
                     self._stop_reading(consumer)
+                elif time.monotonic() >= self._reads_end:
+                    self.reading_done.set()
                 self._stamp_deliveries()
                 conn.drain_events(timeout=POLL_S)
             except socket.timeout:
@@ -224,26 +231,32 @@ class CelerySource:
     def _stop_reading(self, consumer) -> None:
         """The worker drains: read no more tasks; those held go back to the queue."""
         consumer.cancel()
+        self._reads_end = time.monotonic() + BRPOP_TIMEOUT_S + 2 * POLL_S
         for job in self._held:
             self.worker.in_flight.pop(job.job_id)
             self._settle.put((job.message, False))
         self._held = []
-        self.reading_done.set()
-        self.worker.commands.put(("wake", None))
 
     def _settle_messages(self) -> None:
-        """Ack (or requeue) what the writer and the reads settled; on a Redis error, retried next time round."""
+        """Ack (or requeue) what the writer and the reads settled; on a Redis error, retried next time round.
+        While it stops reading, requeues wait until its last BRPOP is over (that BRPOP would take them)."""
+        later = []
         while True:
             try:
                 message, ack = self._settle.get_nowait()
             except queue.Empty:
-                return
+                break
+            if not ack and self.worker.stopping.is_set() and not self.reading_done.is_set():
+                later.append((message, ack))
+                continue
             try:
                 message.ack() if ack else message.requeue()
             except self._errors:
                 self._settle.put((message, ack))
                 raise
             self._unacked.pop(message.delivery_tag, None)
+        for item in later:
+            self._settle.put(item)
 
     def _stamp_deliveries(self) -> None:
         """Stamp every held message as delivered now, so no live worker's task goes back to the queue."""
