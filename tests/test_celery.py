@@ -113,13 +113,14 @@ def test_a_job_that_fails_raises_its_error_in_the_producer_and_the_worker_serves
         ({"prompt": "x", "sampling": {"max_tokens": 0}}, "sampling.max_tokens: Input should be greater than or equal to 1"),
         ({"prompt_token_ids": [5] * 3000}, "max_model_len"),
         ({"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, "give exactly one of prompt"),
-        ({"prompt": "x", "deadline_s": 5}, "pass expires=SECONDS"),
+        ({"prompt": "x", "deadline_s": -5}, "deadline_s: Input should be greater than 0"),
     ]
     with celery_worker(url, producer, engine) as worker:
         failing = [send(producer, worker, kwargs=kwargs) for kwargs, _ in cases]
         positional = send(producer, worker, args=["x"])
         unknown = send(producer, worker, name="tasks.add", args=[2, 2])
-        fine = send(producer, worker, kwargs={"prompt": "still serving", "sampling": GREEDY})
+        fine = send(producer, worker, kwargs={"prompt": "still serving", "sampling": GREEDY, "priority": 1,
+                                              "deadline_s": 600})
         for r, (_, words) in zip(failing, cases):
             with pytest.raises(Exception, match=re.escape(words)) as raised:
                 r.get(timeout=30)

@@ -114,9 +114,6 @@ def job_spec(body, message_priority, max_job_bytes: int) -> p.JobSpec:
                          f"got {len(args)} positional")
     if not isinstance(kwargs, dict):
         raise ValueError("the task's kwargs are not a mapping")
-    if kwargs.get("deadline_s") is not None:
-        raise ValueError("deadline_s does not work through Celery (its messages carry no send time): pass "
-                         "expires=SECONDS to send_task instead")
     if kwargs.get("stream"):
         raise ValueError("stream is not available through Celery: .get() returns the whole result")
     fields = {**kwargs, "stream": False}
