@@ -127,8 +127,8 @@ def case_rms_norm(rows: int = 256):
 
 
 def case_silu_mul(rows: int = 256):
-    from engine.kernels.norm_act import silu_and_mul
-    return lambda: silu_and_mul(_bf16(rows, 2 * INTER))
+    from engine.kernels.norm_act import act_and_mul
+    return lambda: act_and_mul(_bf16(rows, 2 * INTER))
 
 
 def case_gemv(rows: int, n: int, k: int, norm: bool = False, gated: bool = False):

@@ -111,26 +111,29 @@ def _paged_prefill_kernel(
     full_end = ((tile_first_pos + 1) // BLOCK_N) * BLOCK_N  # KV tiles every row sees in full end here...
     full_start = 0
     if SLIDING:
-        # ...and start at the first tile inside the last row's window; before it, from the tile of the first
-        # key the first row sees, the window's edge is masked (everything, where the window is narrower than
-        # the query tile)
+        # ...and start at the first tile inside the last row's window (none, where the window is narrower than
+        # the query tile); before it, from the tile of the first key the first row sees, the window's edge
         full_start = tl.minimum(tl.cdiv(tl.maximum(tile_last_pos - window + 1, 0), BLOCK_N) * BLOCK_N, full_end)
         head_start = (tl.maximum(tile_first_pos - window + 1, 0) // BLOCK_N) * BLOCK_N
-        for n0 in range(head_start, full_start, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, n0,
-                                         seqlen, q_pos, head_offset, offs_d, stride_page, stride_slot,
-                                         qk_scale, softcap, window, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True,
-                                         SLIDING, SOFTCAP, UPCAST)
     for n0 in range(full_start, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, n0,
                                      seqlen, q_pos, head_offset, offs_d, stride_page, stride_slot,
                                      qk_scale, softcap, window, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, False,
                                      SLIDING, SOFTCAP, UPCAST)
-    for n0 in range(full_end, tile_last_pos + 1, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, n0,
-                                     seqlen, q_pos, head_offset, offs_d, stride_page, stride_slot,
-                                     qk_scale, softcap, window, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True,
-                                     SLIDING, SOFTCAP, UPCAST)
+    if SLIDING:  # the masked tiles, the window's edge then the causal tail, in one loop (one copy of its body)
+        edge_tiles = (full_start - head_start) // BLOCK_N
+        for i in range(0, edge_tiles + tl.cdiv(tile_last_pos + 1 - full_end, BLOCK_N)):
+            n0 = tl.where(i < edge_tiles, head_start + i * BLOCK_N, full_end + (i - edge_tiles) * BLOCK_N)
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, n0,
+                                         seqlen, q_pos, head_offset, offs_d, stride_page, stride_slot,
+                                         qk_scale, softcap, window, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True,
+                                         SLIDING, SOFTCAP, UPCAST)
+    else:
+        for n0 in range(full_end, tile_last_pos + 1, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, n0,
+                                         seqlen, q_pos, head_offset, offs_d, stride_page, stride_slot,
+                                         qk_scale, softcap, window, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True,
+                                         SLIDING, SOFTCAP, UPCAST)
 
     out = acc / l_i[:, None]
     o_rows = (q_start + token).to(tl.int64) * stride_ot + head * stride_oh
