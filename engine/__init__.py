@@ -1,14 +1,16 @@
-"""redline's inference engine: LLM(model).generate(prompts, SamplingParams(...)).
+"""redline's inference engine: LLM(model).generate(prompts, SamplingParams(...)), .chat(conversations, ...),
+.beam_search(prompts, BeamSearchParams(...)).
 
 The heavy parts (torch, the models) load on first use of LLM/LLMEngine, so `engine.sampling_params`
 is importable by producers that have no torch.
 """
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import BeamSearchParams, SamplingParams
 
 _LAZY = {"LLM": "engine.llm_engine", "LLMEngine": "engine.llm_engine", "RequestOutput": "engine.outputs",
-         "StepResult": "engine.outputs", "StepStats": "engine.outputs"}
+         "CompletionOutput": "engine.outputs", "StepResult": "engine.outputs", "StepStats": "engine.outputs"}
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "StepResult", "StepStats"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
+           "StepResult", "StepStats"]
 
 
 def __getattr__(name: str):

@@ -166,6 +166,9 @@ class LLMEngine:
         outputs = [self._output_or_fail(group) for group in self._aborted]
         self._aborted.clear()
         batch = sched.schedule()
+        while not batch and self._inflight is None and sched.waiting and sched.running:
+            sched.make_room_for_waiting()  # the running ones are idle beams: nothing runs otherwise
+            batch = sched.schedule()
         stats = StepStats()
         launched = None
         if batch:

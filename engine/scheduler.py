@@ -132,13 +132,24 @@ class Scheduler:
                 return False
         return True
 
-    def preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence, to_back: bool = False) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
-        self.waiting.appendleft(seq)
+        if to_back:
+            self.waiting.append(seq)
+        else:
+            self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def make_room_for_waiting(self) -> None:
+        """Nothing can run (the running sequences are beams whose step waits for a sibling that is waiting for
+        blocks): preempt the newest running sequence, of another request if one is there, to the back of the
+        queue, so that the first waiting one gets its blocks. A beam keeps the candidates it has reported."""
+        head = self.waiting[0]
+        others = [s for s in self.running if s.group is not head.group]
+        self.preempt((others or self.running)[-1], to_back=True)
 
     def finish(self, seq: Sequence, reason: str | None) -> None:
         """Mark `seq` finished and release its blocks."""

@@ -2,7 +2,8 @@
 
 Each input line is a request `{"custom_id", "method": "POST", "url": "/v1/chat/completions" or
 "/v1/completions", "body": {...}}`; each output line is `{"id", "custom_id", "response": {"status_code",
-"request_id", "body"}, "error"}` with a chat.completion or text_completion body. A line that cannot run
+"request_id", "body"}, "error"}` with a chat.completion or text_completion body: one choice per completion
+(n of them), each with its logprobs in the endpoint's own shape when asked for. A line that cannot run
 gets an error line of its own.
 """
 from __future__ import annotations
@@ -12,15 +13,17 @@ import time
 from dataclasses import dataclass, field
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
-# request body field -> wire sampling field
+# request body field -> wire sampling field (logprobs and top_logprobs: _logprobs, as each endpoint means them)
 SAMPLING_FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
                    "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed", "stop": "stop",
-                   "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos"}
+                   "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "n": "n", "best_of": "best_of",
+                   "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+                   "logit_bias": "logit_bias", "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens"}
+LOGPROB_FIELDS = {"logprobs", "top_logprobs"}
 # body fields not honoured yet -> the values that mean the same as leaving them out (null always does);
 # honouring one is moving it to SAMPLING_FIELDS (and its output into output_line)
-NOT_YET = {"n": (1,), "best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,),
-           "logprobs": (False,), "top_logprobs": (0,), "response_format": ({"type": "text"},),
-           "stream": (False,), "logit_bias": ({},), "echo": (False,), "tools": ([],), "tool_choice": ("none",)}
+NOT_YET = {"response_format": ({"type": "text"},), "stream": (False,), "echo": (False,), "tools": ([],),
+           "tool_choice": ("none",)}
 INFORMATIONAL = {"model", "user", "metadata"}  # accepted and not used: the worker's model answers
 INPUTS = {"messages", "prompt"}
 
@@ -68,7 +71,7 @@ def _is_noop(value, noops: tuple) -> bool:
 
 
 def _job(url: str, body: dict) -> tuple[dict, str | None]:
-    unknown = sorted(set(body) - set(SAMPLING_FIELDS) - set(NOT_YET) - INFORMATIONAL - INPUTS)
+    unknown = sorted(set(body) - set(SAMPLING_FIELDS) - LOGPROB_FIELDS - set(NOT_YET) - INFORMATIONAL - INPUTS)
     if unknown:
         more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
         return {}, f"unsupported body fields: {', '.join(u[:30] for u in unknown[:5])}{more}"
@@ -79,6 +82,11 @@ def _job(url: str, body: dict) -> tuple[dict, str | None]:
     sampling = {wire: body[name] for name, wire in SAMPLING_FIELDS.items() if body.get(name) is not None}
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = [sampling["stop"]]
+    logprobs, error = _logprobs(url, body)
+    if error is not None:
+        return {}, error
+    if logprobs is not None:
+        sampling["logprobs"] = logprobs
     job: dict = {"sampling": sampling, "stream": False}
     if url == "/v1/chat/completions":
         if not isinstance(body.get("messages"), list):
@@ -95,6 +103,31 @@ def _job(url: str, body: dict) -> tuple[dict, str | None]:
     return job, None
 
 
+def _logprobs(url: str, body: dict) -> tuple[int | None, str | None]:
+    """(The wire's logprobs: how many top logprobs per token, None for none; or an error). Chat asks with
+    logprobs=true and top_logprobs=N; a completion with logprobs=N."""
+    asked, top = body.get("logprobs"), body.get("top_logprobs")
+    if url == "/v1/completions":
+        if top is not None:
+            return None, "top_logprobs is a chat completions field; a completion asks with logprobs=N"
+        if asked is None or isinstance(asked, bool) and not asked:
+            return None, None
+        if isinstance(asked, bool) or not isinstance(asked, int):
+            return None, f"logprobs must be an integer (how many top logprobs per token), got {_shown(asked)}"
+        return asked, None
+    if asked is not None and not isinstance(asked, bool):
+        return None, f"logprobs must be true or false, got {_shown(asked)}"
+    if not asked:
+        if top:
+            return None, "top_logprobs needs logprobs=true"
+        return None, None
+    if top is None:
+        return 0, None
+    if isinstance(top, bool) or not isinstance(top, int):
+        return None, f"top_logprobs must be an integer, got {_shown(top)}"
+    return top, None
+
+
 def output_line(line: BatchLine, request_id: str, result=None, error: str | None = None,
                 model: str = "redline") -> dict:
     """The output line for one input line: its result, or an error."""
@@ -105,14 +138,49 @@ def output_line(line: BatchLine, request_id: str, result=None, error: str | None
         return out
     usage = {"prompt_tokens": result.usage.prompt_tokens, "completion_tokens": result.usage.completion_tokens,
              "total_tokens": result.usage.prompt_tokens + result.usage.completion_tokens}
-    if line.url == "/v1/chat/completions":
-        choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                  "finish_reason": result.finish_reason}
-        kind = "chat.completion"
-    else:
-        choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason}
-        kind = "text_completion"
-    body = {"id": result.job_id, "object": kind, "created": int(time.time()), "model": model,
-            "choices": [choice], "usage": usage}
+    chat = line.url == "/v1/chat/completions"
+    with_logprobs = line.job.get("sampling", {}).get("logprobs") is not None
+    completions = result.outputs or [result]
+    choices = []
+    for i, c in enumerate(completions):
+        logprobs = None
+        if with_logprobs:
+            logprobs = _chat_logprobs(c.logprobs) if chat else _completion_logprobs(c.logprobs)
+        if chat:
+            choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": logprobs, "finish_reason": c.finish_reason})
+        else:
+            choices.append({"index": i, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason})
+    body = {"id": result.job_id, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": choices, "usage": usage}
     out["response"] = {"status_code": 200, "request_id": result.job_id, "body": body}
     return out
+
+
+def _token(entry: dict) -> str:
+    return entry.get("token", str(entry.get("token_id", "")))
+
+
+def _chat_logprobs(entries: list | None) -> dict:
+    """A chat choice's logprobs: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+    def one(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    content = [{**one(_token(e), e["logprob"]),
+                "top_logprobs": [one(_token(t), t["logprob"]) for t in e.get("top_logprobs", [])]}
+               for e in entries or []]
+    return {"content": content, "refusal": None}
+
+
+def _completion_logprobs(entries: list | None) -> dict:
+    """A completion choice's logprobs: {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}],
+    "text_offset"} (offsets into the completion's text)."""
+    entries = entries or []
+    tokens = [_token(e) for e in entries]
+    offsets, at = [], 0
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{_token(t): t["logprob"] for t in e.get("top_logprobs", [])} for e in entries],
+            "text_offset": offsets}

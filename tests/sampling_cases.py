@@ -111,6 +111,28 @@ def take_pending_case(device: str) -> dict:
     return {"sizes": sizes, "mismatches": mismatches}
 
 
+def token_logprobs_case(device: str, vocab: int, layouts: list) -> dict:
+    """token_logprobs against torch's log_softmax, bf16 and fp32 rows with the row stride of a wider buffer:
+    random rows, a row of huge logits, a row -inf but for a few columns, the token in the last column.
+    Returns the largest absolute difference per dtype and layout."""
+    from engine.kernels.sampling import token_logprobs
+
+    gen = torch.Generator().manual_seed(9)
+    values = torch.randn(6, vocab, generator=gen) * 4
+    values[1] += 300.0
+    values[3, : vocab - 3] = float("-inf")
+    tokens = torch.tensor([0, 5, vocab // 2, vocab - 1, 11 % vocab, vocab - 2], dtype=torch.int64, device=device)
+    worst = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        logits = strided(values, dtype, device)
+        expected = logits.float().log_softmax(-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+        for num_splits, block in layouts:
+            kwargs = {"num_splits": num_splits} | ({"block": block} if block else {})
+            got = token_logprobs(logits, tokens, **kwargs)
+            worst[f"{dtype} {num_splits} {block}"] = float((got - expected).abs().max())
+    return worst
+
+
 def _main() -> None:
     """Every CPU case under the Triton interpreter; prints one JSON object."""
     import json
@@ -127,6 +149,7 @@ def _main() -> None:
         "layouts": layout_case("cpu", 37, CPU_LAYOUTS),
         "seeds": seed_case("cpu"),
         "take_pending": take_pending_case("cpu"),
+        "token_logprobs": token_logprobs_case("cpu", 37, CPU_LAYOUTS),
     }
     print(json.dumps(results))
 

@@ -11,8 +11,9 @@ IDS = [11, 12, 13, 14, 15]
 # body fields at the value that changes nothing, and at one that redline does not honour yet
 NOOPS = dict(n=1, presence_penalty=0, frequency_penalty=0.0, logprobs=False, top_logprobs=None, stream=False,
              response_format={"type": "text"}, model="m", user="u", metadata={"k": "v"})
-NOT_HONOURED = {"frequency_penalty": 0.5, "presence_penalty": 0.5, "logprobs": True,
-                "response_format": {"type": "json_object"}, "n": 2}
+NOT_HONOURED = {"response_format": {"type": "json_object"}, "stream": True, "echo": True}
+CHAT_BREADTH = dict(n=2, presence_penalty=0.5, frequency_penalty=0.4, logit_bias={"17": 3, "40": -100}, seed=7,
+                    logprobs=True, top_logprobs=2, max_completion_tokens=5, temperature=0.9)
 
 
 def request(custom_id, url, **body):
@@ -35,6 +36,10 @@ def ran(tmp_path_factory):
         request("noop", "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], max_tokens=3, **NOOPS),
         *[request(name, "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
                   **{name: value}) for name, value in NOT_HONOURED.items()],
+        request("chat-n", "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], **CHAT_BREADTH),
+        request("text-n", "/v1/completions", prompt=IDS, n=3, best_of=4, logprobs=2, max_tokens=4, seed=1),
+        request("top-without-logprobs", "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}],
+                top_logprobs=2),
     ]
     (d / "in.jsonl").write_text("\n".join(lines) + "\n")
     rc = main(["batch", str(d / "in.jsonl"), "-o", str(d / "out.jsonl"), "--device", "cpu"])
@@ -45,7 +50,7 @@ def test_one_output_line_per_input_line_in_order(ran):
     rc, out = ran
     assert rc == 0
     assert [o["custom_id"] for o in out] == ["chat", None, "ids", "bad-url", "two", "unknown", "negative", "text",
-                                             "noop", *NOT_HONOURED]
+                                             "noop", *NOT_HONOURED, "chat-n", "text-n", "top-without-logprobs"]
     assert len({o["id"] for o in out}) == len(out)
 
 
@@ -71,9 +76,8 @@ def test_completion_equals_the_engine_alone(ran):
 
 
 @pytest.mark.parametrize("index, message", [
-    (1, "not JSON"), (3, "url must be one of"), (4, "n=2 is not supported yet"),
-    (5, "unsupported body fields: frobnicate"),
-    (6, "max_tokens"),
+    (1, "not JSON"), (3, "url must be one of"), (5, "unsupported body fields: frobnicate"), (6, "max_tokens"),
+    (-1, "top_logprobs needs logprobs=true"),
 ])
 def test_bad_lines_become_error_lines(ran, index, message):
     _, out = ran
@@ -94,6 +98,44 @@ def test_unhonoured_field_is_an_error_on_its_line_naming_it(ran, name):
     assert line["custom_id"] == name and line["response"] is None
     assert line["error"]["message"].startswith(f"{name}=")
     assert "not supported yet" in line["error"]["message"]
+
+
+def test_n_penalties_bias_and_logprobs_give_openai_shaped_chat_choices(ran):
+    _, out = ran
+    body = out[9 + len(NOT_HONOURED)]["response"]["body"]
+    choices = body["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    assert body["usage"]["completion_tokens"] == sum(len(c["logprobs"]["content"]) for c in choices)
+    for c in choices:
+        assert c["message"]["role"] == "assistant" and isinstance(c["message"]["content"], str)
+        assert c["finish_reason"] in ("stop", "length") and set(c) == {"index", "message", "logprobs", "finish_reason"}
+        content = c["logprobs"]["content"]
+        assert 1 <= len(content) <= 5
+        for token in content:
+            assert set(token) == {"token", "logprob", "bytes", "top_logprobs"} and token["logprob"] <= 0
+            assert token["bytes"] == list(token["token"].encode("utf-8")) and len(token["top_logprobs"]) == 2
+            assert set(token["top_logprobs"][0]) == {"token", "logprob", "bytes"}
+    expected = LLM(TINY_MODEL_DIR, load_format="dummy", device="cpu").chat(
+        [{"role": "user", "content": "Hi"}],
+        SamplingParams(n=2, presence_penalty=0.5, frequency_penalty=0.4, logit_bias={17: 3, 40: -100}, seed=7,
+                       logprobs=2, max_tokens=5, temperature=0.9), use_tqdm=False)[0]
+    assert [c["message"]["content"] for c in choices] == [c.text for c in expected.outputs]
+
+
+def test_n_best_of_and_logprobs_give_openai_shaped_completion_choices(ran):
+    _, out = ran
+    body = out[10 + len(NOT_HONOURED)]["response"]["body"]
+    assert body["object"] == "text_completion" and [c["index"] for c in body["choices"]] == [0, 1, 2]
+    for c in body["choices"]:
+        lp = c["logprobs"]
+        assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"])
+        assert all(len(top) <= 2 for top in lp["top_logprobs"]) and lp["text_offset"][0] == 0
+    assert body["usage"]["completion_tokens"] == sum(len(c["logprobs"]["tokens"]) for c in body["choices"])
+    best = [sum(c["logprobs"]["token_logprobs"]) for c in body["choices"]]
+    assert best == sorted(best, reverse=True)  # best_of: the n best by cumulative logprob, best first
+    two = out[4]["response"]["body"]
+    assert [c["index"] for c in two["choices"]] == [0, 1] and all(c["logprobs"] is None for c in two["choices"])
 
 
 @pytest.mark.parametrize("case, message", [

@@ -117,3 +117,52 @@ def test_no_block_leaks_after_finish_and_abort(async_scheduling):
     assert reasons[ids[0]] == reasons[ids[5]] == "abort"
     assert sorted(reasons) == sorted(ids)
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+def test_forked_sequences_share_blocks_and_copy_the_partial_one_before_writing():
+    bm = BlockManager(8, BS)
+    parent = seq(list(range(6)))           # 1 full block + 2 tokens in the second
+    bm.allocate(parent)
+    compute_all(bm, parent)
+    child = parent.fork(1)
+    bm.fork(parent, child)
+    assert child.block_table == parent.block_table
+    assert [bm.blocks[i].ref_count for i in parent.block_table] == [2, 2]
+    shared = parent.block_table[1]
+    for s, token in ((parent, 50), (child, 60)):  # each writes position 6, in the shared partial block
+        s.append_token(token)
+        assert bm.can_append(s)
+        bm.append_slot(s)
+    # the first writer took a copy; the last holder writes in place
+    assert parent.block_table[1] != shared and child.block_table[1] == shared
+    assert bm.take_copies() == [(shared, parent.block_table[1])] and bm.take_copies() == []
+    assert parent.block_table[0] == child.block_table[0] and bm.blocks[parent.block_table[0]].ref_count == 2
+    bm.free(parent)
+    bm.free(child)
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_a_fork_at_a_block_boundary_copies_nothing():
+    bm = BlockManager(8, BS)
+    parent = seq(list(range(8)))           # two full blocks
+    bm.allocate(parent)
+    compute_all(bm, parent)
+    child = parent.fork(1)
+    bm.fork(parent, child)
+    for s in (parent, child):
+        s.append_token(9)
+        bm.append_slot(s)
+    assert bm.take_copies() == []
+    assert parent.block_table[:2] == child.block_table[:2] and parent.block_table[2] != child.block_table[2]
+
+
+def test_copy_on_write_needs_a_free_block():
+    bm = BlockManager(2, BS)
+    parent = seq([1, 2, 3])
+    bm.allocate(parent)
+    child = parent.fork(1)
+    bm.fork(parent, child)
+    bm.allocate(seq([7]))                  # the last free block
+    child.append_token(4)
+    assert not bm.can_append(child)

@@ -202,7 +202,9 @@ class ResultWriter:
         text = out.text or ""
         index = stream.index if stream else 0
         sent = stream.text.sent if stream else ""
-        if text.startswith(sent):
+        # with best_of the first completion may not be the one streamed (the deltas follow completion 0)
+        streamed_ids = stream.text.ids[:index] if stream else []
+        if text.startswith(sent) and out.token_ids[:index] == streamed_ids:
             end = p.TokenDelta(index=index, token_ids=out.token_ids[index:], text=text[len(sent):])
         else:  # the streamed text and the final decode disagree: resend it all
             end = p.TokenDelta(index=0, token_ids=out.token_ids, text=text, restart=True)
@@ -214,12 +216,33 @@ class ResultWriter:
             queue_s=round(queue_s, 6),
             ttft_s=round(out.first_token_time - out.arrival_time, 6) if out.first_token_time else None,
             e2e_s=round(queue_s + (out.finished_time or time.monotonic()) - out.arrival_time, 6))
+        completions = getattr(out, "outputs", None) or []
         result = p.JobResult(
             job_id=job.job_id, status=status, text=text, token_ids=out.token_ids, finish_reason=out.finish_reason,
-            error=error, usage=p.Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
+            error=error, usage=p.Usage(prompt_tokens=len(out.prompt_token_ids),
+                                       completion_tokens=sum(len(c.token_ids) for c in completions) or len(out.token_ids),
                                        cached_tokens=out.num_cached_tokens),
-            timings=timings, logprobs=out.logprobs, attempts=job.attempt, worker=self.settings.worker_name)
+            timings=timings, logprobs=self._logprobs(out.logprobs),
+            cumulative_logprob=getattr(out, "cumulative_logprob", None),
+            outputs=[p.Completion(index=c.index, text=c.text or "", token_ids=c.token_ids, finish_reason=c.finish_reason,
+                                  logprobs=self._logprobs(c.logprobs), cumulative_logprob=c.cumulative_logprob)
+                     for c in completions] if len(completions) > 1 else None,
+            attempts=job.attempt, worker=self.settings.worker_name)
         return self._finish_op(job, status, result.model_dump_json(), end.model_dump_json())
+
+    def _logprobs(self, entries: list[dict] | None) -> list[dict] | None:
+        """The engine's per-token logprobs with each token's text beside its id (what OpenAI's shapes need):
+        token, and top_logprobs as [{token_id, token, logprob}], best first."""
+        if entries is None or self.tokenizer is None:
+            return entries
+        text = self._token_text
+        return [{**e, "token": text(e["token_id"]),
+                 "top_logprobs": [{"token_id": t, "token": text(t), "logprob": lp}
+                                  for t, lp in sorted(e["top"].items(), key=lambda kv: -kv[1])]}
+                for e in entries]
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
 
     def _hand_back_op(self, job: Job):
         if job.source is not None:
