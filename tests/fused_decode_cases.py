@@ -38,6 +38,7 @@ WINDOW_CPU_CASES = [
 FP8_CPU_CASES = [
     ("fp8_gqa2_d64_norm", 4, 2, 64, 16, [37, 5, 64, 1], True, None, True, 0),
     ("fp8_gqa4_d128_padded_split3", 8, 2, 128, 16, [45, 17], True, 3, True, 2),
+    ("fp8_gqa2_d64_window9_softcap_gemma_norm", 4, 2, 64, 16, [37, 5, 64], True, 2, True, 0, 9, 2.0, True),
 ]
 WINDOW_GPU_CASES = [  # Gemma 3 1B's shape (4 query heads, 1 KV head, head_dim 256, window 512) and Gemma 2's cap
     ("gemma3_1b_batch1_window512", 4, 1, 256, 256, [3000], True, None, False, 0, 512, 0.0, True),
