@@ -585,7 +585,8 @@ def check_norm_act(device: str, dtype: torch.dtype = torch.bfloat16) -> dict:
                 # (GELU's 1 + tanh cancels for large negative gates, where the last-ulp differences of our
                 # exp-based tanh and torch's move the tiny outputs: the relative error alone is checked)
                 if dtype == torch.bfloat16 and act == "silu":
-                    results[f"{act}_{rows}x{hidden}_exact_share"] = (float((out != act_ref).float().mean().item()), True)
+                    differ = float((out != act_ref).float().mean().item())
+                    results[f"{act}_{rows}x{hidden}_exact_share"] = (differ, True)
             # logits from -40 to 40 (a strided view, as the LM head's slice of a padded vocabulary)
             logits = (torch.randn(rows, hidden + 5, generator=gen) * 15).to(dtype).to(device)[:, :hidden]
             capped_ref = fusion.soft_cap(logits.clone(), 4.0)

@@ -21,7 +21,8 @@ SHAPES = {
                    query_pre_attn_scalar=128, sliding_window=64, attn_logit_softcapping=50.0,
                    final_logit_softcapping=30.0),
     "gemma3": dict(hidden_size=512, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
-                   query_pre_attn_scalar=256, sliding_window=64, layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+                   query_pre_attn_scalar=256, sliding_window=64,
+                   layer_types=["sliding_attention"] * 3 + ["full_attention"]),
     "phi3": dict(hidden_size=768, num_attention_heads=8, num_key_value_heads=8, sliding_window=64,
                  original_max_position_embeddings=2048),  # head_dim 96; never past the LongRoPE switch
 }

@@ -179,7 +179,8 @@ def test_unsupported_rope_variants_are_refused_with_the_reason():
 
     from engine.layers.rotary import rope_settings
 
-    partial = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75})
+    partial = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                               "partial_rotary_factor": 0.75})
     with pytest.raises(ValueError, match=r"partial rotary embeddings \(partial_rotary_factor=0.75\) are not supported"):
         rope_settings(partial)
     with pytest.raises(ValueError, match="rope scaling type 'dynamic' is not supported"):

@@ -78,8 +78,8 @@ class RotaryEmbedding(nn.Module):
             factor = scaling.get("factor") or max_position / original
             attention_factor = scaling.get("attention_factor") or (
                 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original)))
-            short = _tables(_inv_freq(head_dim, theta, scaling, scaling["short_factor"]), max_position, attention_factor)
-            long = _tables(_inv_freq(head_dim, theta, scaling, scaling["long_factor"]), max_position, attention_factor)
+            short, long = (_tables(_inv_freq(head_dim, theta, scaling, scaling[factors]), max_position, attention_factor)
+                           for factors in ("short_factor", "long_factor"))
             cos, sin = torch.cat([short[0], long[0]]), torch.cat([short[1], long[1]])
             self.long_after, self.max_position = original, max_position
         else:
