@@ -129,10 +129,10 @@ class BlockManager:
 
     def _needs_block(self, seq: Sequence) -> int:
         """1 if the token at position num_tokens - 1 needs a block: a new one, or a copy of a shared one."""
-        last = (seq.num_tokens - 1) // self.block_size
-        if last >= len(seq.block_table):
+        table, n = seq.block_table, seq.num_tokens
+        if n > len(table) * self.block_size:
             return 1
-        return int(self.blocks[seq.block_table[last]].ref_count > 1)
+        return int(self.blocks[table[(n - 1) // self.block_size]].ref_count > 1)
 
     def append_slot(self, seq: Sequence) -> None:
         """Make room for the token at position num_tokens - 1: a new block, or a copy of the shared block it

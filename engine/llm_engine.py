@@ -257,12 +257,14 @@ class LLMEngine:
                     top = dict(zip(top_ids[i][:k], top_values[i][:k])) if top_ids is not None else {}
                     seq.logprobs.append({"token_id": token_id, "logprob": chosen[i], "top": top})
                 reason = self._finish_reason(seq, token_id, pos + 1)
+                finished = False
                 if reason is not None:
                     self._finish(seq, reason, now)
                     seq.truncate(pos + 1)  # a later launch's placeholder is no part of the output
-                    if group.is_finished:
+                    finished = group.is_finished
+                    if finished:
                         group.finished_time = now
-                if group.is_finished or not finished_only:
+                if finished or not finished_only:
                     touched[group.request_id] = group
             except Exception as e:  # noqa: BLE001 - this request's own data (stop strings, text) raised
                 touched.pop(group.request_id, None)

@@ -69,7 +69,8 @@ class Sampler:
         params = seq.params
         bad = next((t for t in (params.logit_bias or ()) if t >= self.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary (ids must be in [0, {self.vocab_size}))")
+            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary "
+                             f"(ids must be in [0, {self.vocab_size}))")
         top_k = min(params.top_k, self.vocab_size) if params.top_k > 0 else self.vocab_size
         seq.sampling_row = (params.temperature, top_k, params.top_p, params.min_p)
         seq.generator = None
@@ -118,11 +119,11 @@ class Sampler:
     def plan(self, st: SamplingTensors | None, num_logprobs: int, tp_size: int) -> StepSampling | None:
         """Rank 0: how every rank takes part in this step's sampling (None: nothing is sampled). Sharded
         where each token is the argmax of its own (scaled, noised) logits and nothing else needs whole
-        rows (no top logprobs, no adjustments); the seed comes from the host generator, as on the
-        unsharded path."""
+        rows (no top logprobs, no adjustments: the sampled tokens' own logprobs are sharded too); the seed
+        comes from the host generator, as on the unsharded path."""
         if st is None:
             return None
-        if tp_size == 1 or num_logprobs >= 0 or st.adjust is not None or not samples_by_argmax(st):
+        if tp_size == 1 or num_logprobs > 0 or st.adjust is not None or not samples_by_argmax(st):
             return StepSampling(sharded=False)
         if st.all_greedy:
             return StepSampling(sharded=True, greedy=True)
@@ -132,7 +133,7 @@ class Sampler:
         """A decode step as one replay of a graph that holds the LM head and the sampler. Steps the graph's
         sampler cannot take (top logprobs, top-k/p, min-p, seeded requests, adjusted logits) sample from
         its logits."""
-        in_graph = num_logprobs < 0 and st.adjust is None and samples_by_argmax(st)
+        in_graph = num_logprobs <= 0 and st.adjust is None and samples_by_argmax(st)
         seed = draw_seed(self.seed_generator) if in_graph and not st.all_greedy else 0  # as sample() draws
         tokens, logprobs, logits = graphs.replay_sampled(inputs, st.temperatures if in_graph else None, seed,
                                                          self.last_tokens)
@@ -151,7 +152,7 @@ class Sampler:
         if st.adjust is not None:
             self.token_counts.add(st.adjust, token_ids)
         parts = [t for t in compute_logprobs(logits, token_ids, num_logprobs) if t is not None]
-        return SampledTokens([token_ids] + parts, num_logprobs)
+        return SampledTokens([token_ids] + parts)
 
     def sample_shards(self, logits: torch.Tensor, tp, plan: StepSampling, temperatures: torch.Tensor | None,
                       first_column: int) -> "SampledTokens":
@@ -174,8 +175,7 @@ class Sampler:
 class SampledTokens:
     """Sampled ids, their logprobs (and top logprobs) on their way to the host: one device→host copy each."""
 
-    def __init__(self, parts: list[torch.Tensor], num_logprobs: int = -1):
-        self.num_logprobs = num_logprobs
+    def __init__(self, parts: list[torch.Tensor]):
         self.event = None
         if parts and parts[0].is_cuda:
             self.parts = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True).copy_(p, non_blocking=True)
@@ -373,9 +373,14 @@ def shard_logsumexp(logits: torch.Tensor, candidates: torch.Tensor, first_column
     slice), -inf both where it holds nothing; picked_logprobs combines every rank's."""
     if logits.shape[1] == 0:
         return torch.full((logits.shape[0], 2), float("-inf"), dtype=torch.float64, device=logits.device)
-    scores = logits.float()
-    local = (candidates[:, 1].long() - first_column).unsqueeze(1)
-    return torch.stack([scores.gather(1, local).squeeze(1), scores.logsumexp(dim=-1)], dim=1).double()
+    local = candidates[:, 1].long() - first_column
+    picked = logits.gather(1, local.unsqueeze(1)).squeeze(1).float()
+    if logits.is_cuda and gumbel_kernels() is not None:  # one pass, no float32 copy of the slice
+        lse = picked - gumbel_kernels().token_logprobs(logits, local)
+        lse = torch.where(picked == float("-inf"), picked, lse)  # an all -inf slice: nothing to add
+    else:
+        lse = logits.float().logsumexp(dim=-1)
+    return torch.stack([picked, lse], dim=1).double()
 
 
 def picked_logprobs(gathered: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

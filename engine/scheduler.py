@@ -29,6 +29,8 @@ class ScheduledBatch:
     def sampled(self) -> list[Sequence]:
         """The sequences that get a token from this step, in the order of the step's logits rows: each whose
         scheduled tokens reach its end, followed by those forked from it."""
+        if not self.forks:
+            return [s for s, n in zip(self.seqs, self.num_tokens) if s.num_computed_tokens + n == s.num_tokens]
         out = []
         for seq, n in zip(self.seqs, self.num_tokens):
             if seq.num_computed_tokens + n == seq.num_tokens:
@@ -100,7 +102,8 @@ class Scheduler:
         batch.seqs.append(seq)
         batch.num_tokens.append(n)
         group = seq.group
-        if group is not None and not group.forked and group.beam is None and seq.num_computed_tokens + n == seq.num_tokens:
+        at_end = seq.num_computed_tokens + n == seq.num_tokens
+        if group is not None and not group.forked and group.beam is None and at_end:
             children = batch.forks[seq.seq_id] = self.fork(seq, range(1, group.width), seq.num_computed_tokens + n)
             group.seqs += children
             group.forked = True

@@ -29,7 +29,7 @@ def load_hf(checkpoint: Path):
 
 def hf_beams(model, prompt: list[int], width: int, max_new: int, length_penalty: float, eos: int):
     """transformers' beams for one prompt: [(completion ids up to its EOS, cumulative logprob)], best first."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=width, num_return_sequences=width,
                              length_penalty=length_penalty, early_stopping=True, do_sample=False,
@@ -50,7 +50,7 @@ def hf_adjusted_greedy(model, prompt: list[int], max_new: int, adjust) -> tuple[
     ids, total = list(prompt), 0.0
     with torch.no_grad():
         for _ in range(max_new):
-            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            logits = model(torch.tensor([ids], device=model.device)).logits[0, -1].float().cpu()
             logits = adjust(logits.clone(), ids[len(prompt):])
             token = int(logits.argmax())
             total += float(logits.log_softmax(-1)[token])

@@ -195,6 +195,26 @@ def test_tp2_logprobs_and_top_k_gather_the_logits_and_equal_tp1(engines, monkeyp
     assert gathered
 
 
+@pytest.mark.timeout(300)
+def test_tp2_breadth_equals_tp1_with_sharded_cumulative_logprobs(engines):
+    """Sharded steps take each token's logprob from every rank's log-sum-exp; n > 1 with penalties and
+    biases, and beam search, gather the logits; all as TP=1, through preemption."""
+    from engine import BeamSearchParams
+    tp1, tp2 = engines
+    prompts = tp_prompts(seed=5)[:8]
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want, got = (e.generate(prompts, plain, use_tqdm=False) for e in (tp1, tp2))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.cumulative_logprob for o in got] == pytest.approx([o.cumulative_logprob for o in want], abs=1e-4)
+    adjusted = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=8, frequency_penalty=0.7,
+                              repetition_penalty=1.3, logit_bias={5: 4.0}, min_tokens=4)
+    beams = BeamSearchParams(2, 6)
+    for params in (adjusted, beams):
+        want, got = (e.generate(prompts[:4], params, use_tqdm=False) for e in (tp1, tp2))
+        assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
+    assert tp2.block_manager.num_free_blocks == tp2.block_manager.num_blocks
+
+
 if __name__ == "__main__":
     import json
 

@@ -217,16 +217,18 @@ class ResultWriter:
             ttft_s=round(out.first_token_time - out.arrival_time, 6) if out.first_token_time else None,
             e2e_s=round(queue_s + (out.finished_time or time.monotonic()) - out.arrival_time, 6))
         completions = getattr(out, "outputs", None) or []
+        outputs = None
+        if len(completions) > 1:
+            outputs = [p.Completion(index=c.index, text=c.text or "", token_ids=c.token_ids,
+                                    finish_reason=c.finish_reason, logprobs=self._logprobs(c.logprobs),
+                                    cumulative_logprob=c.cumulative_logprob) for c in completions]
+        num_generated = sum(len(c.token_ids) for c in completions) or len(out.token_ids)
         result = p.JobResult(
             job_id=job.job_id, status=status, text=text, token_ids=out.token_ids, finish_reason=out.finish_reason,
-            error=error, usage=p.Usage(prompt_tokens=len(out.prompt_token_ids),
-                                       completion_tokens=sum(len(c.token_ids) for c in completions) or len(out.token_ids),
+            error=error, usage=p.Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=num_generated,
                                        cached_tokens=out.num_cached_tokens),
             timings=timings, logprobs=self._logprobs(out.logprobs),
-            cumulative_logprob=getattr(out, "cumulative_logprob", None),
-            outputs=[p.Completion(index=c.index, text=c.text or "", token_ids=c.token_ids, finish_reason=c.finish_reason,
-                                  logprobs=self._logprobs(c.logprobs), cumulative_logprob=c.cumulative_logprob)
-                     for c in completions] if len(completions) > 1 else None,
+            cumulative_logprob=getattr(out, "cumulative_logprob", None), outputs=outputs,
             attempts=job.attempt, worker=self.settings.worker_name)
         return self._finish_op(job, status, result.model_dump_json(), end.model_dump_json())
 
