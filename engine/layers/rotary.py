@@ -68,7 +68,9 @@ class RotaryEmbedding(nn.Module):
     rope. LongRoPE (Phi-3's long-context checkpoints) keeps two sets of frequencies: a sequence whose
     context is longer than original_max_position_embeddings rotates with the long factors, others with the
     short ones, as the model's own code chooses per forward pass; the long set is the table's second half
-    (table_positions picks the row)."""
+    (table_positions picks the row). Where a sequence crosses that length while it generates (or a prompt
+    crosses it between prefill chunks), its cached keys keep the short rotation; transformers recomputes the
+    whole cache with the long factors at that token, so the two part there."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict):
         super().__init__()
