@@ -300,6 +300,7 @@ class LLMEngine:
             if old.seq_id not in kept:
                 self._finish(old, None, now)
         beam.beams = group.seqs = next_beams or group.seqs
+        group.forked = True
         if beam.done:
             for old in group.live_seqs():
                 self._finish(old, None, now)

@@ -271,8 +271,8 @@ def _lse_split_kernel(logits_ptr, part_ptr, stride_row, vocab, cols_per_split, n
     end = tl.minimum(start + cols_per_split, vocab)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     offs = tl.arange(0, BLOCK)
-    top = float("-inf")
-    total = 0.0
+    top = tl.full([], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([], dtype=tl.float32)
     for c0 in range(start, end, BLOCK):
         cols = c0 + offs
         x = tl.load(row_ptr + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
