@@ -1,11 +1,31 @@
 """Connections of the worker's own for the reads that block (jobs, cancels)."""
 from __future__ import annotations
 
+import logging
 import threading
+import time
 
 import redis
 
 from producer.connection import UNAVAILABLE, own_connection
+
+log = logging.getLogger("redline.worker")
+
+STARTUP_WAIT_S = 30.0  # how long a starting worker waits for an unavailable Redis (a failover) before it exits
+
+
+def when_available(call, what: str, stopping: threading.Event | None = None):
+    """`call()`, retried while Redis is unavailable (a cluster's master just died, its replica not yet
+    promoted) for up to STARTUP_WAIT_S: a worker starting during a failover waits for it, as its threads do."""
+    deadline = time.monotonic() + STARTUP_WAIT_S
+    while True:
+        try:
+            return call()
+        except UNAVAILABLE as e:
+            if time.monotonic() >= deadline or (stopping is not None and stopping.is_set()):
+                raise
+            log.warning("%s failed (%s); retrying in 0.5 s", what, e)
+            time.sleep(0.5)
 
 
 class BlockingConnection:
@@ -18,7 +38,7 @@ class BlockingConnection:
 
     def __init__(self, client, key: str) -> None:
         self.client, self.key = client, key
-        self.redis = own_connection(client, key)
+        self.redis = when_available(lambda: own_connection(client, key), "connecting to the queue's Redis")
         self.client_id = self._client_id()
 
     def reopen(self) -> None:

@@ -24,7 +24,7 @@ import redis
 from producer import protocol as p
 from producer.connection import UNAVAILABLE
 
-from .blocking import BlockingConnection
+from .blocking import BlockingConnection, when_available
 from .consumer import Consumer, InFlight, Job
 from .results import STOP, ResultWriter
 from .scripts import WorkerScripts
@@ -172,7 +172,7 @@ class Worker:
 
     def run(self) -> int:
         """Serve until stop(); 0 after a drain, 1 if the engine or a thread failed."""
-        self.consumer.ensure_groups()
+        when_available(self.consumer.ensure_groups, "creating the consumer groups", self.stopping)
         writer = threading.Thread(target=self._guard(self.writer.run), name="redline-writer", daemon=True)
         others = [threading.Thread(target=self._guard(self._read_loop), name="redline-reader", daemon=True),
                   threading.Thread(target=self._guard(self._cancel_loop), name="redline-cancels", daemon=True),

@@ -162,7 +162,11 @@ class ResultWriter:
         """(token stream key, JSON of the delta) for the job's pending tokens."""
         job = self.in_flight.get(job_id)
         ids, stream.pending = stream.pending, []
-        text = stream.text.push(ids)
+        try:
+            text = stream.text.push(ids)
+        except Exception as e:  # noqa: BLE001 - this job's tokens could not be decoded: the delta goes without text
+            log.warning("job %s: token text could not be decoded (%s)", job_id, e)
+            text = ""
         delta = p.TokenDelta(index=stream.index, token_ids=ids, text=text, attempt=job.attempt if job else 1)
         stream.index += len(ids)
         return self.keys.tokens(job_id), delta.model_dump_json()
@@ -174,8 +178,14 @@ class ResultWriter:
             for out in item[1]:
                 if out.finished:
                     job = self.in_flight.get(out.request_id)
-                    if job is not None:
+                    if job is None:
+                        continue
+                    try:
                         ops.append(self._engine_finish_op(job, out))
+                    except Exception as e:  # noqa: BLE001 - this job's own text or logprobs could not be built
+                        log.warning("job %s: its result could not be built (%s); it fails", job.job_id, e)
+                        error = f"its result could not be built: {type(e).__name__}: {e}"
+                        ops.append(self._finish_op(job, p.FAILED, *p.final_args(job.job_id, p.FAILED, error)))
             return ops
         job, error = item[1], item[2]
         if kind == "started":  # the engine took a job of another source, which records that (Celery's STARTED)
