@@ -112,11 +112,14 @@ def greedy_prompts(n: int, max_token_id: int, max_len: int, seed: int = 7) -> li
     return [[rng.randint(0, max_token_id) for _ in range(rng.randint(min(16, max_len), max_len))] for _ in range(n)]
 
 
-def greedy_tokens(llm, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+def greedy_tokens(llm, prompts: list[list[int]], max_new: int) -> list[dict]:
+    """Each prompt's greedy tokens with, per position, the chosen token's logprob and the top 5."""
     from engine import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
-    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True, logprobs=5)
+    return [{"tokens": o.token_ids, "logprobs": [p["logprob"] for p in o.logprobs],
+             "top": [{int(k): v for k, v in p["top"].items()} for p in o.logprobs]}
+            for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def time_bench(llm, args: argparse.Namespace) -> dict:
@@ -243,16 +246,27 @@ def failure_check(args: argparse.Namespace) -> dict:
     return result
 
 
-def compare(reference: list[list[int]], other: list[list[int]]) -> dict:
-    firsts = []
+def compare(reference: list[dict], other: list[dict]) -> dict:
+    """Greedy agreement of two sizes. Where a sequence parts, the gap is the reference's own logprob margin
+    between its token and the other's (None: the other's token is not in the reference's top 5): a near-tie
+    parts bf16 runs that sum in another order. Before that, the chosen tokens' logprobs must agree to bf16's
+    tolerance: the largest difference over the shared positions is reported."""
+    firsts, gaps, max_diff = [], [], 0.0
     for a, b in zip(reference, other):
-        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        if first is None and len(a) != len(b):
-            first = min(len(a), len(b))
+        ta, tb = a["tokens"], b["tokens"]
+        first = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
+        if first is None and len(ta) != len(tb):
+            first = min(len(ta), len(tb))
         firsts.append(first)
+        shared = len(ta) if first is None else first
+        max_diff = max([max_diff] + [abs(x - y) for x, y in zip(a["logprobs"][:shared], b["logprobs"][:shared])])
+        if first is not None and first < min(len(ta), len(tb)):
+            theirs = a["top"][first].get(tb[first])
+            gaps.append(None if theirs is None else round(a["logprobs"][first] - theirs, 4))
     diverged = sorted(f for f in firsts if f is not None)
     return {"identical_fraction": round(sum(f is None for f in firsts) / len(firsts), 3),
-            "first_divergence_positions": diverged}
+            "first_divergence_positions": diverged, "divergence_logprob_gaps": gaps,
+            "max_logprob_diff_before_divergence": round(max_diff, 4)}
 
 
 def main(argv=None) -> int:
@@ -289,7 +303,9 @@ def main(argv=None) -> int:
         base, top = sizes[0], sizes[-1]
         summary["greedy"] = compare(results[base]["greedy"], results[top]["greedy"])
         log(f"greedy TP={top} vs TP={base}: {summary['greedy']['identical_fraction']:.0%} of {len(prompts)} sequences "
-            f"identical; first divergences at {summary['greedy']['first_divergence_positions']}")
+            f"identical; first divergences at {summary['greedy']['first_divergence_positions']}, where TP={base}'s "
+            f"logprob margins were {summary['greedy']['divergence_logprob_gaps']}; chosen tokens' logprobs within "
+            f"{summary['greedy']['max_logprob_diff_before_divergence']} before")
         if "bench" in results[base] and "bench" in results[top]:
             ratio = results[top]["bench"]["tok_s"] / results[base]["bench"]["tok_s"]
             summary["tp_speedup"] = round(ratio, 3)
