@@ -11,7 +11,7 @@ IDS = [11, 12, 13, 14, 15]
 # body fields at the value that changes nothing, and at one that redline does not honour yet
 NOOPS = dict(n=1, presence_penalty=0, frequency_penalty=0.0, logprobs=False, top_logprobs=None, stream=False,
              response_format={"type": "text"}, model="m", user="u", metadata={"k": "v"})
-NOT_HONOURED = {"response_format": {"type": "json_object"}, "stream": True, "echo": True}
+NOT_HONOURED = {"tools": [{"type": "function", "function": {"name": "f"}}], "stream": True, "echo": True}
 CHAT_BREADTH = dict(n=2, presence_penalty=0.5, frequency_penalty=0.4, logit_bias={"17": 3, "40": -100}, seed=7,
                     logprobs=True, top_logprobs=2, max_completion_tokens=5, temperature=0.9)
 
