@@ -51,6 +51,8 @@ def fill(g: GrammarRows, seqs: list, vocab_size: int, filler: MaskFiller, device
 def apply(logits: torch.Tensor, g: GrammarRows) -> None:
     """Mask to -inf, in float32 logits [S, V], every token the grammar of a constrained row disallows."""
     vocab_size = logits.shape[1]
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((g.bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
+    # little-endian words, least significant bit first: byte by byte, bit by bit, token ids go in order
+    shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
+    bits = (g.bitmask.view(torch.uint8).unsqueeze(-1) >> shifts) & 1  # one byte a token, not four
+    allowed = bits.flatten(1)[:, :vocab_size].bool()
     logits[g.rows] = logits[g.rows].masked_fill(~allowed, float("-inf"))

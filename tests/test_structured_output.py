@@ -178,6 +178,22 @@ def test_preempted_and_prefix_cached_constrained_sequences_resume_with_identical
     assert tight.block_manager.num_free_blocks == tight.block_manager.num_blocks
 
 
+def test_the_device_mask_is_llguidances_bitmask_bit_for_bit():
+    from engine import grammar_mask
+
+    rng = np.random.default_rng(0)
+    bitmask = rng.integers(-2**31, 2**31, size=(3, 16), dtype=np.int64).astype(np.int32)
+    logits = rng.standard_normal((5, 500)).astype(np.float32)
+    expected = logits.copy()
+    for r, row in enumerate([1, 2, 4]):
+        view = expected[row:row + 1]
+        llguidance.numpy.apply_token_bitmask_inplace(view, bitmask[r:r + 1])
+    got = torch.from_numpy(logits.copy())
+    rows = grammar_mask.GrammarRows([1, 2, 4], torch.tensor([1, 2, 4]), torch.from_numpy(bitmask))
+    grammar_mask.apply(got, rows)
+    assert torch.equal(got, torch.from_numpy(expected))
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return LLM(TINY_MODEL_DIR, load_format="dummy", device="cpu", max_num_seqs=16)
