@@ -1,10 +1,9 @@
 """Structured output on the host: a request's json_schema, regex or choice as a grammar, and each
 constrained sequence's place in it. engine/grammar_mask.py takes the masks to the device.
 
-llguidance does the work: it compiles a JSON schema, a regex or a Lark grammar in well under a
-millisecond (its lexer is built lazily, token by token), computes a sequence's allowed-token mask in tens
-of microseconds over a large vocabulary, and has no Python dependencies, so producers check constraints
-with it too. A constraint is
+llguidance does the work: it takes JSON schemas, regexes and Lark grammars, builds its lexer lazily (so a
+compile is cheap), computes masks on the host in parallel, and has no Python dependencies, so producers
+check constraints with it too (xgrammar, the other candidate, depends on torch). A constraint is
 
 - checked without a tokenizer (`check`): what `SamplingParams` and the wire's `Sampling` run, so a job the
   client accepts compiles in the engine;
