@@ -12,8 +12,7 @@ from engine.config import EngineConfig
 from engine.grammar import GrammarCache
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput, StepResult, StepStats, request_output
-from engine import sampling_params
-from engine.sampling_params import BeamSearchParams, SamplingParams
+from engine.sampling_params import BeamSearchParams, SamplingParams, constraint
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceGroup
 from engine.tokenizer import load_tokenizer
@@ -71,10 +70,10 @@ class LLMEngine:
         """Compile the structured-output constraint of `params` (SamplingParams or the wire's Sampling) into
         the engine's grammar cache now, on the caller's thread, so that add_request finds it compiled.
         Thread-safe; an error is left for add_request to raise."""
-        constraint = sampling_params.constraint(params)
-        if constraint is not None:
+        given = constraint(params)
+        if given is not None:
             try:
-                self.grammars.compile(*constraint)
+                self.grammars.compile(*given)
             except ValueError:
                 pass
 
