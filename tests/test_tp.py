@@ -140,12 +140,12 @@ def test_killed_rank_with_async_scheduling_makes_generate_raise_and_leaves_no_pr
     steps = 0
     launch = llm.runner.launch
 
-    def launch_then_kill(*args):
+    def launch_then_kill(*args, **kwargs):
         nonlocal steps
         steps += 1
         if steps == 4:
             os.kill(pids[0], signal.SIGKILL)
-        return launch(*args)
+        return launch(*args, **kwargs)
 
     llm.runner.launch = launch_then_kill
     with pytest.raises(RankFailedError, match=r"rank 1 \(pid \d+\) was killed by signal SIGKILL"):
@@ -165,12 +165,12 @@ def test_killed_rank_makes_generate_raise_and_leaves_no_process(qwen3_checkpoint
     steps = 0
     launch = llm.runner.launch
 
-    def launch_then_kill(*args):
+    def launch_then_kill(*args, **kwargs):
         nonlocal steps
         steps += 1
         if steps == 4:
             os.kill(pids[0], signal.SIGKILL)
-        return launch(*args)
+        return launch(*args, **kwargs)
 
     llm.runner.launch = launch_then_kill
     with pytest.raises(RankFailedError, match=r"rank 1 \(pid \d+\) was killed by signal SIGKILL"):
@@ -266,12 +266,12 @@ from tests.conftest import make_checkpoint
 llm = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=256, gpu_memory_utilization=0.3,
           tp_all_reduce=sys.argv[3])
 pid, steps, launch, killed = llm.runner.worker_pids[0], [0], llm.runner.launch, []
-def launch_then_kill(*args):
+def launch_then_kill(*args, **kwargs):
     steps[0] += 1
     if steps[0] == 20:  # decode steps replay CUDA graphs by now
         killed.append(time.monotonic())
         os.kill(pid, signal.SIGKILL)
-    return launch(*args)
+    return launch(*args, **kwargs)
 llm.runner.launch = launch_then_kill
 result = {}
 try:
