@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--max-token-id", type=int, default=DEFAULT_MAX_TOKEN_ID,
                    help="prompt ids are drawn from [0, this] (the default is cut to a smaller vocabulary)")
     w.add_argument("--temperature", type=float, default=0.6, help="0 for greedy")
+    w.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="structured output: every completion follows this JSON schema and ends where its JSON "
+                        "does (needs a model with a tokenizer; the shipped shapes have none)")
     w.add_argument("--bandwidth", type=float, default=None,
                    help="GPU memory bandwidth in bytes/s for the floor (default: measured figure for the GPU)")
     e = parser.add_argument_group("engine")
@@ -79,6 +82,8 @@ def check_arguments(args: argparse.Namespace) -> None:
             raise ValueError(f"{_flag(name)} must be at least {least}, got {getattr(args, name)}")
     if args.bandwidth is not None and args.bandwidth <= 0:
         raise ValueError(f"--bandwidth must be positive (bytes/s), got {args.bandwidth}")
+    if getattr(args, "json_schema", None) is not None:
+        args.json_schema_value = _json_schema(args)
     if args.max_token_id == DEFAULT_MAX_TOKEN_ID:
         args.max_token_id = min(DEFAULT_MAX_TOKEN_ID, _vocab_size(args.model) - 1)
     import torch
@@ -86,6 +91,27 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.device == "auto" and resolve_model(args.model) != TINY_MODEL_DIR and not torch.cuda.is_available():
         raise ValueError(f"no CUDA GPU here, and the {Path(resolve_model(args.model)).name} workload would take "
                          "very long on CPU; try --model tiny --num-seqs 16 (the built-in tiny model), or --device cpu to run it anyway")
+
+
+def _json_schema(args: argparse.Namespace) -> dict:
+    """The schema of --json-schema, checked as SamplingParams checks it; ValueError naming the flag."""
+    from engine.sampling_params import SamplingParams
+    from engine.tokenizer import TOKENIZER_FILES
+
+    path = args.json_schema
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"--json-schema: cannot read {path}: {e.strerror or e}") from None
+    try:
+        schema = SamplingParams(json_schema=text).json_schema
+    except ValueError as e:
+        raise ValueError(f"--json-schema {path}: {e}") from None
+    model_dir = Path(resolve_model(args.model))
+    if model_dir.is_dir() and not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"--json-schema needs a model with a tokenizer; {model_dir.name} has none (point --model "
+                         "at a checkpoint directory, or use --model tiny)")
+    return schema
 
 
 def _vocab_size(model: str) -> int:
@@ -108,7 +134,8 @@ def make_workload(args: argparse.Namespace):
     random.seed(args.seed)
     prompts = [[random.randint(0, args.max_token_id) for _ in range(random.randint(args.min_input_len, args.max_input_len))]
                for _ in range(args.num_seqs)]
-    params = [SamplingParams(temperature=args.temperature, ignore_eos=True,
+    schema = getattr(args, "json_schema_value", None)
+    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, json_schema=schema,
                              max_tokens=random.randint(args.min_output_len, args.max_output_len))
               for _ in range(args.num_seqs)]
     return prompts, params
@@ -275,7 +302,8 @@ def run(args: argparse.Namespace) -> dict:
     bandwidth = args.bandwidth or default_bandwidth(gpu)
     config = llm.config
     floor = None
-    if bandwidth:
+    constrained = params[0].json_schema is not None  # completions end where their JSON does: no fixed count
+    if bandwidth and not constrained:
         floor = floor_seconds(config.hf_config, prompts, params, bandwidth,
                               config.torch_dtype.itemsize, config.tensor_parallel_size, config.kv_torch_dtype.itemsize)
     record = {
@@ -288,11 +316,12 @@ def run(args: argparse.Namespace) -> dict:
         "floor_seconds": round(floor, 3) if floor else None,
         "ratio_to_floor": round(seconds / floor, 2) if floor else None,
         "kernels_compiled_in_run": compiled,
+        "json_schema": args.json_schema if constrained else None,
     }
     kv_note = "" if config.kv_cache_dtype == "auto" else f", {config.kv_cache_dtype} KV cache"
     print(f"{record['model']} on {gpu} ({record['backend']} attention{kv_note}): {tokens} tokens in {seconds:.2f} s "
           f"= {tokens / seconds:,.0f} tok/s" + (f"; floor {floor:.2f} s, {seconds / floor:.1f}x the floor" if floor else ""))
-    if tokens != expected:
+    if tokens != expected and not constrained:
         print(f"warning: generated {tokens} tokens, the workload asks for {expected}", file=sys.stderr)
     print(json.dumps(record), flush=True)
     shutdown = getattr(llm, "shutdown", None)

@@ -110,9 +110,11 @@ class TPDriver:
     def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
         return self.runner.prepare_inputs(batch)
 
-    def launch(self, inputs: StepInputs, st: SamplingTensors | None, num_logprobs: int) -> "TPStep":
+    def launch(self, inputs: StepInputs, st: SamplingTensors | None, num_logprobs: int,
+               before_sampling=None) -> "TPStep":
         """Send the step to every rank and queue rank 0's forward and sampling without waiting for the
-        other ranks; the returned handle's result() collects their acknowledgements, then the tokens."""
+        other ranks; the returned handle's result() collects their acknowledgements, then the tokens.
+        before_sampling: as ModelRunner.launch's (rank 0 alone samples a step that has one)."""
         workers = self._workers
         workers.check_running()
         try:
@@ -120,7 +122,7 @@ class TPDriver:
             plan = self.sampler.plan(st, num_logprobs, self.runner.tp.size)
             workers.send(("execute", _to_wire(inputs), plan))
             step = workers.num_sent
-            tokens = self.runner.launch(inputs, st, num_logprobs, plan)
+            tokens = self.runner.launch(inputs, st, num_logprobs, plan, before_sampling)
         except BaseException as e:
             workers.fail(e, "during a step")
         return TPStep(workers, step, tokens)

@@ -9,9 +9,10 @@ from tqdm.auto import tqdm
 from engine.beam_search import BeamSearch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.grammar import GrammarCache
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput, StepResult, StepStats, request_output
-from engine.sampling_params import BeamSearchParams, SamplingParams
+from engine.sampling_params import BeamSearchParams, SamplingParams, constraint
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceGroup
 from engine.tokenizer import load_tokenizer
@@ -28,6 +29,7 @@ class LLMEngine:
         self.sampler = self.runner.sampler
         self.tokenizer = load_tokenizer(config.model_dir)
         self.vocab_size = config.hf_config.vocab_size
+        self.grammars = GrammarCache(self.tokenizer, self.vocab_size, config.eos_token_id)
         self.block_manager = BlockManager(self.runner.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -64,6 +66,17 @@ class LLMEngine:
         self.scheduler.add(group.first)
         return request_id
 
+    def compile_grammar(self, params) -> None:
+        """Compile the structured-output constraint of `params` (SamplingParams or the wire's Sampling) into
+        the engine's grammar cache now, on the caller's thread, so that add_request finds it compiled.
+        Thread-safe; an error is left for add_request to raise."""
+        given = constraint(params)
+        if given is not None:
+            try:
+                self.grammars.compile(*given)
+            except ValueError:
+                pass
+
     def _new_group(self, request_id: str, token_ids: list[int], params) -> SequenceGroup:
         beam = None
         if isinstance(params, BeamSearchParams):
@@ -78,6 +91,8 @@ class LLMEngine:
             raise ValueError(f"{name}={group.width} needs {group.width} sequences at once; max_num_seqs is "
                              f"{self.config.max_num_seqs}")
         seq = group.first
+        if not isinstance(params, BeamSearchParams) and params.constraint is not None:
+            seq.grammar = self.grammars.compile(*params.constraint).state()
         limit = self.config.max_model_len
         seq.max_num_tokens = limit if params.max_tokens is None else min(len(token_ids) + params.max_tokens, limit)
         if beam is not None:
@@ -176,6 +191,8 @@ class LLMEngine:
             for seq in batch.seqs:
                 first = seq.group.first
                 first.first_scheduled_time = first.first_scheduled_time or now
+                if seq.grammar is not None and seq.num_computed_tokens == 0:  # (re)computed from its start
+                    seq.grammar.restart()
             for children in batch.forks.values():
                 for child in children:
                     self.sampler.add_request(child, self.config.eos_token_id)
@@ -185,7 +202,12 @@ class LLMEngine:
             stats.num_prefill_tokens = batch.total_tokens - stats.num_decode_tokens
             inputs = self.runner.prepare_inputs(batch)
             st, num_logprobs = self.sampler.batch_tensors(to_sample)
-            launched = self._launch(batch, to_sample, inputs, st, num_logprobs)
+            before_sampling = None
+            if st is not None and st.grammar is not None:
+                def before_sampling():
+                    outputs.extend(self._resolve_for_masks(finished_only))
+                    self.sampler.fill_grammar_masks(st, to_sample)
+            launched = self._launch(batch, to_sample, inputs, st, num_logprobs, before_sampling)
             if not self.async_scheduling:  # a synchronous step is a launch collected at once
                 outputs += self._collect(launched, finished_only)
                 launched = None
@@ -201,11 +223,11 @@ class LLMEngine:
         stats.step_seconds = time.perf_counter() - start
         return StepResult(outputs, stats)
 
-    def _launch(self, batch: ScheduledBatch, sampled: list[Sequence], inputs, st, num_logprobs) -> "_InFlight":
+    def _launch(self, batch: ScheduledBatch, sampled: list[Sequence], inputs, st, num_logprobs,
+                before_sampling=None) -> "_InFlight":
         """Queue the step on the device and advance the sequences as if it were done; each sampled
         sequence gets a -1 placeholder, filled when the step is collected (the next step's inputs take
-        it from the device meanwhile)."""
-        tokens = self.runner.launch(inputs, st, num_logprobs)
+        it from the device meanwhile). before_sampling: see _resolve_for_masks."""
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
         positions = []
@@ -214,7 +236,18 @@ class LLMEngine:
             if seq.group.beam is None:  # a beam's next token is chosen once every beam's step is in
                 seq.pending_index = i
                 seq.append_token(-1)
+        tokens = self.runner.launch(inputs, st, num_logprobs, before_sampling=before_sampling)
         return _InFlight(batch, sampled, positions, tokens)
+
+    def _resolve_for_masks(self, finished_only: bool) -> list[RequestOutput]:
+        """A step with constrained rows: their masks depend on the tokens the launch in flight is still
+        sampling. Its forward pass queued, the step collects that launch now (what the end of step()
+        would do) so that the masks are filled on the host while the device runs the forward pass, and
+        its sampling follows them."""
+        if self._inflight is None:
+            return []
+        step, self._inflight = self._inflight, None
+        return self._collect(step, finished_only)
 
     def _collect(self, step: "_InFlight", finished_only: bool) -> list[RequestOutput]:
         token_ids, logprobs = step.tokens.result()
@@ -252,6 +285,8 @@ class LLMEngine:
                         touched[group.request_id] = group
                     continue
                 seq.cumulative_logprob += chosen[i]
+                if seq.grammar is not None:
+                    seq.grammar.follow(seq.completion_token_ids)
                 if seq.params.logprobs is not None:
                     k = seq.params.logprobs
                     top = dict(zip(top_ids[i][:k], top_values[i][:k])) if top_ids is not None else {}
@@ -322,6 +357,8 @@ class LLMEngine:
         p = seq.params
         if num_tokens - seq.num_prompt_tokens >= p.min_tokens:  # before min_tokens only the length ends it
             if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.config.eos_token_id):
+                return "stop"
+            if seq.grammar is not None and seq.grammar.done:  # a whole match that nothing may extend
                 return "stop"
             if p.stop and self.tokenizer is not None:
                 completion = seq.completion_token_ids[: num_tokens - seq.num_prompt_tokens]

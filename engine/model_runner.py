@@ -306,14 +306,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, inputs: StepInputs, st: SamplingTensors | None, num_logprobs: int,
-               plan: StepSampling | None = None) -> SampledTokens:
+               plan: StepSampling | None = None, before_sampling=None) -> SampledTokens:
         """Queue forward and sampling on the device; the returned handle waits for the tokens.
-        plan: under tensor parallelism, the step's Sampler.plan, as the other ranks were sent it."""
+        plan: under tensor parallelism, the step's Sampler.plan, as the other ranks were sent it.
+        before_sampling: called once the logits are queued, before the sampling (which may then depend on
+        what it did on the host: structured output's masks)."""
         graphs = self.graphs
         if (st is not None and graphs is not None and graphs.samples and inputs.is_decode
                 and inputs.samples_every_row and graphs.fits(inputs)):
             self.copy_blocks(inputs)
-            return self.sampler.replay_graph(graphs, inputs, st, num_logprobs)
+            return self.sampler.replay_graph(graphs, inputs, st, num_logprobs, before_sampling)
         hidden = self.forward(inputs)
         if st is None:
             return SampledTokens([])
@@ -321,6 +323,8 @@ class ModelRunner:
             return self.sampler.sample_shards(self.local_logits(hidden, inputs), self.tp, plan, st.temperatures,
                                               self.model.lm_head.vocab_start)
         logits = self.compute_logits(hidden, inputs)
+        if before_sampling is not None:
+            before_sampling()
         with self.layer_mode:
             return self.sampler.sample(logits, st, num_logprobs)
 

@@ -108,7 +108,10 @@ def _completion(seq: "Sequence", tokenizer) -> tuple[CompletionOutput, list[int]
     seq.num_reported_tokens = resolved
     text = None
     if tokenizer is not None:
-        text = _decode(tokenizer, completion, seq.finish_reason == "stop" and seq.stop_text_len is None)
+        # a stop token is no part of the text; a completed grammar's last token is (an EOS there is special)
+        grammar_done = seq.grammar is not None and seq.grammar.done
+        text = _decode(tokenizer, completion, seq.finish_reason == "stop" and seq.stop_text_len is None
+                       and not grammar_done)
         text = text if seq.stop_text_len is None else text[: seq.stop_text_len]
     return CompletionOutput(
         index=seq.index, text=text, token_ids=completion, finish_reason=seq.finish_reason,

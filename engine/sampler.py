@@ -1,8 +1,9 @@
 """Sampling, owned in one place: each request's sampling row and random stream, each batch's tensors, and
 the path a step's tokens take (the decode graph's sampler, the logits on the host's side of the graph, or
 sharded over tensor-parallel ranks). Greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs
-(every sampled token's, for cumulative logprobs, and the top ones asked for), and the logit adjustments
-of engine/penalties.py (penalties, biases, min_tokens), applied on the device before sampling.
+(every sampled token's, for cumulative logprobs, and the top ones asked for), the logit adjustments
+of engine/penalties.py (penalties, biases, min_tokens) and structured output's allowed-token masks
+(engine/grammar_mask.py), applied on the device before sampling.
 
 The Gumbel-max kernel (engine/kernels/sampling.py) draws where every row is the argmax of its own scaled,
 noised logits; the general path (filters, seeded requests) runs torch ops on the device.
@@ -14,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import penalties
+from engine import grammar_mask, penalties
+from engine.grammar import MaskFiller
 from engine.layers.fusion import fused
 
 
@@ -28,6 +30,7 @@ class SamplingTensors:
     all_greedy: bool
     needs_filter: bool
     adjust: penalties.LogitAdjustments | None = None  # penalties, biases, min_tokens of the batch's rows
+    grammar: grammar_mask.GrammarRows | None = None   # constrained rows (structured output)
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class Sampler:
         self.seed_generator = torch.Generator().manual_seed(seed)  # host-side seeds for the Gumbel kernel
         self.last_tokens = torch.empty(0, dtype=torch.int64, device=device)  # the last step's, on the device
         self.token_counts = penalties.TokenCounts(device, vocab_size)  # penalised sequences' tokens
+        self.mask_filler = MaskFiller()
         self._batch_ids: list[int] = []
         self._batch = None
 
@@ -113,8 +117,14 @@ class Sampler:
             all_greedy=all(p.greedy for p in ps),
             needs_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in ps),
             adjust=penalties.adjustments(seqs, self.token_counts, device) if any(p.adjusts_logits for p in ps)
-            else None)
+            else None,
+            grammar=grammar_mask.grammar_rows(seqs, device))
         return st, max(s.num_top_logprobs for s in seqs)
+
+    def fill_grammar_masks(self, st: SamplingTensors, seqs: list) -> None:
+        """This step's allowed-token masks of the constrained rows of `seqs` (the sequences batch_tensors
+        was given), once every token before them has resolved; on their way to the device when it returns."""
+        grammar_mask.fill(st.grammar, seqs, self.vocab_size, self.mask_filler, self.device)
 
     def plan(self, st: SamplingTensors | None, num_logprobs: int, tp_size: int) -> StepSampling | None:
         """Rank 0: how every rank takes part in this step's sampling (None: nothing is sampled). Sharded
@@ -123,30 +133,37 @@ class Sampler:
         comes from the host generator, as on the unsharded path."""
         if st is None:
             return None
-        if tp_size == 1 or num_logprobs > 0 or st.adjust is not None or not samples_by_argmax(st):
+        if (tp_size == 1 or num_logprobs > 0 or st.adjust is not None or st.grammar is not None
+                or not samples_by_argmax(st)):
             return StepSampling(sharded=False)
         if st.all_greedy:
             return StepSampling(sharded=True, greedy=True)
         return StepSampling(sharded=True, seed=draw_seed(self.seed_generator))
 
-    def replay_graph(self, graphs, inputs, st: SamplingTensors, num_logprobs: int) -> "SampledTokens":
+    def replay_graph(self, graphs, inputs, st: SamplingTensors, num_logprobs: int,
+                     before_sampling=None) -> "SampledTokens":
         """A decode step as one replay of a graph that holds the LM head and the sampler. Steps the graph's
-        sampler cannot take (top logprobs, top-k/p, min-p, seeded requests, adjusted logits) sample from
-        its logits."""
-        in_graph = num_logprobs <= 0 and st.adjust is None and samples_by_argmax(st)
+        sampler cannot take (top logprobs, top-k/p, min-p, seeded requests, adjusted logits, constrained
+        rows) sample from its logits, after before_sampling() where given."""
+        in_graph = num_logprobs <= 0 and st.adjust is None and st.grammar is None and samples_by_argmax(st)
         seed = draw_seed(self.seed_generator) if in_graph and not st.all_greedy else 0  # as sample() draws
         tokens, logprobs, logits = graphs.replay_sampled(inputs, st.temperatures if in_graph else None, seed,
                                                          self.last_tokens)
         if not in_graph:
+            if before_sampling is not None:
+                before_sampling()
             return self.sample(logits, st, num_logprobs)
         self.last_tokens = tokens
         return SampledTokens([tokens, logprobs])
 
     def sample(self, logits: torch.Tensor, st: SamplingTensors, num_logprobs: int) -> "SampledTokens":
         """The step's tokens and their logprobs (and the top logprobs) from whole rows of logits [S, V]."""
-        if st.adjust is not None:
+        if st.adjust is not None or st.grammar is not None:
             logits = logits.to(torch.float32, copy=True)
-            penalties.apply(logits, st.adjust, self.token_counts)
+            if st.adjust is not None:
+                penalties.apply(logits, st.adjust, self.token_counts)
+            if st.grammar is not None:
+                grammar_mask.apply(logits, st.grammar)
         token_ids = sample(logits, st, self.generator, self.seed_generator)
         self.last_tokens = token_ids
         if st.adjust is not None:

@@ -3,10 +3,12 @@
 `SamplingParams` below is the one definition. Its fields carry their bounds as metadata; the engine checks
 them when a SamplingParams is built, and the wire schema (`producer.protocol.Sampling`) is generated from
 the same fields and runs the same checks, so a job the client accepts is a job the engine accepts.
-This module imports nothing heavy: producers import it without torch.
+This module imports nothing heavy: producers import it without torch. A structured-output constraint
+(json_schema, regex, choice) is checked by compiling it without a tokenizer (engine/grammar.py, llguidance).
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field, fields
@@ -19,11 +21,13 @@ MAX_BIAS = 100.0       # |bias| of one token (OpenAI's)
 MAX_PENALTY = 2.0      # |presence_penalty|, |frequency_penalty| (OpenAI's)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what a value must fit to reach a device tensor or a generator
 _TOKEN_ID_TEXT = re.compile(r"[0-9]{1,19}")  # a token id as a JSON object key spells it
+CONSTRAINTS = ("json_schema", "regex", "choice")  # structured output: at most one of them
 
 
 def _spec(default, kind: str, allowed: str, ok: Callable[[Any], bool] = lambda v: True, nullable: bool = False,
           **bounds):
-    """A field with its kind ("float", "int", "bool", "strings", "token_ids", "token_biases"), the sentence an
+    """A field with its kind ("float", "int", "bool", "strings", "token_ids", "token_biases", or a constraint:
+    "json_schema", "regex", "choices"), the sentence an
     error gives, the check, and the numeric bounds the wire's JSON schema states. nullable: None is a value
     of its own although the default is not (max_tokens=None: until max_model_len)."""
     return field(default=default, metadata={"kind": kind, "allowed": allowed, "ok": ok, "bounds": bounds,
@@ -67,6 +71,9 @@ class SamplingParams:
         f"strings) to biases in [-{MAX_BIAS:g}, {MAX_BIAS:g}]", lambda v: abs(v) <= MAX_BIAS)
     logprobs: int | None = _spec(None, "int", f"null or an integer in [0, {MAX_LOGPROBS}]",
                                  lambda v: 0 <= v <= MAX_LOGPROBS, ge=0, le=MAX_LOGPROBS)
+    json_schema: dict[str, Any] | str | None = _spec(None, "json_schema", "a JSON schema (an object or its JSON text)")
+    regex: str | None = _spec(None, "regex", "a regular expression (Rust regex syntax)")
+    choice: list[str] | None = _spec(None, "choices", "a non-empty list of non-empty strings")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -83,6 +90,11 @@ class SamplingParams:
     def num_sequences(self) -> int:
         """How many sequences the request runs: best_of, or n."""
         return self.best_of or self.n
+
+    @property
+    def constraint(self) -> tuple[str, Any] | None:
+        """(field, value) of its structured-output constraint, or None."""
+        return constraint(self)
 
     @property
     def adjusts_logits(self) -> bool:
@@ -126,6 +138,8 @@ def check_field(name: str, value):
     if value is None and (f.default is None or meta["nullable"]):
         return None
     kind, ok, given = meta["kind"], meta["ok"], value
+    if kind in ("json_schema", "regex", "choices"):
+        return _constraint(name, value, meta["allowed"])
     if kind == "strings" and isinstance(value, str):
         value = [value]
     if kind == "token_biases":
@@ -150,6 +164,39 @@ def check_together(params) -> None:
     if params.max_tokens is not None and params.min_tokens > params.max_tokens:
         raise ValueError(f"min_tokens must be an integer in [0, max_tokens] (max_tokens is {params.max_tokens}), "
                          f"got {params.min_tokens}")
+    given = [name for name in CONSTRAINTS if getattr(params, name) is not None]
+    if len(given) > 1:
+        raise ValueError(f"give at most one of json_schema, regex, choice (got {', '.join(given)})")
+    if given and params.min_tokens:
+        raise ValueError(f"min_tokens must be 0 with {given[0]}: the constraint decides where the completion ends, "
+                         f"got {params.min_tokens}")
+
+
+def constraint(params) -> tuple[str, Any] | None:
+    """(field, value) of the structured-output constraint of `params` (a SamplingParams or the wire's
+    Sampling), or None."""
+    return next(((name, getattr(params, name)) for name in CONSTRAINTS if getattr(params, name) is not None), None)
+
+
+def _constraint(name: str, value, allowed: str):
+    """A constraint as SamplingParams holds it (a schema's JSON text parsed), checked by compiling its grammar
+    without a tokenizer; ValueError naming the field otherwise."""
+    if name == "json_schema" and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"{name} must be {allowed}, got {_brief(value)} (not JSON: {e})") from None
+    good = {"json_schema": lambda v: isinstance(v, dict),
+            "regex": lambda v: isinstance(v, str),
+            "choice": lambda v: isinstance(v, list) and v and all(isinstance(c, str) and c for c in v)}[name]
+    if not good(value):
+        raise ValueError(f"{name} must be {allowed}, got {_brief(value)}")
+    from engine import grammar  # llguidance: no Python dependencies, no torch
+
+    error = grammar.check(name, value)
+    if error:
+        raise ValueError(f"{name} must be {allowed}; got one that cannot be enforced: {error}")
+    return value
 
 
 def _token_biases(value, ok) -> dict[int, float] | None:

@@ -48,6 +48,7 @@ class Sequence:
         self.num_reported_tokens = 0   # completion tokens already handed out by step()
         self.max_num_tokens = len(self.token_ids) + (params.max_tokens or 0)  # capped by the engine
         self.pending_index = -1        # row of its last token in the launch still sampling it (-1 in token_ids)
+        self.grammar = None            # engine.grammar.GrammarState of a constrained (structured output) request
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -112,6 +113,7 @@ class Sequence:
         child.logprobs = list(self.logprobs)
         child.num_reported_tokens = 0
         child.pending_index = -1
+        child.grammar = self.grammar.fork() if self.grammar is not None else None  # a matcher of its own
         return child
 
 

@@ -3,8 +3,10 @@
 Each input line is a request `{"custom_id", "method": "POST", "url": "/v1/chat/completions" or
 "/v1/completions", "body": {...}}`; each output line is `{"id", "custom_id", "response": {"status_code",
 "request_id", "body"}, "error"}` with a chat.completion or text_completion body: one choice per completion
-(n of them), each with its logprobs in the endpoint's own shape when asked for. A line that cannot run
-gets an error line of its own.
+(n of them), each with its logprobs in the endpoint's own shape when asked for. `response_format`
+becomes a structured-output constraint: `{"type": "json_object"}` any JSON object, `{"type":
+"json_schema", "json_schema": {"name", "schema", "strict"}}` that schema (enforced whatever `strict` says).
+A line that cannot run gets an error line of its own.
 """
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ SAMPLING_FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tok
 LOGPROB_FIELDS = {"logprobs", "top_logprobs"}
 # body fields not honoured yet -> the values that mean the same as leaving them out (null always does);
 # honouring one is moving it to SAMPLING_FIELDS (and its output into output_line)
-NOT_YET = {"response_format": ({"type": "text"},), "stream": (False,), "echo": (False,), "tools": ([],),
-           "tool_choice": ("none",)}
+NOT_YET = {"stream": (False,), "echo": (False,), "tools": ([],), "tool_choice": ("none",)}
+ANY_JSON_OBJECT = {"type": "object"}  # response_format {"type": "json_object"}
 INFORMATIONAL = {"model", "user", "metadata"}  # accepted and not used: the worker's model answers
 INPUTS = {"messages", "prompt"}
 
@@ -71,7 +73,8 @@ def _is_noop(value, noops: tuple) -> bool:
 
 
 def _job(url: str, body: dict) -> tuple[dict, str | None]:
-    unknown = sorted(set(body) - set(SAMPLING_FIELDS) - LOGPROB_FIELDS - set(NOT_YET) - INFORMATIONAL - INPUTS)
+    unknown = sorted(set(body) - set(SAMPLING_FIELDS) - LOGPROB_FIELDS - set(NOT_YET) - INFORMATIONAL - INPUTS
+                     - {"response_format"})
     if unknown:
         more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
         return {}, f"unsupported body fields: {', '.join(u[:30] for u in unknown[:5])}{more}"
@@ -87,6 +90,11 @@ def _job(url: str, body: dict) -> tuple[dict, str | None]:
         return {}, error
     if logprobs is not None:
         sampling["logprobs"] = logprobs
+    schema, error = _response_format(body.get("response_format"))
+    if error is not None:
+        return {}, error
+    if schema is not None:
+        sampling["json_schema"] = schema
     job: dict = {"sampling": sampling, "stream": False}
     if url == "/v1/chat/completions":
         if not isinstance(body.get("messages"), list):
@@ -101,6 +109,24 @@ def _job(url: str, body: dict) -> tuple[dict, str | None]:
         else:
             return {}, "a completion needs a prompt: a string or a list of token ids"
     return job, None
+
+
+def _response_format(value) -> tuple[dict | None, str | None]:
+    """(The JSON schema that response_format asks for, None for plain text; or an error)."""
+    if value is None:
+        return None, None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None, None
+    if kind == "json_object":
+        return ANY_JSON_OBJECT, None
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            return None, f"response_format.json_schema must be an object with a schema object, got {_shown(spec)}"
+        return spec.get("schema", ANY_JSON_OBJECT), None  # OpenAI's schema is optional: any object then
+    return None, (f"response_format must be {{\"type\": \"text\"}}, {{\"type\": \"json_object\"}} or {{\"type\": "
+                  f"\"json_schema\", \"json_schema\": {{...}}}}, got {_shown(value)}")
 
 
 def _logprobs(url: str, body: dict) -> tuple[int | None, str | None]:

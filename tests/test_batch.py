@@ -11,7 +11,16 @@ IDS = [11, 12, 13, 14, 15]
 # body fields at the value that changes nothing, and at one that redline does not honour yet
 NOOPS = dict(n=1, presence_penalty=0, frequency_penalty=0.0, logprobs=False, top_logprobs=None, stream=False,
              response_format={"type": "text"}, model="m", user="u", metadata={"k": "v"})
-NOT_HONOURED = {"response_format": {"type": "json_object"}, "stream": True, "echo": True}
+NOT_HONOURED = {"tools": [{"type": "function", "function": {"name": "f"}}], "stream": True, "echo": True}
+ITEM = {"type": "object", "additionalProperties": False, "required": ["sku", "qty"], "properties": {
+    "sku": {"type": "string", "pattern": "^[A-Z]{3}[0-9]{2}$"}, "qty": {"type": "integer", "minimum": 1, "maximum": 9}}}
+RESPONSE_FORMATS = {  # custom_id -> (url, response_format)
+    "json-object": ("/v1/chat/completions", {"type": "json_object"}),
+    "json-schema": ("/v1/completions", {"type": "json_schema", "json_schema": {"name": "item", "schema": ITEM,
+                                                                              "strict": True}}),
+    "schema-bad": ("/v1/completions", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}),
+    "format-bad": ("/v1/completions", {"type": "xml"}),
+}
 CHAT_BREADTH = dict(n=2, presence_penalty=0.5, frequency_penalty=0.4, logit_bias={"17": 3, "40": -100}, seed=7,
                     logprobs=True, top_logprobs=2, max_completion_tokens=5, temperature=0.9)
 
@@ -38,6 +47,9 @@ def ran(tmp_path_factory):
                   **{name: value}) for name, value in NOT_HONOURED.items()],
         request("chat-n", "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], **CHAT_BREADTH),
         request("text-n", "/v1/completions", prompt=IDS, n=3, best_of=4, logprobs=2, max_tokens=4, seed=1),
+        *[request(name, url, response_format=fmt, max_tokens=400, seed=2, n=2,
+                  **({"messages": [{"role": "user", "content": "JSON please"}]} if "chat" in url else {"prompt": "Item:"}))
+          for name, (url, fmt) in RESPONSE_FORMATS.items()],
         request("top-without-logprobs", "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}],
                 top_logprobs=2),
     ]
@@ -50,7 +62,8 @@ def test_one_output_line_per_input_line_in_order(ran):
     rc, out = ran
     assert rc == 0
     assert [o["custom_id"] for o in out] == ["chat", None, "ids", "bad-url", "two", "unknown", "negative", "text",
-                                             "noop", *NOT_HONOURED, "chat-n", "text-n", "top-without-logprobs"]
+                                             "noop", *NOT_HONOURED, "chat-n", "text-n", *RESPONSE_FORMATS,
+                                             "top-without-logprobs"]
     assert len({o["id"] for o in out}) == len(out)
 
 
@@ -136,6 +149,33 @@ def test_n_best_of_and_logprobs_give_openai_shaped_completion_choices(ran):
     assert best == sorted(best, reverse=True)  # best_of: the n best by cumulative logprob, best first
     two = out[4]["response"]["body"]
     assert [c["index"] for c in two["choices"]] == [0, 1] and all(c["logprobs"] is None for c in two["choices"])
+
+
+def test_response_format_constrains_every_choice(ran):
+    import jsonschema
+
+    _, out = ran
+    by_id = {o["custom_id"]: o for o in out}
+    anything = by_id["json-object"]["response"]["body"]["choices"]
+    items = by_id["json-schema"]["response"]["body"]["choices"]
+    assert len(anything) == len(items) == 2
+    for c in anything:
+        if c["finish_reason"] == "stop":  # any object: nested and unbounded, so it may also run out of tokens
+            assert isinstance(json.loads(c["message"]["content"]), dict)
+        else:
+            assert c["finish_reason"] == "length" and c["message"]["content"].startswith("{")
+    for c in items:
+        assert c["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(c["text"]), ITEM)
+
+
+@pytest.mark.parametrize("custom_id, message", [
+    ("schema-bad", "sampling.json_schema must be a JSON schema"), ("format-bad", "response_format must be"),
+])
+def test_a_bad_response_format_is_an_error_on_its_line(ran, custom_id, message):
+    _, out = ran
+    line = next(o for o in out if o["custom_id"] == custom_id)
+    assert line["response"] is None and message in line["error"]["message"]
 
 
 @pytest.mark.parametrize("case, message", [

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import jsonschema
 import pytest
 from celery import Celery
 from celery.exceptions import NotRegistered, TaskRevokedError
@@ -130,6 +131,24 @@ def test_a_job_that_fails_raises_its_error_in_the_producer_and_the_worker_serves
         with pytest.raises(NotRegistered, match="'tasks.add' is not registered"):
             unknown.get(timeout=30)
         assert fine.get(timeout=30)["status"] == "succeeded"
+
+
+def test_celery_kwargs_take_structured_output_as_the_queue_does(url, producer, engine):
+    schema = {"type": "object", "additionalProperties": False, "required": ["ok", "n"],
+              "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+    with celery_worker(url, producer, engine) as worker:
+        sent = [send(producer, worker, kwargs={"prompt": f"Item {i}", "sampling": {"json_schema": schema, "seed": i,
+                                                                                   "max_tokens": 60}})
+                for i in range(4)]
+        chosen = send(producer, worker, kwargs={"prompt": "Pick", "sampling": {"choice": ["left", "right"]}})
+        bad = send(producer, worker, kwargs={"prompt": "x", "sampling": {"regex": "(oops"}})
+        results = [r.get(timeout=60) for r in sent]
+        assert chosen.get(timeout=60)["text"] in ("left", "right")
+        with pytest.raises(Exception, match=re.escape("sampling.regex must be a regular expression")):
+            bad.get(timeout=30)
+    for res in results:
+        assert res["status"] == "succeeded" and res["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(res["text"]), schema)
 
 
 def test_revoke_ends_a_queued_task_unrun_and_aborts_a_running_one_freeing_its_kv_blocks(url, producer):

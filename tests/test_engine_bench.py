@@ -5,6 +5,8 @@ import argparse
 import json
 import time
 
+import pytest
+
 from engine import bench
 from engine.builtin import TINY_MODEL_DIR
 
@@ -114,3 +116,22 @@ def test_floor_reads_only_the_window_of_sliding_window_layers():
     windowed = bench.floor_seconds(gemma, prompts, params, 3.02e12)
     gemma.layer_types = ["full_attention"] * gemma.num_hidden_layers
     assert 0.5 < windowed / bench.floor_seconds(gemma, prompts, params, 3.02e12) < 0.8
+
+
+def test_json_schema_constrains_every_completion_of_the_workload(tmp_path, capsys):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    args = parse("--model", "tiny", "--num-seqs", "4", "--min-input-len", "5", "--max-input-len", "20",
+                 "--min-output-len", "30", "--max-output-len", "40", "--max-token-id", "500", "--device", "cpu",
+                 "--max-model-len", "64", "--json-schema", str(tmp_path / "schema.json"))
+    record = bench.run(args)
+    assert record["json_schema"] == str(tmp_path / "schema.json") and record["floor_seconds"] is None
+    assert 4 * len('{"n": 0}') // 2 <= record["tokens"] <= 4 * len('{"n": 0}')  # each ends with its JSON
+    (tmp_path / "bad.json").write_text('{"type": "wat"}')
+    for argv, message in ((["--json-schema", str(tmp_path / "bad.json")], "--json-schema .*json_schema must be"),
+                          (["--json-schema", str(tmp_path / "none.json")], "--json-schema: cannot read"),
+                          (["--model", "qwen3-0.6b", "--json-schema", str(tmp_path / "schema.json")],
+                           "needs a model with a tokenizer")):
+        with pytest.raises(ValueError, match=message):
+            bench.check_arguments(parse("--device", "cpu", *argv))

@@ -103,9 +103,14 @@ def test_tp2_async_scheduling_tokens_equal_tp1_with_prefix_cache_and_preemption(
     prompts = tp_prompts(seed=2)
     greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW)
     seeded = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=8) for i in range(len(prompts))]
+    # structured output: rank 0 samples the gathered logits under the masks, constrained rows beside free ones
+    constrained = [SamplingParams(temperature=0, max_tokens=MAX_NEW, regex=r"[a-z]{2,5}(, [a-z]{2,5})*\.")
+                   if i % 3 == 0 else SamplingParams(seed=i, max_tokens=8, choice=["yes", "no"]) if i % 3 == 1
+                   else seeded[i] for i in range(len(prompts))]
     tp1 = LLM(str(checkpoint), **TIGHT_CACHE)
     expected_greedy = generate_ids(tp1, prompts, greedy)
     expected_seeded = generate_ids(tp1, prompts, seeded)
+    expected_constrained = generate_ids(tp1, prompts, constrained)
 
     llm = LLM(str(checkpoint), tensor_parallel_size=2, async_scheduling=True, **TIGHT_CACHE)
     pids = llm.runner.worker_pids
@@ -119,6 +124,7 @@ def test_tp2_async_scheduling_tokens_equal_tp1_with_prefix_cache_and_preemption(
         assert llm.block_manager.num_cache_hits > 0
         assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
         assert generate_ids(llm, prompts, seeded) == expected_seeded  # acknowledged after rank 1 wrote the trace
+        assert generate_ids(llm, prompts, constrained) == expected_constrained
         assert json.loads((tmp_path / "trace_rank1.json").read_text())["traceEvents"]
     finally:
         llm.shutdown()
@@ -134,12 +140,12 @@ def test_killed_rank_with_async_scheduling_makes_generate_raise_and_leaves_no_pr
     steps = 0
     launch = llm.runner.launch
 
-    def launch_then_kill(*args):
+    def launch_then_kill(*args, **kwargs):
         nonlocal steps
         steps += 1
         if steps == 4:
             os.kill(pids[0], signal.SIGKILL)
-        return launch(*args)
+        return launch(*args, **kwargs)
 
     llm.runner.launch = launch_then_kill
     with pytest.raises(RankFailedError, match=r"rank 1 \(pid \d+\) was killed by signal SIGKILL"):
@@ -159,12 +165,12 @@ def test_killed_rank_makes_generate_raise_and_leaves_no_process(qwen3_checkpoint
     steps = 0
     launch = llm.runner.launch
 
-    def launch_then_kill(*args):
+    def launch_then_kill(*args, **kwargs):
         nonlocal steps
         steps += 1
         if steps == 4:
             os.kill(pids[0], signal.SIGKILL)
-        return launch(*args)
+        return launch(*args, **kwargs)
 
     llm.runner.launch = launch_then_kill
     with pytest.raises(RankFailedError, match=r"rank 1 \(pid \d+\) was killed by signal SIGKILL"):
@@ -260,12 +266,12 @@ from tests.conftest import make_checkpoint
 llm = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=256, gpu_memory_utilization=0.3,
           tp_all_reduce=sys.argv[3])
 pid, steps, launch, killed = llm.runner.worker_pids[0], [0], llm.runner.launch, []
-def launch_then_kill(*args):
+def launch_then_kill(*args, **kwargs):
     steps[0] += 1
     if steps[0] == 20:  # decode steps replay CUDA graphs by now
         killed.append(time.monotonic())
         os.kill(pid, signal.SIGKILL)
-    return launch(*args)
+    return launch(*args, **kwargs)
 llm.runner.launch = launch_then_kill
 result = {}
 try:

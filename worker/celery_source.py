@@ -221,7 +221,7 @@ class CelerySource:
                 self._settle_now(job.message, job.task_id, p.EXPIRED,
                                  f"expired at {job.expires.isoformat()} before it started")
             elif self.worker.capacity.take(1):
-                self.worker.commands.put(("run", self._held.pop(0)))
+                self.worker.hand_to_engine(self._held.pop(0))
             else:
                 return
 

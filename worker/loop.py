@@ -377,7 +377,19 @@ class Worker:
             room = self.capacity.take(len(jobs))  # another source may have taken some room meanwhile
             jobs, self._held = jobs[:room], jobs[room:] + self._held
             for job in jobs:
-                self.commands.put(("run", job))
+                self.hand_to_engine(job)
+
+    def hand_to_engine(self, job: Job) -> None:
+        """Send an admitted job to the engine thread, its structured-output grammar compiled first, here on
+        the source's thread, so that the engine thread finds it compiled (an error is the job's own, and
+        add_request raises it there)."""
+        compile_grammar = getattr(self.engine, "compile_grammar", None)
+        if compile_grammar is not None and job.spec is not None:
+            try:
+                compile_grammar(job.spec.sampling)
+            except Exception:  # noqa: BLE001 - a job can fail only itself: add_request reports it
+                log.exception("compiling the grammar of job %s failed", job.job_id)
+        self.commands.put(("run", job))
 
     def _admit(self, entries) -> list[Job]:
         """Admit entries. A job submitted again (same id) after Redis lost the entry of a copy this worker

@@ -1,0 +1,146 @@
+"""Reproduces docs/performance.md's structured-output figure: nano-bench's prompts with every completion
+constrained by a JSON schema whose outputs run long (an array of 20 to 300 small objects), against the same
+prompts unconstrained with the same output lengths, on one engine, alternating (U C U C); and the host time
+a step spends on the grammar (following the sampled tokens and filling the masks).
+    python3 bench/structured_output.py [--workdir DIR] [engine.bench's options]
+
+The shipped shapes have no tokenizer and a mask's cost grows with the vocabulary, so the first run trains a
+byte-level BPE tokenizer of Qwen3's vocabulary size on the Python standard library's sources (the
+`tokenizers` trainer) and saves it beside the model's config.json under --workdir, where later runs find it.
+Prints one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tree this script is in
+
+from engine import bench  # noqa: E402
+
+SCHEMA = {
+    "type": "array", "minItems": 20, "maxItems": 300,
+    "items": {"type": "object", "additionalProperties": False, "required": ["id", "kind", "ok"],
+              "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999},
+                             "kind": {"enum": ["point", "line", "area"]}, "ok": {"type": "boolean"}}},
+}
+EOS = "<|endoftext|>"
+
+
+def model_with_tokenizer(model: str, workdir: Path, vocab_size: int) -> Path:
+    """`model`'s config.json beside a byte-level BPE tokenizer of `vocab_size` tokens (trained once)."""
+    target = workdir / "model"
+    if (target / "tokenizer.json").is_file():
+        return target
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    target.mkdir(parents=True, exist_ok=True)
+    texts = []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        try:
+            texts.append(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError):  # a few test files are in other encodings on purpose
+            pass
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    started = time.perf_counter()
+    tok.train_from_iterator(texts, trainer)
+    print(f"tokenizer: {tok.get_vocab_size()} tokens from {len(texts)} files in {time.perf_counter() - started:.0f} s",
+          file=sys.stderr)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS).save_pretrained(target)
+    config = json.loads((Path(bench.resolve_model(model)) / "config.json").read_text())
+    config["eos_token_id"] = config["bos_token_id"] = tok.token_to_id(EOS)
+    (target / "config.json").write_text(json.dumps(config, indent=1))
+    return target
+
+
+def timed(llm, prompts, params) -> tuple[float, list]:
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start, outs
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    bench.add_arguments(parser)
+    parser.add_argument("--workdir", default="out/structured-output", help="where the model with a tokenizer is kept")
+    parser.add_argument("--vocab-size", type=int, default=151643, help="tokens of the trained tokenizer")
+    args = parser.parse_args(argv)
+    from engine.sampling_params import SamplingParams
+
+    args.model = str(model_with_tokenizer(args.model, Path(args.workdir), args.vocab_size))
+    bench.check_arguments(args)
+    prompts, params = bench.make_workload(args)
+    llm = bench.build_llm(args)
+    bench.warm_up(llm, args)
+    host = {"seconds": 0.0, "steps": 0, "rows": 0}
+    fill = llm.sampler.fill_grammar_masks
+
+    def fill_timed(st, seqs):  # the grammar's host work of one step: follow the tokens, fill the masks
+        start = time.perf_counter()
+        fill(st, seqs)
+        host["seconds"] += time.perf_counter() - start
+        host["steps"] += 1
+        host["rows"] += len(st.grammar.index)
+
+    llm.sampler.fill_grammar_masks = fill_timed
+    constrained = [SamplingParams(temperature=args.temperature, max_tokens=p.max_tokens, json_schema=SCHEMA)
+                   for p in params]
+    llm.generate(prompts[:32], constrained[:32], use_tqdm=False)  # compiles the grammar, warms the masked path
+    host.update(seconds=0.0, steps=0, rows=0)
+    runs = {"constrained": [], "unconstrained": []}
+    c_seconds, outs = timed(llm, prompts, constrained)
+    runs["constrained"].append(c_seconds)
+    steps = dict(host)
+    lengths = [len(o.token_ids) for o in outs]
+    valid = sum(_valid(o.text) for o in outs if o.finish_reason == "stop")
+    stopped = sum(o.finish_reason == "stop" for o in outs)
+    same_lengths = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True) for n in lengths]
+    for _ in range(2):
+        seconds, u_outs = timed(llm, prompts, same_lengths)
+        runs["unconstrained"].append(seconds)
+        assert [len(o.token_ids) for o in u_outs] == lengths
+        if len(runs["constrained"]) < 2:
+            runs["constrained"].append(timed(llm, prompts, constrained)[0])
+    tokens = sum(lengths)
+    mean = {k: sum(v) / len(v) for k, v in runs.items()}
+    record = {
+        "gpu": bench.gpu_name(), "commit": bench.git_commit(args.commit), "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "num_seqs": len(prompts), "tokens": tokens, "vocab": len(llm.tokenizer),
+        "completions_ended_by_json": stopped, "of_those_valid": valid,
+        "constrained_seconds": [round(s, 3) for s in runs["constrained"]],
+        "unconstrained_seconds": [round(s, 3) for s in runs["unconstrained"]],
+        "constrained_tok_s": round(tokens / mean["constrained"], 1),
+        "unconstrained_tok_s": round(tokens / mean["unconstrained"], 1),
+        "constrained_vs_unconstrained": round(mean["unconstrained"] / mean["constrained"], 4),
+        "grammar_host_ms_per_step": round(1000 * steps["seconds"] / max(steps["steps"], 1), 3),
+        "constrained_rows_per_step": round(steps["rows"] / max(steps["steps"], 1), 1),
+    }
+    print(f"{tokens} tokens: constrained {record['constrained_tok_s']:,.0f} tok/s, unconstrained "
+          f"{record['unconstrained_tok_s']:,.0f} tok/s ({record['constrained_vs_unconstrained']:.3f}); grammar "
+          f"{record['grammar_host_ms_per_step']} ms of host time a step", file=sys.stderr)
+    print(json.dumps(record), flush=True)
+    llm.shutdown()
+    return 0 if stopped == valid else 1
+
+
+def _valid(text: str) -> bool:
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+if __name__ == "__main__":
+    sys.exit(main())

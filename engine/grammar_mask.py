@@ -1,0 +1,58 @@
+"""Structured output on the device: a batch's constrained rows and their allowed-token bitmask, filled on
+the host (engine/grammar.py), copied in one transfer and applied to the logits before sampling, after the
+adjustments of engine/penalties.py. engine/sampler.py owns sampling and calls these; nothing else does.
+
+A batch without a constrained row has no GrammarRows, and its step runs as it would without this module.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine import penalties
+from engine.grammar import MaskFiller
+
+
+@dataclass
+class GrammarRows:
+    """A batch's constrained rows: `index` of them in the batch's sampled rows (on the host and the
+    device); `bitmask` [R, ceil(V / 32)] int32, this step's, set by fill()."""
+    index: list[int]
+    rows: torch.Tensor
+    bitmask: torch.Tensor | None = None
+
+
+def grammar_rows(seqs: list, device: torch.device) -> GrammarRows | None:
+    """The constrained rows of a batch whose sampled sequences are `seqs`, or None if there is none."""
+    index = [i for i, s in enumerate(seqs) if s.grammar is not None]
+    if not index:
+        return None
+    return GrammarRows(index, penalties.on_device(index, torch.int64, device))
+
+
+def fill(g: GrammarRows, seqs: list, vocab_size: int, filler: MaskFiller, device: torch.device) -> None:
+    """This step's masks, every sampled token before it resolved: each live row's grammar follows its
+    completion, then llguidance writes its mask into a pinned host buffer that goes to the device in one
+    copy. A row finished meanwhile (its token will be dropped) allows every token."""
+    words = (vocab_size + 31) // 32
+    host = torch.full((len(g.index), words), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
+    live = []
+    for row, i in enumerate(g.index):
+        seq = seqs[i]
+        if not seq.is_finished:
+            seq.grammar.follow(seq.completion_token_ids)
+            if not seq.grammar.done:
+                live.append((seq.grammar, row))
+    filler.fill(live, host.data_ptr(), words * 4, len(g.index))
+    g.bitmask = host.to(device, non_blocking=True) if device.type == "cuda" else host
+
+
+def apply(logits: torch.Tensor, g: GrammarRows) -> None:
+    """Mask to -inf, in float32 logits [S, V], every token the grammar of a constrained row disallows."""
+    vocab_size = logits.shape[1]
+    # little-endian words, least significant bit first: byte by byte, bit by bit, token ids go in order
+    shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
+    bits = (g.bitmask.view(torch.uint8).unsqueeze(-1) >> shifts) & 1  # one byte a token, not four
+    allowed = bits.flatten(1)[:, :vocab_size].bool()
+    logits[g.rows] = logits[g.rows].masked_fill(~allowed, float("-inf"))
