@@ -19,8 +19,7 @@ DESCRIPTION = (
     "redline's queue, queue Q. Enqueue: XADD redline:{Q}:jobs:<priority> * job_id <id> job <JSON of JobSpec> "
     "(priority 0, 1 or 2; the entry is a StreamEntry). Result: once the list redline:{Q}:done:<id> has an "
     "element, HGET redline:{Q}:job:<id> result is the JSON of JobResult (kept 24 h). Token deltas: the stream "
-    "redline:{Q}:tokens:<id>, each entry's field data the JSON of a TokenDelta. Cancel: XADD "
-    "redline:{Q}:cancels * job_id <id>. Keys and rules: docs/queue.md.")
+    "redline:{Q}:tokens:<id>, each entry's field data the JSON of a TokenDelta. Keys and rules: docs/queue.md.")
 
 
 def wire_schema() -> dict:
