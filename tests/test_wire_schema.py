@@ -26,7 +26,8 @@ def validator(name: str) -> jsonschema.Validator:
 
 
 def test_the_checked_in_schema_is_what_the_models_generate():
-    assert SCHEMA_PATH.read_text() == render(), "docs/wire-schema.json is stale: run redline schema -o docs/wire-schema.json"
+    assert SCHEMA_PATH.read_text() == render(), \
+        "docs/wire-schema.json is stale: run redline schema -o docs/wire-schema.json"
 
 
 def test_redline_schema_prints_it(capsys):
@@ -38,7 +39,8 @@ def test_redline_schema_prints_it(capsys):
     {"prompt": "Hi"},
     {"messages": [{"role": "user", "content": "Hi"}], "sampling": {"max_tokens": 8, "temperature": 0}},
     {"prompt_token_ids": [1, 2, 3], "priority": 2, "deadline_s": 30, "stream": False},
-    {"prompt": "Hi", "sampling": {"n": 2, "logprobs": 3, "logit_bias": {"17": -100}, "json_schema": {"type": "object"}}},
+    {"prompt": "Hi", "sampling": {"n": 2, "logprobs": 3, "logit_bias": {"17": -100},
+                                  "json_schema": {"type": "object"}}},
     {"prompt": "Hi", "messages": [{"role": "user", "content": "Hi"}]},  # two inputs
     {"sampling": {"max_tokens": 8}},  # no input
     {"prompt": "Hi", "sampling": {"max_tokens": 0}},

@@ -54,7 +54,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from .app import create_app
 
     app = create_app(settings)
-    keys = f"{len(settings.api_keys)} API key(s)" if settings.api_keys else "no API key (anyone who can connect may use it)"
+    keys = (f"{len(settings.api_keys)} API key(s)" if settings.api_keys
+            else "no API key (anyone who can connect may use it)")
     logging.getLogger("redline.gateway").info("gateway for queue %r on %s at http://%s:%d/v1, %s", settings.queue,
                                               redact_url(settings.redis_url), settings.host, settings.port, keys)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
