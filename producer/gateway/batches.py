@@ -161,6 +161,7 @@ class BatchStore:
             await self._cancel_unfinished(batch_id)  # cancelled while its jobs were being submitted
 
     async def _resubmit(self, batch_id: str, request: dict) -> None:
+        await self.redis.hset(self.keys.batch(batch_id), "validating_at", int(time.time()))  # the others wait
         try:
             content = await self.files.content(request["input_file_id"])
         except APIError:

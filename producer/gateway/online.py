@@ -49,13 +49,15 @@ class Online:
             raise invalid(str(e)) from None
         deadline = time.monotonic() + self.timeout_s
         if stream:
-            return await self._stream(job_id, chat, include_usage, deadline)
-        result = await self._wait(request, job_id, deadline)
+            return await self._stream(request, job_id, chat, include_usage, deadline)
+        result = await self._wait(request, job_id, deadline, self.client.result)
         if not result.ok:
             raise _failed(result.status, result.error)
         return JSONResponse(response_body(url, result, with_logprobs, self.model_name))
 
-    async def _wait(self, request: Request, job_id: str, deadline: float) -> p.JobResult:
+    async def _wait(self, request: Request, job_id: str, deadline: float, read):
+        """`read(job_id, timeout=...)` (the result, or the first token delta) by WAIT_SLICE_S slices, checking
+        between them that the client is still there; the job is cancelled if it is not, or at the deadline."""
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -63,25 +65,24 @@ class Online:
                 raise APIError(504, f"no result within {self.timeout_s:g} s (the gateway's request timeout); "
                                     "the request was cancelled")
             try:
-                return await self.client.result(job_id, timeout=min(WAIT_SLICE_S, left))
+                return await read(job_id, timeout=min(WAIT_SLICE_S, left))
             except TimeoutError:
                 pass
             if await request.is_disconnected():
                 await self.client.cancel(job_id)
                 raise APIError(499, "the client went away; the request was cancelled")
 
-    async def _stream(self, job_id: str, chat: bool, include_usage: bool, deadline: float) -> Response:
-        deltas = self.client.stream(job_id, timeout=max(deadline - time.monotonic(), 0.01))
-        try:
-            first = await anext(deltas)
-        except TimeoutError:
-            await self.client.cancel(job_id)
-            raise APIError(504, f"no token within {self.timeout_s:g} s (the gateway's request timeout); "
-                                "the request was cancelled") from None
+    async def _first_delta(self, job_id: str, timeout: float) -> p.TokenDelta:
+        return await anext(self.client.stream(job_id, timeout=timeout))
+
+    async def _stream(self, request: Request, job_id: str, chat: bool, include_usage: bool,
+                      deadline: float) -> Response:
+        first = await self._wait(request, job_id, deadline, self._first_delta)
         if first.finished and first.status != p.SUCCEEDED and not first.text:
             raise _failed(first.status, first.error)  # refused before it ran: an answer, not a stream
+        rest = self.client.stream(job_id, after=first.id or "0-0", timeout=max(deadline - time.monotonic(), 0.01))
         chunks = Chunks(job_id, chat, self.model_name, include_usage)
-        return EventStream(self._events(job_id, first, deltas, chunks))
+        return EventStream(self._events(job_id, first, rest, chunks))
 
     async def _events(self, job_id: str, first: p.TokenDelta, deltas: AsyncIterator[p.TokenDelta],
                       chunks: "Chunks") -> AsyncIterator[str]:
