@@ -39,8 +39,9 @@ class Batch:
     line_ids: list[str]
 
     @classmethod
-    def from_lines(cls, lines: list[str], batch_id: str) -> "Batch":
-        return cls([parse_line(raw) for raw in lines], [f"{batch_id}-{i}" for i in range(len(lines))])
+    def from_lines(cls, lines: list[str], batch_id: str, endpoint: str | None = None) -> "Batch":
+        """endpoint: every line must ask for it (`parse_line`)."""
+        return cls([parse_line(raw, endpoint) for raw in lines], [f"{batch_id}-{i}" for i in range(len(lines))])
 
 
 def batch_id(content: bytes, scope: str) -> str:
@@ -55,17 +56,23 @@ def read_input(path: str) -> tuple[bytes, list[str]]:
     try:
         with open(path, "rb") as f:
             content = f.read()
-        text = content.decode("utf-8")
     except OSError as e:
         raise BatchError(f"cannot read {path}: {e.strerror or e}") from None
+    return content, input_lines(content, path)
+
+
+def input_lines(content: bytes, name: str) -> list[str]:
+    """The non-blank lines of an input named `name`; BatchError if it is not JSONL at all."""
+    try:
+        text = content.decode("utf-8")
     except UnicodeDecodeError:
-        raise BatchError(f"{path} is not UTF-8 text; give a JSONL file, one request object per line") from None
+        raise BatchError(f"{name} is not UTF-8 text; give a JSONL file, one request object per line") from None
     lines = [raw for raw in text.split("\n") if raw.strip()]
     if not lines:
-        raise BatchError(f"{path} is empty; give a JSONL file, one request object per line")
+        raise BatchError(f"{name} is empty; give a JSONL file, one request object per line")
     if not any(_is_object(raw) for raw in lines):
-        raise BatchError(f"{path} is not JSONL: no line is a JSON object; give one request object per line")
-    return content, lines
+        raise BatchError(f"{name} is not JSONL: no line is a JSON object; give one request object per line")
+    return lines
 
 
 def _is_object(raw: str | bytes) -> bool:

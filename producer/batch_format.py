@@ -7,6 +7,9 @@ Each input line is a request `{"custom_id", "method": "POST", "url": "/v1/chat/c
 becomes a structured-output constraint: `{"type": "json_object"}` any JSON object, `{"type":
 "json_schema", "json_schema": {"name", "schema", "strict"}}` that schema (enforced whatever `strict` says).
 A line that cannot run gets an error line of its own.
+
+The HTTP gateway (`producer.gateway`) uses the same mapping for its online requests (`request_job`,
+`response_body`) and its batches.
 """
 from __future__ import annotations
 
@@ -36,10 +39,12 @@ class BatchLine:
     url: str | None = None
     job: dict = field(default_factory=dict)
     error: str | None = None  # the line cannot run: why
+    with_logprobs: bool = False  # the request asked for logprobs: its choices carry them
 
 
-def parse_line(raw: str) -> BatchLine:
-    """One input line as a job for `Client.submit_many`, or the reason it cannot be one."""
+def parse_line(raw: str, endpoint: str | None = None) -> BatchLine:
+    """One input line as a job for `Client.submit_many`, or the reason it cannot be one. With `endpoint`,
+    every line must ask for that one (an OpenAI batch names its endpoint once)."""
     try:
         req = json.loads(raw)
     except json.JSONDecodeError as e:
@@ -55,10 +60,13 @@ def parse_line(raw: str) -> BatchLine:
         line.error = f"method must be POST, got {_shown(req.get('method'))}"
     elif line.url not in ENDPOINTS:
         line.error = f"url must be one of {', '.join(ENDPOINTS)}, got {_shown(line.url)}"
+    elif endpoint is not None and line.url != endpoint:
+        line.error = f"url must be the batch's endpoint {endpoint}, got {_shown(line.url)}"
     elif not isinstance(body, dict):
         line.error = "body must be a JSON object"
     else:
-        line.job, line.error = _job(line.url, body)
+        line.job, line.error = request_job(line.url, body)
+        line.with_logprobs = line.job.get("sampling", {}).get("logprobs") is not None
     return line
 
 
@@ -72,7 +80,8 @@ def _is_noop(value, noops: tuple) -> bool:
     return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in noops)
 
 
-def _job(url: str, body: dict) -> tuple[dict, str | None]:
+def request_job(url: str, body: dict) -> tuple[dict, str | None]:
+    """(The job for the request body of one endpoint, as `Client.submit` takes it; or why it cannot run)."""
     unknown = sorted(set(body) - set(SAMPLING_FIELDS) - LOGPROB_FIELDS - set(NOT_YET) - INFORMATIONAL - INPUTS
                      - {"response_format"})
     if unknown:
@@ -162,10 +171,14 @@ def output_line(line: BatchLine, request_id: str, result=None, error: str | None
     if error is not None:
         out["error"] = {"code": getattr(result, "status", None) or "invalid_request", "message": error}
         return out
-    usage = {"prompt_tokens": result.usage.prompt_tokens, "completion_tokens": result.usage.completion_tokens,
-             "total_tokens": result.usage.prompt_tokens + result.usage.completion_tokens}
-    chat = line.url == "/v1/chat/completions"
-    with_logprobs = line.job.get("sampling", {}).get("logprobs") is not None
+    body = response_body(line.url, result, line.with_logprobs, model)
+    out["response"] = {"status_code": 200, "request_id": result.job_id, "body": body}
+    return out
+
+
+def response_body(url: str, result, with_logprobs: bool, model: str = "redline") -> dict:
+    """A succeeded job's result as the endpoint's response: a chat.completion or a text_completion."""
+    chat = url == "/v1/chat/completions"
     completions = result.outputs or [result]
     choices = []
     for i, c in enumerate(completions):
@@ -177,10 +190,13 @@ def output_line(line: BatchLine, request_id: str, result=None, error: str | None
                             "logprobs": logprobs, "finish_reason": c.finish_reason})
         else:
             choices.append({"index": i, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason})
-    body = {"id": result.job_id, "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": choices, "usage": usage}
-    out["response"] = {"status_code": 200, "request_id": result.job_id, "body": body}
-    return out
+    return {"id": result.job_id, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": choices, "usage": usage_body(result)}
+
+
+def usage_body(result) -> dict:
+    return {"prompt_tokens": result.usage.prompt_tokens, "completion_tokens": result.usage.completion_tokens,
+            "total_tokens": result.usage.prompt_tokens + result.usage.completion_tokens}
 
 
 def _token(entry: dict) -> str:

@@ -44,6 +44,10 @@ class Keys:
         self.cancels = f"{self.prefix}:cancels"  # stream of job ids to cancel, read by every worker
         self.dead = f"{self.prefix}:dead"  # dead letters: the original entry plus the error
         self.results = f"{self.prefix}:results"  # feed of finished jobs: one entry per written result
+        # the HTTP gateway's (producer.gateway): its files and batches, kept in the queue's slot
+        self.files = f"{self.prefix}:files"  # sorted set: file ids by creation time (ms)
+        self.batches = f"{self.prefix}:batches"  # sorted set: batch ids by creation time (ms)
+        self.open_batches = f"{self.prefix}:batches:open"  # set: batches not final yet, which gateways advance
 
     def jobs(self, priority: int = 0) -> str:
         """The job stream of one priority level (consumer group `GROUP`)."""
@@ -64,6 +68,14 @@ class Keys:
     def done(self, job_id: str) -> str:
         """List that gets one element when the result is written: what `result()` blocks on."""
         return f"{self.prefix}:done:{job_id}"
+
+    def file(self, file_id: str) -> str:
+        """Hash of a gateway file: `meta` (the OpenAI file object, JSON) and `content` (its bytes)."""
+        return f"{self.prefix}:file:{file_id}"
+
+    def batch(self, batch_id: str) -> str:
+        """Hash of a gateway batch: its request, its lines' summaries, status and progress."""
+        return f"{self.prefix}:batch:{batch_id}"
 
 
 def new_job_id() -> str:
@@ -145,6 +157,9 @@ class ChatMessage(BaseModel):
 class JobSpec(_Strict):
     """What a producer asks for: exactly one of prompt, messages or prompt_token_ids."""
 
+    model_config = ConfigDict(json_schema_extra={"oneOf": [  # the one-input rule, for JSON Schema readers
+        {"required": [name], "properties": {name: {"type": kind}}}
+        for name, kind in (("prompt", "string"), ("messages", "array"), ("prompt_token_ids", "array"))]})
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     prompt_token_ids: list[Annotated[int, Field(ge=0, le=sampling_params.INT64_MAX)]] | None = None

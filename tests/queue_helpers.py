@@ -137,3 +137,28 @@ def stop_process(proc: subprocess.Popen, sig=signal.SIGTERM, timeout: float = 60
         proc.kill()
         proc.wait()
         raise
+
+
+def start_gateway(url: str, queue: str, port: int, *extra: str) -> subprocess.Popen:
+    """`redline serve` as a separate process; returns once it answers /healthz."""
+    import urllib.request
+
+    cmd = [sys.executable, "-m", "worker.cli", "serve", "--redis-url", url, "--queue", queue, "--port", str(port),
+           "--log-level", "WARNING", *extra]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"redline-gateway-{port}-", suffix=".log", delete=False,
+                                      dir=_WORKER_LOGS.name)
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc.log_path = log.name
+
+    def answers() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"the gateway exited {proc.returncode}: {log_of(proc)}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    wait_for(answers, 60, "the gateway to answer /healthz", every=0.1)
+    return proc

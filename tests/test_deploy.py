@@ -81,8 +81,8 @@ def test_compose_rejects_an_invalid_file(tmp_path):
     assert "stop_grace_periode" in result.stderr
 
 
-def test_compose_has_redis_worker_prometheus_grafana(compose_config):
-    assert set(compose_config["services"]) == {"redis", "worker", "prometheus", "grafana"}
+def test_compose_has_redis_worker_gateway_prometheus_grafana(compose_config):
+    assert set(compose_config["services"]) == {"redis", "worker", "gateway", "prometheus", "grafana"}
 
 
 def test_redis_persists_and_reports_health(compose_config):
@@ -131,6 +131,26 @@ def test_environment_overrides_reach_the_worker(tmp_path):
     assert result.returncode == 0, result.stderr
     env = json.loads(result.stdout)["services"]["worker"]["environment"]
     assert (env["REDLINE_MODEL"], env["REDLINE_QUEUE"]) == ("Qwen/Qwen3-8B", "nightly")
+
+
+def test_the_gateway_serves_the_workers_queue_without_a_gpu(compose_config):
+    from producer.gateway.settings import GatewaySettings
+
+    gateway, worker = compose_config["services"]["gateway"], compose_config["services"]["worker"]
+    env = gateway["environment"]
+    assert gateway["command"] == ["redline", "serve"] and gateway["image"] == worker["image"]
+    for name in ("REDLINE_REDIS_URL", "REDLINE_QUEUE"):
+        assert env[name] == worker["environment"][name]
+    assert env["REDLINE_MODEL_NAME"] == worker["environment"]["REDLINE_MODEL"]
+    for name in env:  # every variable is a setting `redline serve` reads
+        assert name.removeprefix("REDLINE_").lower() in GatewaySettings.model_fields, name
+    settings = GatewaySettings(**{k.removeprefix("REDLINE_").lower(): v for k, v in env.items()})
+    assert settings.api_keys == [] and settings.host == "0.0.0.0"
+    [port] = gateway["ports"]
+    assert port["target"] == settings.port and port["host_ip"] == "127.0.0.1"  # published on loopback only
+    assert f"http://127.0.0.1:{settings.port}/readyz" in " ".join(gateway["healthcheck"]["test"])
+    assert "deploy" not in gateway and gateway["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert seconds(gateway["stop_grace_period"]) > 30  # uvicorn's graceful shutdown
 
 
 def test_prometheus_scrapes_every_worker_replica_on_the_metrics_port(compose_config):

@@ -1,4 +1,5 @@
-"""deploy/kubernetes: the kustomize base, the GPU overlay and the Redis Cluster component, validated offline.
+"""deploy/kubernetes: the kustomize base (workers and the HTTP gateway), the GPU overlay and the Redis Cluster
+component, validated offline.
 
 Kubernetes' own kinds go through kubernetes-validate (the API's JSON schemas, strict: an unknown field fails);
 KEDA's ScaledObject and TriggerAuthentication and the Prometheus Operator's ServiceMonitor through the schemas
@@ -21,6 +22,7 @@ import pytest
 import yaml
 
 from producer import protocol as p
+from producer.gateway.settings import GatewaySettings
 from worker.loop import SHUTDOWN_GRACE_S
 from worker.settings import WorkerSettings
 
@@ -75,14 +77,21 @@ def base_files() -> list[dict]:
             if name.endswith(".yaml")]
 
 
-def one(resources: list[dict], kind: str) -> dict:
-    [found] = [r for r in resources if r["kind"] == kind]
+WORKER, GATEWAY = "redline-worker", "redline-gateway"
+
+
+def one(resources: list[dict], kind: str, name: str | None = None) -> dict:
+    [found] = [r for r in resources if r["kind"] == kind and name in (None, r["metadata"]["name"])]
     return found
 
 
-def worker_env() -> dict[str, str]:
-    lines = (BASE / "worker.env").read_text().splitlines()
+def env_file(name: str) -> dict[str, str]:
+    lines = (BASE / name).read_text().splitlines()
     return dict(line.split("=", 1) for line in lines if line.strip() and not line.startswith("#"))
+
+
+def worker_env() -> dict[str, str]:
+    return env_file("worker.env")
 
 
 def kustomize(path: Path) -> list[dict]:
@@ -119,7 +128,7 @@ def test_every_base_manifest_passes_its_schema():
     ("TriggerAuthentication", ["spec", "secretTargetRef", 0], "parametre"),
 ])
 def test_the_validators_reject_a_misspelt_field(kind, path, typo):
-    resource = copy.deepcopy(one(base_files(), kind))
+    resource = copy.deepcopy(one(base_files(), kind, WORKER if kind == "Deployment" else None))
     node = resource
     for step in path:
         node = node[step]
@@ -131,11 +140,11 @@ def test_the_validators_reject_a_misspelt_field(kind, path, typo):
 @needs_kubectl
 def test_kustomize_renders_the_gpu_overlay_and_every_object_validates(rendered):
     kinds = sorted(r["kind"] for r in rendered)
-    assert kinds == sorted(["ConfigMap", "ConfigMap", "Deployment", "Service", "ServiceMonitor", "ScaledObject",
-                            "TriggerAuthentication"])
+    assert kinds == sorted(["ConfigMap", "ConfigMap", "ConfigMap", "Deployment", "Deployment", "Service", "Service",
+                            "ServiceMonitor", "ScaledObject", "TriggerAuthentication"])
     for resource in rendered:
         validate(resource)
-    pod = one(rendered, "Deployment")["spec"]["template"]["spec"]
+    pod = one(rendered, "Deployment", WORKER)["spec"]["template"]["spec"]
     [container] = pod["containers"]
     assert container["resources"]["limits"] == {"nvidia.com/gpu": 1}
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
@@ -147,15 +156,17 @@ def test_kustomize_renders_the_gpu_overlay_and_every_object_validates(rendered):
 
 
 @needs_kubectl
-def test_the_redis_cluster_component_moves_the_workers_and_keda_to_the_cluster_together(tmp_path):
+def test_the_redis_cluster_component_moves_the_workers_the_gateway_and_keda_to_the_cluster_together(tmp_path):
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
         "resources": [os.path.relpath(GPU, tmp_path)], "components": [os.path.relpath(CLUSTER, tmp_path)]}))
     resources = kustomize(tmp_path)
     for resource in resources:
         validate(resource)
-    url = next(r for r in resources if r["kind"] == "ConfigMap" and "REDLINE_REDIS_URL" in r.get("data", {})
-               )["data"]["REDLINE_REDIS_URL"]
+    urls = {r["metadata"]["name"].rsplit("-", 1)[0]: r["data"]["REDLINE_REDIS_URL"] for r in resources
+            if r["kind"] == "ConfigMap" and "REDLINE_REDIS_URL" in r.get("data", {})}
+    assert set(urls) == {WORKER, GATEWAY} and len(set(urls.values())) == 1
+    url = urls[WORKER]
     assert url.startswith("redis+cluster://")
     for trigger in one(resources, "ScaledObject")["spec"]["triggers"]:
         assert trigger["type"] == "redis-cluster-streams" and "address" not in trigger["metadata"]
@@ -187,12 +198,12 @@ def test_keda_watches_the_workers_group_on_every_priority_stream_of_the_workers_
     assert modifiers["activationTarget"] == "0"
     spec = scaled["spec"]
     assert spec["minReplicaCount"] == 0 and spec["maxReplicaCount"] >= 1
-    assert spec["scaleTargetRef"]["name"] == one(base_files(), "Deployment")["metadata"]["name"]
+    assert spec["scaleTargetRef"]["name"] == one(base_files(), "Deployment", WORKER)["metadata"]["name"]
 
 
 def test_keda_and_the_workers_read_the_same_redis_password():
     auth = one(base_files(), "TriggerAuthentication")["spec"]["secretTargetRef"]
-    [container] = one(base_files(), "Deployment")["spec"]["template"]["spec"]["containers"]
+    [container] = one(base_files(), "Deployment", WORKER)["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e for e in container["env"]}
     secret = env["REDLINE_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
     assert auth == [{"parameter": "password", "name": secret["name"], "key": secret["key"]}]
@@ -208,7 +219,7 @@ def test_every_configured_variable_is_a_worker_setting():
 
 
 def test_the_worker_is_probed_on_its_health_endpoints_and_outlasts_its_drain():
-    deployment = one(base_files(), "Deployment")
+    deployment = one(base_files(), "Deployment", WORKER)
     pod = deployment["spec"]["template"]["spec"]
     [container] = pod["containers"]
     env = worker_env()
@@ -227,8 +238,8 @@ def test_the_worker_is_probed_on_its_health_endpoints_and_outlasts_its_drain():
 
 def test_prometheus_scrapes_the_workers_under_the_job_the_dashboards_select():
     resources = base_files()
-    service, monitor = one(resources, "Service"), one(resources, "ServiceMonitor")
-    pod_labels = one(resources, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    service, monitor = one(resources, "Service", WORKER), one(resources, "ServiceMonitor")
+    pod_labels = one(resources, "Deployment", WORKER)["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= pod_labels.items()
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     [endpoint] = monitor["spec"]["endpoints"]
@@ -254,3 +265,48 @@ def test_the_rendered_dashboards_are_the_files(rendered):
     configmap = next(r for r in rendered if r["metadata"]["name"] == "redline-dashboards")
     for name, text in configmap["data"].items():
         assert text == (ROOT / "monitoring" / "grafana" / "dashboards" / name).read_text()
+
+
+# -- the gateway ---------------------------------------------------------------------------------------------
+
+def test_the_gateway_serves_the_workers_queue_with_its_own_settings():
+    env = env_file("gateway.env")
+    for name in env:
+        assert name.startswith("REDLINE_") and name.removeprefix("REDLINE_").lower() in GatewaySettings.model_fields, \
+            f"{name} in gateway.env is not a `redline serve` setting"
+    for name in ("REDLINE_REDIS_URL", "REDLINE_QUEUE"):
+        assert env[name] == worker_env()[name]
+    assert env["REDLINE_MODEL_NAME"] == worker_env()["REDLINE_MODEL"]
+    settings = GatewaySettings(**{k.removeprefix("REDLINE_").lower(): v for k, v in env.items()})
+    deployment = one(base_files(), "Deployment", GATEWAY)
+    pod = deployment["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert container["command"] == ["redline", "serve"] and settings.host == "0.0.0.0"
+    assert container["envFrom"] == [{"configMapRef": {"name": GATEWAY}}]
+    [port] = container["ports"]
+    assert port["containerPort"] == settings.port
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": port["name"]}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": port["name"]}
+    assert "limits" not in container["resources"]  # no GPU
+    secrets = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"]}
+    [worker] = one(base_files(), "Deployment", WORKER)["spec"]["template"]["spec"]["containers"]
+    assert secrets["REDLINE_REDIS_PASSWORD"] == next(e for e in worker["env"] if e["name"] == "REDLINE_REDIS_PASSWORD"
+                                                     )["valueFrom"]["secretKeyRef"]
+    assert secrets["REDLINE_API_KEYS"]["optional"] is True and "api_keys" in GatewaySettings.model_fields
+    assert pod["terminationGracePeriodSeconds"] > 30  # uvicorn's graceful shutdown
+
+
+def test_the_gateway_service_reaches_only_gateway_pods():
+    resources = base_files()
+    service = one(resources, "Service", GATEWAY)
+    gateway_labels = one(resources, "Deployment", GATEWAY)["spec"]["template"]["metadata"]["labels"]
+    worker_labels = one(resources, "Deployment", WORKER)["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= gateway_labels.items()
+    assert not service["spec"]["selector"].items() <= worker_labels.items()
+    # the workers' Service and ServiceMonitor do not take the gateway's pods or Service
+    assert not one(resources, "Service", WORKER)["spec"]["selector"].items() <= gateway_labels.items()
+    monitor = one(resources, "ServiceMonitor")["spec"]["selector"]["matchLabels"]
+    assert not monitor.items() <= service["metadata"]["labels"].items()
+    [port] = service["spec"]["ports"]
+    [container] = one(resources, "Deployment", GATEWAY)["spec"]["template"]["spec"]["containers"]
+    assert port["targetPort"] == container["ports"][0]["name"]

@@ -110,14 +110,14 @@ def run_through_queue(opts: argparse.Namespace, url: str) -> dict:
 
     jobs = [{"prompt_token_ids": prompt, "sampling": sampling_dict(sp), "stream": opts.stream}
             for prompt, sp in zip(prompts, params)]
-    queue_s, queue_tokens = _through_queue(llm, url, jobs, opts)
+    queue_s, queue_tokens = through_queue(llm, url, jobs, opts)
     ratio = (queue_tokens / queue_s) / (raw_tokens / raw_s)
     print(f"through the queue: {queue_tokens} tokens in {queue_s:.2f} s = {queue_tokens / queue_s:,.0f} tok/s "
           f"({ratio:.3f} of the engine alone)", flush=True)
     celery = {}
     if opts.celery:
         forget_prefix_cache(llm)
-        celery_s, celery_tokens = _through_queue(llm, url, jobs, opts, celery=True)
+        celery_s, celery_tokens = through_queue(llm, url, jobs, opts, celery=True)
         celery_ratio = (celery_tokens / celery_s) / (raw_tokens / raw_s)
         print(f"through Celery:    {celery_tokens} tokens in {celery_s:.2f} s = {celery_tokens / celery_s:,.0f} tok/s "
               f"({celery_ratio:.3f} of the engine alone)", flush=True)
@@ -140,9 +140,10 @@ def run_through_queue(opts: argparse.Namespace, url: str) -> dict:
     }
 
 
-def _through_queue(llm, url: str, jobs: list[dict], opts, celery: bool = False) -> tuple[float, int]:
+def through_queue(llm, url: str, jobs: list[dict], opts, celery: bool = False, producer=None) -> tuple[float, int]:
     """Run a worker on this thread (where the engine was built) and a producer beside it (redline's Client,
-    or with `celery` a Celery app's send_task); time from the first submit to the last result read back."""
+    or with `celery` a Celery app's send_task, or `producer(url, queue)`'s function of a list of jobs that
+    returns their results); time from the first submit to the last result read back."""
     from producer.connection import connect
 
     from .loop import Worker
@@ -152,7 +153,7 @@ def _through_queue(llm, url: str, jobs: list[dict], opts, celery: bool = False) 
     settings = WorkerSettings(model=str(opts.model), redis_url=url, queue=queue, worker_name="bench-worker",
                               celery_queue=queue if celery else None)
     worker = Worker(settings, llm, connect(url))
-    run_jobs = _celery_producer(url, queue) if celery else _redline_producer(url, queue)
+    run_jobs = (producer or (_celery_producer if celery else _redline_producer))(url, queue)
     outcome: dict = {}
 
     def produce() -> None:

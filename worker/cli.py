@@ -26,6 +26,8 @@ SUBCOMMANDS = {
     "dlq": "producer.cli",
     "batch": "worker.batch_cli",
     "bench": "worker.bench",
+    "serve": "producer.gateway.cli",
+    "schema": "producer.schema",
 }
 MAX_ERROR_CHARS = 500
 EXIT_BAD_USAGE = 2

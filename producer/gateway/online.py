@@ -1,0 +1,178 @@
+"""Online requests: `POST /v1/chat/completions` and `POST /v1/completions`.
+
+Each request is one job: its body becomes the job as a batch line's does (`producer.batch_format`), it is
+enqueued with the request timeout as its deadline, and the answer is its result in the endpoint's shape;
+with `stream: true`, server-sent events from the job's token stream, then `data: [DONE]`. A client that
+goes away, or a request with no result within the timeout, cancels its job.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import AsyncIterator
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from .. import protocol as p
+from ..batch_format import request_job, response_body, usage_body
+from .errors import APIError, error_body, invalid
+
+WAIT_SLICE_S = 1.0  # a waiting request checks this often whether its client is still there
+RESULT_STATUS = {p.FAILED: 400, p.EXPIRED: 503, p.CANCELLED: 500}  # a job that did not succeed, as HTTP
+
+
+class Online:
+    """The online endpoints of one gateway, over its AsyncClient."""
+
+    def __init__(self, client, model_name: str, timeout_s: float) -> None:
+        self.client, self.model_name, self.timeout_s = client, model_name, timeout_s
+
+    async def answer(self, request: Request, url: str, body: dict) -> Response:
+        stream, include_usage = _stream_options(body)
+        job, error = request_job(url, {k: v for k, v in body.items() if k not in ("stream", "stream_options")})
+        if error is not None:
+            raise invalid(error)
+        sampling = job["sampling"]
+        with_logprobs = sampling.get("logprobs") is not None
+        if stream and (sampling.get("n", 1) != 1 or sampling.get("best_of") is not None or with_logprobs):
+            raise invalid("stream: true takes one completion without logprobs (leave out n, best_of and "
+                          "logprobs, or set stream: false)", "stream")
+        chat = url == "/v1/chat/completions"
+        job_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        job.update(job_id=job_id, stream=stream, deadline_s=self.timeout_s)
+        try:
+            await self.client.submit(**job)
+        except ValueError as e:
+            raise invalid(str(e)) from None
+        deadline = time.monotonic() + self.timeout_s
+        if stream:
+            return await self._stream(request, job_id, chat, include_usage, deadline)
+        result = await self._wait(request, job_id, deadline, self.client.result)
+        if not result.ok:
+            raise _failed(result.status, result.error)
+        return JSONResponse(response_body(url, result, with_logprobs, self.model_name))
+
+    async def _wait(self, request: Request, job_id: str, deadline: float, read):
+        """`read(job_id, timeout=...)` (the result, or the first token delta) by WAIT_SLICE_S slices, checking
+        between them that the client is still there; the job is cancelled if it is not, or at the deadline."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                await self.client.cancel(job_id)
+                raise APIError(504, f"no result within {self.timeout_s:g} s (the gateway's request timeout); "
+                                    "the request was cancelled")
+            try:
+                return await read(job_id, timeout=min(WAIT_SLICE_S, left))
+            except TimeoutError:
+                pass
+            if await request.is_disconnected():
+                await self.client.cancel(job_id)
+                raise APIError(499, "the client went away; the request was cancelled")
+
+    async def _first_delta(self, job_id: str, timeout: float) -> p.TokenDelta:
+        return await anext(self.client.stream(job_id, timeout=timeout))
+
+    async def _stream(self, request: Request, job_id: str, chat: bool, include_usage: bool,
+                      deadline: float) -> Response:
+        first = await self._wait(request, job_id, deadline, self._first_delta)
+        if first.finished and first.status != p.SUCCEEDED and not first.text:
+            raise _failed(first.status, first.error)  # refused before it ran: an answer, not a stream
+        rest = self.client.stream(job_id, after=first.id or "0-0", timeout=max(deadline - time.monotonic(), 0.01))
+        chunks = Chunks(job_id, chat, self.model_name, include_usage)
+        return EventStream(self._events(job_id, first, rest, chunks))
+
+    async def _events(self, job_id: str, first: p.TokenDelta, deltas: AsyncIterator[p.TokenDelta],
+                      chunks: "Chunks") -> AsyncIterator[str]:
+        finished = False
+        try:
+            yield chunks.event(chunks.choice(role=True))
+            sent = text = ""  # what the client has, and the text of the job's current attempt
+            delta = first
+            while True:
+                text = delta.text if delta.restart else text + delta.text
+                if not (text.startswith(sent) or sent.startswith(text)):
+                    yield _error_event(500, "the request restarted on another worker and its new text differs "
+                                            "from what was sent; send it again")
+                    return
+                if len(text) > len(sent):
+                    yield chunks.event(chunks.choice(content=text[len(sent):]))
+                    sent = text
+                if delta.finished:
+                    finished = True
+                    if delta.status != p.SUCCEEDED:
+                        yield _error_event(RESULT_STATUS[delta.status], f"the request {delta.status}: {delta.error}")
+                        return
+                    yield chunks.event(chunks.choice(finish_reason=delta.finish_reason))
+                    if chunks.include_usage:
+                        yield chunks.event(usage=usage_body(await self.client.result(job_id, timeout=10)))
+                    yield "data: [DONE]\n\n"
+                    return
+                delta = await anext(deltas)
+        except TimeoutError:
+            yield _error_event(504, f"no result within {self.timeout_s:g} s (the gateway's request timeout); "
+                                    "the request was cancelled")
+        finally:
+            if not finished:  # the client went away, or the stream failed: stop using the GPU for it
+                with anyio.CancelScope(shield=True):
+                    await self.client.cancel(job_id)
+
+
+class Chunks:
+    """The stream's events: chat.completion.chunk or text_completion objects."""
+
+    def __init__(self, job_id: str, chat: bool, model: str, include_usage: bool) -> None:
+        self.job_id, self.chat, self.include_usage = job_id, chat, include_usage
+        self.head = {"id": job_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": int(time.time()), "model": model}
+
+    def choice(self, content: str = "", role: bool = False, finish_reason: str | None = None) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else {"content": content} if content else {}
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, "text": content, "logprobs": None, "finish_reason": finish_reason}
+
+    def event(self, choice: dict | None = None, usage: dict | None = None) -> str:
+        data = {**self.head, "choices": [] if choice is None else [choice]}
+        if self.include_usage:
+            data["usage"] = usage
+        return f"data: {json.dumps(data)}\n\n"
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events; the generator is closed however the response ends, so its job is never left
+    running for a client that is gone."""
+
+    def __init__(self, events: AsyncIterator[str]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+
+
+def _stream_options(body: dict) -> tuple[bool, bool]:
+    stream, options = body.get("stream"), body.get("stream_options")
+    if stream is not None and not isinstance(stream, bool):
+        raise invalid(f"stream must be true or false, got {json.dumps(stream)[:40]}", "stream")
+    if options is None:
+        return bool(stream), False
+    if not stream:
+        raise invalid("stream_options needs stream: true", "stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage"} or not isinstance(
+            options.get("include_usage", False), bool):
+        raise invalid('stream_options takes {"include_usage": true|false} only', "stream_options")
+    return True, options.get("include_usage", False)
+
+
+def _failed(status: str, error: str | None) -> APIError:
+    return APIError(RESULT_STATUS.get(status, 500), f"the request {status}: {error or 'no reason given'}")
+
+
+def _error_event(status: int, message: str) -> str:
+    return f"data: {json.dumps(error_body(status, message))}\n\n"
