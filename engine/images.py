@@ -73,6 +73,13 @@ def image_parts(content) -> list[str]:
     return urls
 
 
+def has_images(messages) -> bool:
+    """Whether chat messages hold an image part (a quick look; image_parts checks the form)."""
+    return any(isinstance(m, dict) and isinstance(m.get("content"), list)
+               and any(isinstance(p, dict) and p.get("type") == "image_url" for p in m["content"])
+               for m in messages)
+
+
 def check_message_images(messages: list[dict], max_images: int = MAX_IMAGES_PER_PROMPT,
                          max_bytes: int = MAX_IMAGE_BYTES) -> int:
     """Check the image parts of chat messages (form, count, each one's size) without decoding them; returns

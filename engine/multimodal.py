@@ -188,10 +188,3 @@ def _image_hash(pixel_values: torch.Tensor, grid: tuple[int, int, int]) -> int:
     h.update(np.asarray(grid, dtype=np.int64).tobytes())
     h.update(pixel_values.numpy().tobytes())
     return h.intdigest()
-
-
-def has_images(messages) -> bool:
-    """Whether chat messages hold an image part (a quick look; image_parts checks the form)."""
-    return any(isinstance(m, dict) and isinstance(m.get("content"), list)
-               and any(isinstance(p, dict) and p.get("type") == "image_url" for p in m["content"])
-               for m in messages)
