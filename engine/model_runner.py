@@ -182,6 +182,9 @@ class ModelRunner:
         hidden = self.forward(inputs)
         with self.layer_mode:
             self.model.compute_logits(hidden[inputs.logits_indices.to(self.device)])
+            if hasattr(self.model, "encode_images"):  # a step's images: as many image tokens as the step's budget
+                pixels, grids = self.model.dummy_images(cfg.max_num_batched_tokens)
+                self.model.encode_images(pixels.to(self.device), grids)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(self.device) - before - scratch.numel() * scratch.element_size()
         del scratch, hidden

@@ -106,18 +106,25 @@ class ImagePrompts:
 
     def __init__(self, model_dir: str, hf_config, max_images: int = MAX_IMAGES_PER_PROMPT,
                  max_image_bytes: int = MAX_IMAGE_BYTES):
-        from transformers import AutoImageProcessor
-
-        try:
-            self.processor = AutoImageProcessor.from_pretrained(model_dir)
-        except Exception as e:  # noqa: BLE001 - a checkpoint without preprocessor_config.json
-            raise ValueError(f"the model in {model_dir} has no usable image processor (preprocessor_config.json): "
-                             f"{type(e).__name__}: {str(e)[:200]}") from None
+        self.model_dir = model_dir
+        self._processor = None  # loaded with the first image: text-only use needs no preprocessor_config.json
         self.image_token_id = hf_config.image_token_id
         self.vision_start_token_id = hf_config.vision_start_token_id
         self.vision_end_token_id = hf_config.vision_end_token_id
         self.merge = hf_config.vision_config.spatial_merge_size
         self.max_images, self.max_image_bytes = max_images, max_image_bytes
+
+    @property
+    def processor(self):
+        if self._processor is None:
+            from transformers import AutoImageProcessor
+
+            try:
+                self._processor = AutoImageProcessor.from_pretrained(self.model_dir)
+            except Exception as e:  # noqa: BLE001 - a checkpoint without preprocessor_config.json
+                raise ValueError(f"the model in {self.model_dir} has no usable image processor "
+                                 f"(preprocessor_config.json): {type(e).__name__}: {str(e)[:200]}") from None
+        return self._processor
 
     def check_text(self, token_ids: list[int]) -> None:
         """A prompt without images may not hold image placeholder tokens (they would have nothing to show)."""

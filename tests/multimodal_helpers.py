@@ -23,30 +23,31 @@ CHAT_TEMPLATE = (
 
 
 def make_vl_checkpoint(out_dir: Path, seed: int = 0, text: dict | None = None, vision: dict | None = None,
-                       vocab_size: int = 520, dtype=torch.float32) -> Path:
+                       dtype=torch.float32, max_pixels: int = 224 * 224) -> Path:
     """save_pretrained a tiny random Qwen2.5-VL (two decoder layers, a two-block vision tower whose first
     block attends within 2 x 2 windows of merged patches, the second over the whole image), the image
-    processor (56x56 to 224x224 pixels) and the built-in tiny tokenizer with the vision tokens added."""
+    processor (from 56x56 pixels to max_pixels) and the built-in tiny tokenizer with the vision tokens added."""
     import transformers as tf
 
     tok = tf.AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
     tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
     tok.chat_template = CHAT_TEMPLATE
     ids = tok.convert_tokens_to_ids(VISION_TOKENS)
-    text_cfg = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    text_cfg = dict(vocab_size=520, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
                     rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
-                    eos_token_id=tok.eos_token_id, pad_token_id=0, bos_token_id=None, initializer_range=0.2,
-                    **(text or {}))
+                    eos_token_id=tok.eos_token_id, pad_token_id=0, bos_token_id=None, initializer_range=0.2)
+    text_cfg.update(text or {})
     vision_cfg = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text_cfg["hidden_size"],
-                      window_size=56, fullatt_block_indexes=[1], initializer_range=0.2, **(vision or {}))
+                      window_size=56, fullatt_block_indexes=[1], initializer_range=0.2)
+    vision_cfg.update(vision or {})
     config = tf.Qwen2_5_VLConfig(text_config=text_cfg, vision_config=vision_cfg, vision_start_token_id=ids[0],
                                  vision_end_token_id=ids[1], image_token_id=ids[2], video_token_id=ids[3],
                                  tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = tf.Qwen2_5_VLForConditionalGeneration(config).eval().to(dtype)
     model.save_pretrained(out_dir, safe_serialization=True)
-    processor = image_processor_class()(min_pixels=56 * 56, max_pixels=224 * 224)
+    processor = image_processor_class()(min_pixels=56 * 56, max_pixels=max_pixels)
     processor.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     return out_dir

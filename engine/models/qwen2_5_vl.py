@@ -142,6 +142,7 @@ class PatchMerger(nn.Module):
 class VisionTransformer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
+        self.config = cfg
         if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
             raise ValueError(f"vision hidden_act {cfg.hidden_act!r} is not supported; supported: silu")
         self.merge = cfg.spatial_merge_size
@@ -280,6 +281,14 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
 
     def encode_images(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         return self.visual(pixels, grids)
+
+    def dummy_images(self, num_tokens: int) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """Pixels and grids of square images (256 tokens each) with about num_tokens tokens in all: what the
+        model runner profiles the vision tower's activation memory with."""
+        cfg, side = self.visual.config, 32  # patches a side: 16 x 16 merged tokens
+        grids = [(1, side, side)] * max(1, num_tokens // (side * side // cfg.spatial_merge_size ** 2))
+        width = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
+        return torch.zeros(len(grids) * side * side, width), grids
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
