@@ -128,7 +128,8 @@ def load_image(image, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_IM
         try:
             img = Image.open(io.BytesIO(data))
         except (UnidentifiedImageError, OSError, ValueError) as e:
-            raise ImageError(f"an image could not be read: not an image in a known format ({type(e).__name__})") from None
+            raise ImageError("an image could not be read: not an image in a known format "
+                             f"({type(e).__name__})") from None
     width, height = img.size
     if width < 1 or height < 1:
         raise ImageError(f"an image is {width}x{height} pixels; it must have at least one pixel")

@@ -38,8 +38,8 @@ def make_vl_checkpoint(out_dir: Path, seed: int = 0, text: dict | None = None, v
                     rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
                     eos_token_id=tok.eos_token_id, pad_token_id=0, bos_token_id=None, initializer_range=0.2)
     text_cfg.update(text or {})
-    vision_cfg = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text_cfg["hidden_size"],
-                      window_size=56, fullatt_block_indexes=[1], initializer_range=0.2)
+    vision_cfg = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                      out_hidden_size=text_cfg["hidden_size"], window_size=56, fullatt_block_indexes=[1], initializer_range=0.2)
     vision_cfg.update(vision or {})
     config = tf.Qwen2_5_VLConfig(text_config=text_cfg, vision_config=vision_cfg, vision_start_token_id=ids[0],
                                  vision_end_token_id=ids[1], image_token_id=ids[2], video_token_id=ids[3],
