@@ -43,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--json-schema", default=None, metavar="FILE",
                    help="structured output: every completion follows this JSON schema and ends where its JSON "
                         "does (needs a model with a tokenizer; the shipped shapes have none)")
+    w.add_argument("--caption-images", action="store_true",
+                   help="the captioning workload instead (engine/bench_vision.py): one image a request on a "
+                        "vision-language model (default: the qwen2.5-vl-3b shape); reports the vision tower's share")
+    w.add_argument("--image-size", default="448x448", metavar="WxH", help="--caption-images: each image's pixels")
     w.add_argument("--bandwidth", type=float, default=None,
                    help="GPU memory bandwidth in bytes/s for the floor (default: measured figure for the GPU)")
     e = parser.add_argument_group("engine")
@@ -287,6 +291,9 @@ def watch_compiles():
 
 def run(args: argparse.Namespace) -> dict:
     """Warm up, time one generate of the workload, print a summary and one JSON line; return the record."""
+    if getattr(args, "caption_images", False):
+        from engine import bench_vision
+        return bench_vision.run(args)
     check_arguments(args)
     prompts, params = make_workload(args)
     llm = build_llm(args)

@@ -1,7 +1,8 @@
 """Paged KV blocks: allocation, reference counts and the prefix cache.
 
 A full block is identified by the xxhash of its tokens chained to the previous block's hash, so a hit
-means the whole prefix matches. Tokens are stored too and compared on a hit, so a hash collision can
+means the whole prefix matches; a block that holds image tokens hashes its images' content hashes too (the
+same placeholder tokens with another image never hit). Tokens are stored too and compared on a hit, so a hash collision can
 never serve wrong K/V. A block is registered only once its K/V have been computed. Freed blocks keep
 their hash and go to the back of the free list; allocation takes from the front, so blocks that hold
 nothing are reused first, then cached ones least-recently-used first.
@@ -20,22 +21,25 @@ import xxhash
 from engine.sequence import Sequence
 
 
-def chain_hash(token_ids: list[int], prefix_hash: int) -> int:
+def chain_hash(token_ids: list[int], prefix_hash: int, image_key: tuple[int, ...] | None = None) -> int:
     h = xxhash.xxh64()
     if prefix_hash != -1:
         h.update(prefix_hash.to_bytes(8, "little"))
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    if image_key is not None:  # the block holds image tokens: their images' content hashes
+        h.update(np.asarray(image_key, dtype=np.uint64).tobytes())
     return h.intdigest()
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "image_key")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.hash = -1
         self.token_ids: list[int] = []
+        self.image_key: tuple[int, ...] | None = None
 
 
 class BlockManager:
@@ -65,6 +69,7 @@ class BlockManager:
             del self.hash_to_block_id[block.hash]
         block.hash = -1
         block.token_ids = []
+        block.image_key = None
         block.ref_count = 1
         return block_id
 
@@ -76,10 +81,13 @@ class BlockManager:
         prefix_hash = -1
         # the last token is always computed, so a prompt never hits in full
         for i in range((seq.num_tokens - 1) // self.block_size):
-            tokens = seq.block(i)
-            prefix_hash = chain_hash(tokens, prefix_hash)
+            tokens, image_key = seq.block(i), seq.block_image_key(i)
+            prefix_hash = chain_hash(tokens, prefix_hash, image_key)
             block_id = self.hash_to_block_id.get(prefix_hash)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.token_ids != tokens or block.image_key != image_key:
                 break
             hits.append(block_id)
         return hits
@@ -162,10 +170,11 @@ class BlockManager:
             return
         prefix_hash = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else -1
         for i in range(seq.num_hashed_blocks, num_full):
-            tokens = seq.block(i)
-            prefix_hash = chain_hash(tokens, prefix_hash)
+            tokens, image_key = seq.block(i), seq.block_image_key(i)
+            prefix_hash = chain_hash(tokens, prefix_hash, image_key)
             block = self.blocks[seq.block_table[i]]
             block.hash = prefix_hash
             block.token_ids = tokens
+            block.image_key = image_key
             self.hash_to_block_id[prefix_hash] = block.block_id
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)

@@ -11,6 +11,7 @@ import torch
 
 from engine.attention import BACKENDS as ATTENTION_BACKENDS
 from engine.builtin import BUILTIN_MODELS, TINY_MODEL_DIR
+from engine.images import MAX_IMAGE_BYTES, MAX_IMAGES_PER_PROMPT
 
 log = logging.getLogger("redline.engine")
 
@@ -48,9 +49,13 @@ class EngineConfig:
     # of the engine's Triton layer kernels; attention keeps its backend), to debug
     fused_layers: bool = True
     tp_all_reduce: str = "engine"  # TP_ALL_REDUCES: "nccl" keeps every tensor-parallel all-reduce in NCCL
+    # vision-language models: at most this many images in one prompt, each at most this many bytes encoded
+    max_images_per_prompt: int = MAX_IMAGES_PER_PROMPT
+    max_image_bytes: int = MAX_IMAGE_BYTES
     # resolved in __post_init__
     model_dir: str = field(init=False)
     hf_config: object = field(init=False, repr=False)
+    text_config: object = field(init=False, repr=False)  # the decoder's (hf_config itself for a text model)
     torch_dtype: torch.dtype = field(init=False)
     kv_torch_dtype: torch.dtype = field(init=False)
     eos_token_id: list[int] = field(init=False)
@@ -64,6 +69,7 @@ class EngineConfig:
         if random_tiny:
             self.load_format = "dummy"  # the tiny model ships no weights
         self.hf_config = load_hf_config(self.model_dir)
+        self.text_config = self.hf_config.get_text_config()
         on_gpu = torch.device(self.device).type == "cuda"
         self.torch_dtype = DTYPES[self.dtype] or default_dtype(self.hf_config, on_gpu)
         self.kv_torch_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
@@ -71,10 +77,12 @@ class EngineConfig:
             _check_fp8_kv(self.device, self.attention_backend)
         tp = self.tensor_parallel_size
         for name in ("num_attention_heads", "num_key_value_heads"):
-            heads = getattr(self.hf_config, name, None) or self.hf_config.num_attention_heads
+            heads = getattr(self.text_config, name, None) or self.text_config.num_attention_heads
             if heads % tp:
                 raise ValueError(f"{name} ({heads}) must be divisible by tensor_parallel_size ({tp})")
-        max_pos = getattr(self.hf_config, "max_position_embeddings", None) or 4096
+        if getattr(self.hf_config, "vision_config", None) is not None and tp > 1:
+            raise ValueError("vision-language models run on one device for now; use tensor_parallel_size=1")
+        max_pos = getattr(self.text_config, "max_position_embeddings", None) or 4096
         if self.max_model_len is None:
             self.max_model_len = min(max_pos, 4096 if on_gpu else 2048)
         if self.max_model_len > max_pos:
@@ -87,7 +95,7 @@ class EngineConfig:
             self.kvcache_block_size = 256 if on_gpu else 16
         if self.async_scheduling is None:
             self.async_scheduling = on_gpu
-        eos = getattr(self.hf_config, "eos_token_id", None)
+        eos = getattr(self.hf_config, "eos_token_id", None) or getattr(self.text_config, "eos_token_id", None)
         self.eos_token_id = [eos] if isinstance(eos, int) else list(eos or [])
         if random_tiny:
             log.warning("model %r is the built-in tiny model with RANDOM weights: its completions are gibberish",
@@ -104,7 +112,7 @@ class EngineConfig:
                              "use 'triton' or 'auto'")
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kvcache_block_size",
-                     "num_kvcache_blocks"):
+                     "num_kvcache_blocks", "max_images_per_prompt", "max_image_bytes"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
         util = self.gpu_memory_utilization

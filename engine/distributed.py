@@ -496,7 +496,7 @@ def _start_rank(rank: int, size: int, backend: str, port: int, config_kwargs: di
 
 def _large_all_reduce_capacity(config: EngineConfig) -> int:
     """Elements of the largest row-parallel output a step sums: a full prefill step's rows × hidden."""
-    return config.max_num_batched_tokens * config.hf_config.hidden_size
+    return config.max_num_batched_tokens * config.text_config.hidden_size
 
 
 def _serve(runner: ModelRunner, conn: Connection) -> None:

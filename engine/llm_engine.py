@@ -11,6 +11,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.grammar import GrammarCache
 from engine.model_runner import ModelRunner
+from engine.multimodal import ImagePrompts, MultimodalPrompt, chat_parts
 from engine.outputs import RequestOutput, StepResult, StepStats, request_output
 from engine.sampling_params import BeamSearchParams, SamplingParams, constraint
 from engine.scheduler import ScheduledBatch, Scheduler
@@ -28,7 +29,12 @@ class LLMEngine:
         self.runner = self._make_runner(config)
         self.sampler = self.runner.sampler
         self.tokenizer = load_tokenizer(config.model_dir)
-        self.vocab_size = config.hf_config.vocab_size
+        # a vision-language model's image preprocessing (None for text models)
+        self.images = None
+        if getattr(config.hf_config, "vision_config", None) is not None:
+            self.images = ImagePrompts(config.model_dir, config.hf_config, config.max_images_per_prompt,
+                                       config.max_image_bytes)
+        self.vocab_size = config.text_config.vocab_size
         self.grammars = GrammarCache(self.tokenizer, self.vocab_size, config.eos_token_id)
         self.block_manager = BlockManager(self.runner.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
@@ -49,19 +55,25 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------------------
 
-    def add_request(self, prompt: str | list[int],
+    def add_request(self, prompt: str | list[int] | dict | MultimodalPrompt,
                     sampling_params: SamplingParams | BeamSearchParams | dict | None = None,
                     request_id: str | None = None) -> str:
-        """Queue one request (sampling, or beam search with BeamSearchParams); returns its id. Raises
-        ValueError for bad input, leaving the engine as it was."""
+        """Queue one request (sampling, or beam search with BeamSearchParams); returns its id. A prompt is
+        text, token ids, {"prompt": text or ids, "images": [PIL.Image | bytes | path | data URL, ...]} (a
+        vision-language model), or what prepare_prompt / encode_chat returned. Raises ValueError for bad
+        input, leaving the engine as it was."""
         self._check_open()
         params = _as_params(sampling_params)
-        token_ids = self._encode(prompt)
+        prepared = self.prepare_prompt(prompt)
+        token_ids = self._check_length(prepared.token_ids if isinstance(prepared, MultimodalPrompt) else prepared)
         if request_id is None:
             request_id = f"req-{next(self._request_ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         group = self._new_group(request_id, token_ids, params)
+        if isinstance(prepared, MultimodalPrompt):
+            group.first.multimodal = prepared.multimodal
+            group.first.mrope_position_delta = prepared.multimodal.mrope_position_delta
         self.requests[request_id] = group
         self.scheduler.add(group.first)
         return request_id
@@ -102,6 +114,26 @@ class LLMEngine:
         self.sampler.add_request(seq, self.config.eos_token_id, beam.num_candidates if beam is not None else -1)
         return group
 
+    def prepare_prompt(self, prompt) -> list[int] | MultimodalPrompt:
+        """Token ids of a prompt, or with images a MultimodalPrompt (the images loaded, preprocessed and
+        their placeholders expanded): the host's work of add_request, callable on another thread first."""
+        if isinstance(prompt, MultimodalPrompt):
+            return prompt
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "images"}
+            if unknown or "prompt" not in prompt:
+                raise ValueError(f"a dict prompt has the keys 'prompt' and 'images', got {sorted(prompt)}")
+            images = prompt.get("images") or []
+            if images:
+                if self.images is None:
+                    raise ValueError(f"model {self.config.model!r} takes no images (it is a text model)")
+                return self.images.prepare(self._encode(prompt["prompt"]), images)
+            prompt = prompt["prompt"]
+        token_ids = self._encode(prompt)
+        if self.images is not None:
+            self.images.check_text(token_ids)
+        return token_ids
+
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -117,18 +149,28 @@ class LLMEngine:
             raise ValueError(f"a prompt must be a string or a list of int token ids, got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("the prompt is empty; give at least one token")
+        return token_ids
+
+    def _check_length(self, token_ids: list[int]) -> list[int]:
         if len(token_ids) >= self.config.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.config.max_model_len} "
                              f"(prompt plus at least one generated token)")
         return token_ids
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Token ids of chat `messages` through the tokenizer's chat template, ready for generation."""
+    def encode_chat(self, messages: list[dict]) -> list[int] | MultimodalPrompt:
+        """Token ids of chat `messages` through the tokenizer's chat template, ready for generation; with
+        image parts ({"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}, a
+        vision-language model) a MultimodalPrompt, its images preprocessed."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; send a prompt or token ids instead of messages")
+        messages, images = chat_parts(messages)
+        if images and self.images is None:
+            raise ValueError(f"model {self.config.model!r} takes no images (it is a text model)")
         ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
+        if images:
+            return self.images.prepare(list(ids), images)
         return list(ids)
 
     def abort(self, request_id: str) -> bool:
@@ -384,12 +426,13 @@ class LLMEngine:
 
     # ---- batch API --------------------------------------------------------------------------------
 
-    def generate(self, prompts: list[str] | list[list[int]],
+    def generate(self, prompts: list[str] | list[list[int]] | list[dict],
                  sampling_params: SamplingParams | BeamSearchParams | list | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order. sampling_params: one for all prompts or
-        a list, one per prompt."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Run every prompt to completion; outputs in prompt order. A prompt is text, token ids or, for a
+        vision-language model, {"prompt": ..., "images": [...]} (add_request). sampling_params: one for all
+        prompts or a list, one per prompt."""
+        if isinstance(prompts, (str, dict, MultimodalPrompt)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params] * len(prompts)
@@ -431,7 +474,8 @@ class LLMEngine:
              sampling_params: SamplingParams | BeamSearchParams | list | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
         """generate() for chat conversations (each a list of {"role", "content"} messages, or one such
-        list), through the model's chat template; one output per conversation."""
+        list), through the model's chat template; one output per conversation. A content may be a list of
+        OpenAI-style parts, text and (a vision-language model) image_url with a data URL."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         return self.generate([self.encode_chat(list(c)) for c in conversations], sampling_params, use_tqdm)

@@ -5,6 +5,7 @@ import gc
 from contextlib import nullcontext
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -37,6 +38,11 @@ class StepInputs:
     pending_rows: torch.Tensor | None = None
     pending_src: torch.Tensor | None = None
     block_copies: torch.Tensor | None = None  # [2, C]: KV blocks copied (source row 0 to destination row 1) first
+    # a step with image tokens (vision-language models): M-RoPE's three position streams [3, T], and the
+    # images' embeddings (on the device) that replace the token embeddings of input rows image_rows
+    mrope_positions: torch.Tensor | None = None
+    image_embeds: torch.Tensor | None = None
+    image_rows: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -75,9 +81,11 @@ class ModelRunner:
             self.model = model_class(hf.architectures)(hf, tp, self.ctx).to(self.dtype)
         self.model.eval()
         load_weights(self.model, config.model_dir, config.load_format, config.seed)
+        # M-RoPE (engine/multimodal.py): positions past a prompt with images are offset by its delta
+        self.uses_mrope = getattr(self.model, "uses_mrope", False)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_kvcache_blocks = self._allocate_kv_cache()
-        self.sampler = Sampler(self.device, config.seed, hf.vocab_size)
+        self.sampler = Sampler(self.device, config.seed, config.text_config.vocab_size)
         if capture_graphs:
             self.capture_graphs()
 
@@ -168,12 +176,15 @@ class ModelRunner:
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache = scratch[0, i], scratch[1, i]
         torch.cuda.reset_peak_memory_stats(self.device)
-        vocab = self.config.hf_config.vocab_size
+        vocab = self.config.text_config.vocab_size
         tokens = [[i % vocab for i in range(seq_len)] for _ in range(num_seqs)]
         inputs = prefill_inputs(tokens, self.block_size, blocks_per_seq)
         hidden = self.forward(inputs)
         with self.layer_mode:
             self.model.compute_logits(hidden[inputs.logits_indices.to(self.device)])
+            if hasattr(self.model, "encode_images"):  # a step's images: as many image tokens as the step's budget
+                pixels, grids = self.model.dummy_images(cfg.max_num_batched_tokens)
+                self.model.encode_images(pixels.to(self.device), grids)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(self.device) - before - scratch.numel() * scratch.element_size()
         del scratch, hidden
@@ -216,7 +227,7 @@ class ModelRunner:
                 logits_indices += [cu_q[-1] - 1] * (1 + len(batch.forks.get(seq.seq_id, ())))
         width = max(len(s.block_table) for s in batch.seqs)
         tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in batch.seqs]
-        return StepInputs(
+        inputs = StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
@@ -226,6 +237,54 @@ class ModelRunner:
             max_seqlen_q=max(batch.num_tokens), max_seqlen_k=max(lens_k),
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
             **_pending(pending_rows, pending_src))
+        if self.uses_mrope and any(s.multimodal is not None for s in batch.seqs):
+            self._place_images(batch, inputs)
+        return inputs
+
+    def _place_images(self, batch: ScheduledBatch, inputs: StepInputs) -> None:
+        """The positions of sequences with images (their M-RoPE streams; one row where the step has no image
+        token, since text's three streams are equal) and, for image tokens, their images' embeddings: the
+        vision tower runs on an image when a chunk first reaches its tokens and its output stays on the
+        sequence until the chunk that passes its last token."""
+        pos3 = np.broadcast_to(inputs.positions.numpy(), (3, len(inputs.positions))).copy()
+        row, pieces = 0, []  # (sequence, image, first step row, first image token, tokens)
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            mm, start = seq.multimodal, seq.num_computed_tokens
+            if mm is not None:
+                pos3[:, row:row + n] = mm.positions(start, start + n)
+                for i in mm.images_in(start, start + n):
+                    first, length = mm.vision_placeholders[i]
+                    a, b = max(start, first), min(start + n, first + length)
+                    pieces.append((seq, i, row + a - start, a - first, b - a))
+            row += n
+        inputs.positions = torch.from_numpy(pos3[0].copy())
+        if not pieces:
+            return
+        self._encode_images([(seq.multimodal, i) for seq, i, *_ in pieces])
+        inputs.mrope_positions = torch.from_numpy(pos3)
+        inputs.image_embeds = torch.cat([seq.multimodal.image_embeds[i][off:off + n] for seq, i, _, off, n in pieces])
+        inputs.image_rows = torch.cat([torch.arange(r, r + n) for _, _, r, _, n in pieces])
+        for seq, i, _, off, n in pieces:
+            if off + n == seq.multimodal.vision_placeholders[i][1]:  # its last token is in this step
+                seq.multimodal.image_embeds[i] = None
+
+    @torch.inference_mode()
+    def _encode_images(self, wanted) -> None:
+        """Run the vision tower once over every wanted image (MultimodalInputs, index) not encoded yet."""
+        todo, seen = [], set()
+        for mm, i in wanted:
+            if mm.image_embeds[i] is None and (id(mm), i) not in seen:
+                seen.add((id(mm), i))
+                todo.append((mm, i))
+        if not todo:
+            return
+        pixels = torch.cat([mm.pixel_values[mm.patch_offsets[i]:mm.patch_offsets[i + 1]] for mm, i in todo])
+        grids = [mm.image_grid_thw[i] for mm, i in todo]
+        with self.layer_mode:
+            embeds = self.model.encode_images(self._to_device(pixels), grids)
+        sizes = [mm.vision_placeholders[i][1] for mm, i in todo]
+        for (mm, i), e in zip(todo, embeds.split(sizes)):
+            mm.image_embeds[i] = e
 
     def _prepare_decode(self, batch: ScheduledBatch) -> StepInputs:
         """prepare_inputs for one new token per sequence: the hot path of long generations."""
@@ -236,9 +295,13 @@ class ModelRunner:
         tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs]
         i64 = torch.int64
         pending_rows = [i for i, s in enumerate(seqs) if s.token_ids[-1] < 0]
+        if self.uses_mrope:
+            positions = torch.tensor([n - 1 + s.mrope_position_delta for s, n in zip(seqs, lens)], dtype=i64)
+        else:
+            positions = torch.tensor([n - 1 for n in lens], dtype=i64)
         return StepInputs(
             input_ids=torch.tensor([s.token_ids[-1] for s in seqs], dtype=i64),
-            positions=torch.tensor([n - 1 for n in lens], dtype=i64),
+            positions=positions,
             slot_mapping=torch.tensor(slots, dtype=i64),
             cu_seqlens_q=torch.arange(len(seqs) + 1, dtype=torch.int32),
             seqlens_k=torch.tensor(lens, dtype=torch.int32),
@@ -257,7 +320,8 @@ class ModelRunner:
             input_ids[to(inputs.pending_rows)] = self._pending_tokens(to(inputs.pending_src))
         if self.graphs is not None and inputs.is_decode and self.graphs.fits(inputs):
             return self.graphs.replay(inputs, input_ids)
-        if self.prefill_graphs is not None and not inputs.is_decode and self.prefill_graphs.fits(inputs):
+        if (self.prefill_graphs is not None and not inputs.is_decode and inputs.mrope_positions is None
+                and self.prefill_graphs.fits(inputs)):
             return self.prefill_graphs.replay(inputs, input_ids)
         self.ctx.meta = AttentionMetadata(
             slot_mapping=to(inputs.slot_mapping), cu_seqlens_q=to(inputs.cu_seqlens_q),
@@ -266,6 +330,9 @@ class ModelRunner:
             has_decode_rows=inputs.is_decode or has_decode_rows(inputs.cu_seqlens_q))
         try:
             with self.layer_mode:
+                if inputs.mrope_positions is not None:  # a step with image tokens
+                    return self.model(input_ids, to(inputs.positions), image_embeds=inputs.image_embeds,
+                                      image_rows=to(inputs.image_rows), mrope_positions=to(inputs.mrope_positions))
                 return self.model(input_ids, to(inputs.positions))
         finally:
             self.ctx.meta = None

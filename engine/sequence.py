@@ -49,6 +49,8 @@ class Sequence:
         self.max_num_tokens = len(self.token_ids) + (params.max_tokens or 0)  # capped by the engine
         self.pending_index = -1        # row of its last token in the launch still sampling it (-1 in token_ids)
         self.grammar = None            # engine.grammar.GrammarState of a constrained (structured output) request
+        self.multimodal = None         # engine.multimodal.MultimodalInputs of a prompt with images (seed 003)
+        self.mrope_position_delta = 0  # M-RoPE: a token past the prompt rotates at its index + this (seed 001)
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -79,6 +81,14 @@ class Sequence:
 
     def block(self, i: int) -> list[int]:
         return self.token_ids[i * self.block_size: (i + 1) * self.block_size]
+
+    def block_image_key(self, i: int) -> tuple[int, ...] | None:
+        """The content hashes of the images whose tokens block i holds (None without): the prefix cache keys
+        such a block by them too, so the same tokens with another image never hit."""
+        mm = self.multimodal
+        if mm is None:
+            return None
+        return mm.image_key(i * self.block_size, (i + 1) * self.block_size)
 
     @property
     def num_resolved_completion_tokens(self) -> int:

@@ -14,7 +14,7 @@ from typing import Annotated, Literal, get_type_hints
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator,
                       model_validator)
 
-from engine import sampling_params
+from engine import images, sampling_params
 
 GROUP = "workers"  # the consumer group every worker reads through
 PRIORITIES = (2, 1, 0)  # priority levels, read in this order: higher first; 0 is the default
@@ -149,9 +149,19 @@ Sampling.__doc__ = "Sampling parameters: the fields, defaults and bounds of `eng
 
 
 class ChatMessage(BaseModel):
+    """A chat message; its content is text or a list of OpenAI-style content parts: {"type": "text", "text":
+    ...} and, for a vision-language model, {"type": "image_url", "image_url": {"url": "data:image/...;base64,
+    ..."}} (data URLs only: a worker fetches nothing)."""
+
     model_config = ConfigDict(extra="allow")
     role: str
-    content: str
+    content: str | list[dict]
+
+    @field_validator("content")
+    @classmethod
+    def _parts(cls, value):
+        images.image_parts(value)  # the parts' form; their count and sizes are checked per job
+        return value
 
 
 class JobSpec(_Strict):
@@ -177,6 +187,8 @@ class JobSpec(_Strict):
             raise ValueError("prompt_token_ids is empty")
         if self.messages is not None and not self.messages:
             raise ValueError("messages is empty")
+        if self.messages is not None:  # the engine's default limits: images per job, bytes per image
+            images.check_message_images([m.model_dump() for m in self.messages])
         if self.priority not in PRIORITIES:
             raise ValueError(f"priority {self.priority} is not one of {sorted(PRIORITIES)}")
         return self

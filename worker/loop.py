@@ -21,6 +21,7 @@ import time
 
 import redis
 
+from engine.images import has_images
 from producer import protocol as p
 from producer.connection import UNAVAILABLE
 
@@ -292,9 +293,14 @@ class Worker:
             self.writer.outbox.put(("handback", job, None))
             return
         spec = job.spec
+        if job.prompt_error is not None:
+            self.writer.outbox.put(("failed", job, job.prompt_error))
+            return
         try:
             prompt = spec.prompt_token_ids or spec.prompt
-            if spec.messages is not None:
+            if job.prompt is not None:
+                prompt, job.prompt = job.prompt, None
+            elif spec.messages is not None:
                 prompt = self.engine.encode_chat([m.model_dump() for m in spec.messages])
             self.engine.add_request(prompt, spec.sampling.model_dump(exclude_none=True), request_id=job.job_id)
         except ValueError as e:
@@ -380,9 +386,10 @@ class Worker:
                 self.hand_to_engine(job)
 
     def hand_to_engine(self, job: Job) -> None:
-        """Send an admitted job to the engine thread, its structured-output grammar compiled first, here on
-        the source's thread, so that the engine thread finds it compiled (an error is the job's own, and
-        add_request raises it there)."""
+        """Send an admitted job to the engine thread, its structured-output grammar compiled and its images
+        decoded and preprocessed first, here on the source's thread, so that the engine thread finds them
+        ready (an error is the job's own: the engine thread fails the job with it)."""
+        self._prepare_images(job)
         compile_grammar = getattr(self.engine, "compile_grammar", None)
         if compile_grammar is not None and job.spec is not None:
             try:
@@ -390,6 +397,21 @@ class Worker:
             except Exception:  # noqa: BLE001 - a job can fail only itself: add_request reports it
                 log.exception("compiling the grammar of job %s failed", job.job_id)
         self.commands.put(("run", job))
+
+    def _prepare_images(self, job: Job) -> None:
+        spec = job.spec
+        if spec is None or spec.messages is None or getattr(self.engine, "images", None) is None:
+            return
+        messages = [m.model_dump() for m in spec.messages]
+        if not has_images(messages):
+            return
+        try:
+            job.prompt = self.engine.encode_chat(messages)
+        except ValueError as e:
+            job.prompt_error = str(e)
+        except Exception as e:  # noqa: BLE001 - a template or image processor error is the job's problem
+            log.exception("the images of job %s could not be prepared", job.job_id)
+            job.prompt_error = f"could not start: {type(e).__name__}: {e}"
 
     def _admit(self, entries) -> list[Job]:
         """Admit entries. A job submitted again (same id) after Redis lost the entry of a copy this worker

@@ -13,13 +13,15 @@ from typing import Literal, get_args
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from engine import images
 from producer import protocol
 
 # Fields passed to LLMEngine as keyword arguments when set; unset ones keep the engine's defaults.
 ENGINE_FIELDS = ("load_format", "dtype", "device", "tensor_parallel_size", "max_num_seqs",
                  "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization", "kvcache_block_size",
                  "num_kvcache_blocks", "enable_prefix_caching", "enforce_eager", "attention_backend",
-                 "kv_cache_dtype", "async_scheduling", "fused_layers", "tp_all_reduce", "seed")
+                 "kv_cache_dtype", "async_scheduling", "fused_layers", "tp_all_reduce", "seed",
+                 "max_images_per_prompt", "max_image_bytes")
 
 
 class WorkerSettings(BaseSettings):
@@ -69,6 +71,10 @@ class WorkerSettings(BaseSettings):
     fused_layers: bool | None = Field(None, description="False: the layers as plain PyTorch ops (debugging)")
     tp_all_reduce: str | None = Field(None, description="engine (the engine's all-reduce kernels on GPUs) | nccl")
     seed: int | None = Field(None, description="seed of dummy weights and of unseeded sampling")
+    max_images_per_prompt: int | None = Field(None, description="vision-language models: most images in one job "
+                                                                f"[{images.MAX_IMAGES_PER_PROMPT}]")
+    max_image_bytes: int | None = Field(None, description="vision-language models: most bytes of one encoded "
+                                                          f"image [{images.MAX_IMAGE_BYTES}]")
 
     @property
     def engine_kwargs(self) -> dict:

@@ -5,6 +5,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.mistral import MistralForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from engine.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -14,6 +15,7 @@ MODEL_REGISTRY = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
 }
 
 

@@ -90,7 +90,11 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         self.ctx.prepare()  # what every layer's attention reads, first
         positions = self.rotary_emb.table_positions(positions, self.ctx.meta)
-        x, residual = self.embed_tokens(input_ids), None
+        return self.run_layers(self.embed_tokens(input_ids), positions)
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The decoder layers and the final norm over the input embeddings x."""
+        residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
         x, _ = self.norm(x, residual)
