@@ -81,8 +81,8 @@ def main(argv=None) -> int:
     prompts, params = bench.make_workload(args)
     llm = bench.build_llm(args)
     bench.warm_up(llm, args)
-    host = {"seconds": 0.0, "steps": 0, "rows": 0}
-    fill = llm.sampler.fill_grammar_masks
+    host = {"seconds": 0.0, "steps": 0, "rows": 0, "masks": 0.0}
+    fill, masks = llm.sampler.fill_grammar_masks, llm.sampler.mask_filler.fill
 
     def fill_timed(st, seqs):  # the grammar's host work of one step: follow the tokens, fill the masks
         start = time.perf_counter()
@@ -91,11 +91,17 @@ def main(argv=None) -> int:
         host["steps"] += 1
         host["rows"] += len(st.grammar.index)
 
+    def masks_timed(*args):  # of which llguidance's mask computation
+        start = time.perf_counter()
+        masks(*args)
+        host["masks"] += time.perf_counter() - start
+
     llm.sampler.fill_grammar_masks = fill_timed
+    llm.sampler.mask_filler.fill = masks_timed
     constrained = [SamplingParams(temperature=args.temperature, max_tokens=p.max_tokens, json_schema=SCHEMA)
                    for p in params]
     llm.generate(prompts[:32], constrained[:32], use_tqdm=False)  # compiles the grammar, warms the masked path
-    host.update(seconds=0.0, steps=0, rows=0)
+    host.update(seconds=0.0, steps=0, rows=0, masks=0.0)
     runs = {"constrained": [], "unconstrained": []}
     c_seconds, outs = timed(llm, prompts, constrained)
     runs["constrained"].append(c_seconds)
@@ -122,6 +128,7 @@ def main(argv=None) -> int:
         "unconstrained_tok_s": round(tokens / mean["unconstrained"], 1),
         "constrained_vs_unconstrained": round(mean["unconstrained"] / mean["constrained"], 4),
         "grammar_host_ms_per_step": round(1000 * steps["seconds"] / max(steps["steps"], 1), 3),
+        "of_which_mask_ms_per_step": round(1000 * steps["masks"] / max(steps["steps"], 1), 3),
         "constrained_rows_per_step": round(steps["rows"] / max(steps["steps"], 1), 1),
     }
     print(f"{tokens} tokens: constrained {record['constrained_tok_s']:,.0f} tok/s, unconstrained "

@@ -56,6 +56,7 @@ class Sampler:
         self.last_tokens = torch.empty(0, dtype=torch.int64, device=device)  # the last step's, on the device
         self.token_counts = penalties.TokenCounts(device, vocab_size)  # penalised sequences' tokens
         self.mask_filler = MaskFiller()
+        self.host_masks = grammar_mask.HostMasks(device)
         self._batch_ids: list[int] = []
         self._batch = None
 
@@ -124,7 +125,7 @@ class Sampler:
     def fill_grammar_masks(self, st: SamplingTensors, seqs: list) -> None:
         """This step's allowed-token masks of the constrained rows of `seqs` (the sequences batch_tensors
         was given), once every token before them has resolved; on their way to the device when it returns."""
-        grammar_mask.fill(st.grammar, seqs, self.vocab_size, self.mask_filler, self.device)
+        grammar_mask.fill(st.grammar, seqs, self.vocab_size, self.mask_filler, self.host_masks)
 
     def plan(self, st: SamplingTensors | None, num_logprobs: int, tp_size: int) -> StepSampling | None:
         """Rank 0: how every rank takes part in this step's sampling (None: nothing is sampled). Sharded
