@@ -6,6 +6,7 @@ A batch without a constrained row has no GrammarRows, and its step runs as it wo
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -83,10 +84,28 @@ def fill(g: GrammarRows, seqs: list, vocab_size: int, filler: MaskFiller, buffer
 
 
 def apply(logits: torch.Tensor, g: GrammarRows) -> None:
-    """Mask to -inf, in float32 logits [S, V], every token the grammar of a constrained row disallows."""
+    """Mask to -inf, in place in logits [S, V], every token the grammar of a constrained row disallows: on
+    a GPU with Triton one kernel (engine/kernels/token_mask.py), whatever the logits' dtype; else torch."""
+    if logits.is_cuda and _mask_kernel() is not None:
+        _mask_kernel()(logits, g.bitmask, g.rows)
+        return
     vocab_size = logits.shape[1]
     # little-endian words, least significant bit first: byte by byte, bit by bit, token ids go in order
     shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
     bits = (g.bitmask.view(torch.uint8).unsqueeze(-1) >> shifts) & 1  # one byte a token, not four
     allowed = bits.flatten(1)[:, :vocab_size].bool()
     logits[g.rows] = logits[g.rows].masked_fill(~allowed, float("-inf"))
+
+
+def in_place(logits: torch.Tensor) -> bool:
+    """Whether apply() can mask these logits where they are (no float32 copy needed for the mask alone)."""
+    return logits.is_cuda and _mask_kernel() is not None
+
+
+@functools.cache
+def _mask_kernel():
+    try:
+        from engine.kernels.token_mask import mask_logits
+    except ImportError:  # no triton
+        return None
+    return mask_logits

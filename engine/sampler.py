@@ -159,12 +159,12 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, st: SamplingTensors, num_logprobs: int) -> "SampledTokens":
         """The step's tokens and their logprobs (and the top logprobs) from whole rows of logits [S, V]."""
-        if st.adjust is not None or st.grammar is not None:
-            logits = logits.to(torch.float32, copy=True)
-            if st.adjust is not None:
-                penalties.apply(logits, st.adjust, self.token_counts)
-            if st.grammar is not None:
-                grammar_mask.apply(logits, st.grammar)
+        if st.adjust is not None or (st.grammar is not None and not grammar_mask.in_place(logits)):
+            logits = logits.to(torch.float32, copy=True)  # the step's own copy to adjust
+        if st.adjust is not None:
+            penalties.apply(logits, st.adjust, self.token_counts)
+        if st.grammar is not None:  # where in_place, into the logits as they came (a graph's buffer, refilled next step)
+            grammar_mask.apply(logits, st.grammar)
         token_ids = sample(logits, st, self.generator, self.seed_generator)
         self.last_tokens = token_ids
         if st.adjust is not None:

@@ -273,3 +273,21 @@ def test_a_model_without_a_tokenizer_refuses_constraints_at_add_request(tmp_path
     with pytest.raises(ValueError, match="json_schema cannot be enforced: this model has no tokenizer files"):
         llm.add_request([5, 6], SamplingParams(json_schema={"type": "object"}))
     assert not llm.has_unfinished()
+
+
+def test_mask_kernel_equals_the_torch_mask_under_interpreter():
+    """engine/kernels/token_mask.py, the GPU's mask, leaves exactly the logits the torch mask leaves (bf16 and
+    fp32, words with bit 31 set, a row allowing one token, a row allowing none, vocabularies off the block)."""
+    pytest.importorskip("triton")
+    from tests.interpreter import REPO, run_under_interpreter
+    cases = run_under_interpreter(REPO / "tests" / "token_mask_cases.py")
+    assert set(cases) == {"vocab_37", "vocab_2085", "vocab_64"}
+    assert all(n == 0 for case in cases.values() for n in case.values()), cases
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_mask_kernel_equals_the_torch_mask_on_gpu():
+    from tests.token_mask_cases import mask_case
+    for vocab in (37, 2085, 151936):
+        assert mask_case("cuda", vocab) == {"torch.bfloat16": 0, "torch.float32": 0}
