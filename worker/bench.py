@@ -176,8 +176,11 @@ def through_queue(llm, url: str, jobs: list[dict], opts, celery: bool = False, p
 
     producer = threading.Thread(target=produce, name="bench-producer")
     producer.start()
-    worker.run()
-    producer.join()
+    try:
+        worker.run()
+        producer.join()
+    finally:
+        getattr(run_jobs, "close", lambda: None)()
     if "error" in outcome:
         raise RuntimeError(f"through-queue run failed: {outcome['error']}")
     return outcome["seconds"], outcome["tokens"]
@@ -192,20 +195,33 @@ def _redline_producer(url: str, queue: str):
 
 
 def _celery_producer(url: str, queue: str):
-    """Send jobs as a Celery producer does (send_task, one message each) and read each result with .get()."""
-    from celery import Celery
+    """Send jobs as a Celery producer does (send_task, one message each) and read each result with .get(), in a
+    process of its own, as a Celery service is: in this one its Python work would take the engine's GIL."""
+    import multiprocessing
 
     from producer.protocol import JobResult
 
-    from .celery_source import TASK_NAME
-
-    app = Celery(broker=url, backend=url, set_as_current=False)
+    pool = multiprocessing.get_context("spawn").Pool(1)
 
     def run(jobs: list[dict]) -> list:
-        sent = [app.send_task(TASK_NAME, kwargs={k: v for k, v in job.items() if k != "stream"}, queue=queue)
-                for job in jobs]
-        return [JobResult.model_validate(r.get(timeout=CELERY_RESULT_TIMEOUT_S)) for r in sent]
+        return [JobResult.model_validate(r) for r in pool.apply(_celery_round, (url, queue, jobs))]
+    run.close = pool.terminate
     return run
+
+
+_CELERY_APPS: dict = {}
+
+
+def _celery_round(url: str, queue: str, jobs: list[dict]) -> list[dict]:
+    """In the producer process: send every job, then .get() each result (dicts, as Celery returns them)."""
+    from celery import Celery
+
+    from .celery_source import TASK_NAME
+
+    app = _CELERY_APPS.get(url) or _CELERY_APPS.setdefault(url, Celery(broker=url, backend=url, set_as_current=False))
+    sent = [app.send_task(TASK_NAME, kwargs={k: v for k, v in job.items() if k != "stream"}, queue=queue)
+            for job in jobs]
+    return [r.get(timeout=CELERY_RESULT_TIMEOUT_S) for r in sent]
 
 
 def collect(client, ids: list[str]) -> list:
