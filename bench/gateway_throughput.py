@@ -6,7 +6,7 @@
 
 One process holds one engine (a worker on this thread, as `redline bench --through-queue` runs it) and runs,
 after a warm-up: the workload through `llm.generate` (raw), then as jobs through the queue (queue), then as
-HTTP calls of the official `openai` client (AsyncOpenAI, `--concurrency` at once) to a `redline serve` process
+HTTP calls of the official `openai` client (AsyncOpenAI, `--concurrency` at once, from a process of its own) to a `redline serve` process
 that puts them on the same queue (gateway). Each call asks for its prompt's token ids, max_tokens,
 temperature and ignore_eos, so all three runs generate the same tokens. Needs `openai` (the dev extra).
 Prints one JSON line; gateway_vs_raw is gateway tok/s over raw tok/s.
@@ -62,12 +62,25 @@ def start_gateway(url: str, queue: str) -> tuple[subprocess.Popen, int]:
 
 
 def http_producer(concurrency: int, started: list):
-    """`through_queue`'s producer: a gateway for the queue, and the jobs sent to it as concurrent HTTP calls."""
+    """`through_queue`'s producer: a gateway for the queue, and the jobs sent to it as concurrent HTTP calls
+    from a client process of its own (in the engine's process its Python work would take the engine's GIL)."""
+    import multiprocessing
+
     def make(url: str, queue: str):
         proc, port = start_gateway(url, queue)
         started.append(proc)
-        return lambda jobs: asyncio.run(_send(port, jobs, concurrency))
+        pool = multiprocessing.get_context("spawn").Pool(1)
+
+        def run(jobs: list[dict]) -> list[JobResult]:
+            return pool.apply(_send_all, (port, jobs, concurrency))
+        run.close = pool.terminate
+        return run
     return make
+
+
+def _send_all(port: int, jobs: list[dict], concurrency: int) -> list[JobResult]:
+    """In the client process: every job as an HTTP call, `concurrency` at once."""
+    return asyncio.run(_send(port, jobs, concurrency))
 
 
 async def _send(port: int, jobs: list[dict], concurrency: int) -> list[JobResult]:

@@ -3,7 +3,8 @@
 Through the queue, one process holds one engine and runs, after a warm-up:
   raw    llm.generate(workload)                              (the engine alone)
   queue  producer → Redis → worker → engine → Redis → producer (the same jobs, the same engine)
-  celery (with --celery) the same jobs as Celery tasks: send_task → the same worker → .get()
+  celery (with --celery) the same jobs as Celery tasks: send_task → the same worker → .get(), from a producer
+         process of its own (as a Celery service is)
 and then measures the producer's pipelined submit rate. It prints one JSON line.
 """
 from __future__ import annotations
