@@ -116,9 +116,13 @@ def _bf16(*shape):
     return torch.randn(*shape).to(torch.bfloat16)
 
 
-def case_sampling(rows: int = 256):
+def case_sampling(rows: int = 256, logprobs: bool = False):
+    """As the eager sampler launches it, or with logprobs_out and the seed in memory, as the decode graph does."""
     from engine.kernels.sampling import gumbel_argmax
-    return lambda: gumbel_argmax(_bf16(rows, VOCAB), torch.ones(rows), 1234)
+    if not logprobs:
+        return lambda: gumbel_argmax(_bf16(rows, VOCAB), torch.ones(rows), 1234)
+    return lambda: gumbel_argmax(_bf16(rows, VOCAB), torch.ones(rows), torch.tensor([1234]),
+                                 out=torch.empty(rows, dtype=torch.int64), logprobs_out=torch.empty(rows))
 
 
 def case_rms_norm(rows: int = 256):
@@ -192,6 +196,7 @@ def case_paged_prefill(tokens: int = 1024):
 
 CASES = {
     "sampling": case_sampling,
+    "sampling_logprobs": lambda: case_sampling(logprobs=True),
     "rms_norm": case_rms_norm,
     "silu_mul": case_silu_mul,
     "gemv_qkv_1row": lambda: case_gemv(1, (HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN, norm=True),

@@ -226,14 +226,11 @@ def take_pending(input_ids: torch.Tensor, pending_src: torch.Tensor, tokens: tor
     return gumbel_kernels().take_pending(input_ids, pending_src, tokens)
 
 
-def sample_in_graph(logits: torch.Tensor, temperatures: torch.Tensor, seed: torch.Tensor, out: torch.Tensor) -> None:
-    """Gumbel-max (greedy where t = 0) into `out`, the seed read from device memory when the graph replays."""
-    gumbel_kernels().gumbel_argmax(logits, temperatures, seed, out=out)
-
-
-def logprobs_in_graph(logits: torch.Tensor, token_ids: torch.Tensor, out: torch.Tensor) -> None:
-    """Each sampled token's logprob into `out` (the tokens read from device memory when the graph replays)."""
-    gumbel_kernels().token_logprobs(logits, token_ids, out=out)
+def sample_in_graph(logits: torch.Tensor, temperatures: torch.Tensor, seed: torch.Tensor, out: torch.Tensor,
+                    logprobs_out: torch.Tensor) -> None:
+    """Gumbel-max (greedy where t = 0) into `out` and each token's logprob into `logprobs_out`, in one pass
+    over the logits; the seed read from device memory when the graph replays."""
+    gumbel_kernels().gumbel_argmax(logits, temperatures, seed, out=out, logprobs_out=logprobs_out)
 
 
 # ---- the sampling itself ----------------------------------------------------------------------------

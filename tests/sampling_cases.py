@@ -11,6 +11,9 @@ import torch
 # (num_splits, block): one tile, one split over many tiles, several splits, the automatic choice
 CPU_LAYOUTS = [(1, 64), (1, 8), (3, 16), (5, 8), (None, 8), (None, None)]
 GPU_LAYOUTS = [(1, None), (4, 1024), (37, 4096), (None, 512), (None, None)]
+# 1, 2, 7 and 26 splits of 203 columns (no multiple of any block), one tile, the automatic choice
+FUSED_CPU_LAYOUTS = [(1, 256), (1, 8), (2, 16), (7, 8), (26, 8), (None, None)]
+FUSED_GPU_LAYOUTS = GPU_LAYOUTS + [(2, None), (7, 4096)]
 
 
 def strided(values: torch.Tensor, dtype: torch.dtype, device: str, pad: int = 11) -> torch.Tensor:
@@ -133,6 +136,41 @@ def token_logprobs_case(device: str, vocab: int, layouts: list) -> dict:
     return worst
 
 
+def fused_logprobs_case(device: str, vocab: int, layouts: list) -> dict:
+    """gumbel_argmax with logprobs_out, as the decode graph calls it (seed and outputs in device tensors),
+    against the same call without: greedy and sampled rows, a row of huge logits, one -inf over its first
+    two thirds (whole splits of nothing but -inf), one -inf in every third column, one -inf but for its
+    last columns. Returns, per dtype and layout, the rows whose token differs and the largest absolute
+    difference from torch's log_softmax of the raw logits at the token."""
+    from engine.kernels.sampling import gumbel_argmax
+
+    gen = torch.Generator().manual_seed(12)
+    values = torch.randn(8, vocab, generator=gen) * 4
+    values[1] += 300.0
+    values[2, : 2 * vocab // 3] = float("-inf")
+    values[3, ::3] = float("-inf")
+    values[5, : vocab - 3] = float("-inf")
+    values[6, -1] = 40.0
+    temperatures = torch.tensor([0.0, 1.0, 0.5, 0.0, 2.0, 1.0, 0.0, 0.7], device=device)
+    seed = 31
+    seed_tensor = torch.tensor([seed], dtype=torch.int64, device=device)
+    token_changes, worst = {}, {}
+    for dtype in (torch.bfloat16, torch.float32):
+        logits = strided(values, dtype, device)
+        log_softmax = logits.float().log_softmax(-1)
+        for num_splits, block in layouts:
+            kwargs = {"num_splits": num_splits} | ({"block": block} if block else {})
+            tokens = torch.full((8,), -1, dtype=torch.int64, device=device)
+            logprobs = torch.full((8,), float("nan"), device=device)
+            gumbel_argmax(logits, temperatures, seed_tensor, out=tokens, logprobs_out=logprobs, **kwargs)
+            alone = gumbel_argmax(logits, temperatures, seed, **kwargs)
+            expected = log_softmax.gather(1, tokens.clamp(min=0).unsqueeze(1)).squeeze(1)
+            key = f"{dtype} {num_splits} {block}"
+            token_changes[key] = (tokens != alone).nonzero().flatten().tolist()
+            worst[key] = float((logprobs - expected).abs().max())  # NaN where a row was left unwritten
+    return {"token_changes": token_changes, "worst": worst, "sampled_tokens": alone.tolist()}
+
+
 def _main() -> None:
     """Every CPU case under the Triton interpreter; prints one JSON object."""
     import json
@@ -150,6 +188,7 @@ def _main() -> None:
         "seeds": seed_case("cpu"),
         "take_pending": take_pending_case("cpu"),
         "token_logprobs": token_logprobs_case("cpu", 37, CPU_LAYOUTS),
+        "fused_logprobs": fused_logprobs_case("cpu", 203, FUSED_CPU_LAYOUTS),
     }
     print(json.dumps(results))
 

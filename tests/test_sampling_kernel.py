@@ -1,5 +1,5 @@
 """The Gumbel-max sampling kernel (engine/kernels/sampling.py): greedy rows, the token distribution,
-seeds, and tokens that do not depend on how a row is split.
+seeds, tokens that do not depend on how a row is split, and the logprobs taken with them.
 
 On CPU the cases of tests/sampling_cases.py run under the Triton interpreter in a subprocess
 (TRITON_INTERPRET must be set before triton is imported); the CUDA versions are marked `gpu`.
@@ -15,8 +15,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from interpreter import run_under_interpreter  # noqa: E402
-from sampling_cases import (GPU_LAYOUTS, distribution_case, greedy_case, layout_case, seed_case,  # noqa: E402
-                            token_logprobs_case)
+from sampling_cases import (FUSED_GPU_LAYOUTS, GPU_LAYOUTS, distribution_case, fused_logprobs_case,  # noqa: E402
+                            greedy_case, layout_case, seed_case, token_logprobs_case)
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -163,18 +163,20 @@ def test_sampling_kernel_compiles_one_variant_for_every_seed():
 
 
 @needs_triton
-def test_sampling_kernel_computes_each_philox_draw_once_per_thread_when_compiled_for_hopper():
+@pytest.mark.parametrize("logprobs", [False, True], ids=["tokens", "with_logprobs"])
+def test_sampling_kernel_computes_each_philox_draw_once_per_thread_when_compiled_for_hopper(logprobs):
     """Compiled for sm_90 on any machine (bench/kernel_ir.py: the wrapper's launch, specialised as on the
-    GPU), each group's Philox call is made by one thread and no draw moves between threads. The [GROUPS, 4]
-    tile this replaced spread a group's four columns over four threads: Triton 3.6 had each of them compute
-    the group's Philox call (305 32-bit high multiplies a loop against 77 now), Triton 3.9 converted the
-    draws' layout instead (8 conversions); on the H100 (Triton 3.6) it was 3.5x slower at 256 rows."""
+    GPU; with logprobs as the decode graph launches it), each group's Philox call is made by one thread
+    and no draw moves between threads. The [GROUPS, 4] tile this replaced spread a group's four columns
+    over four threads: Triton 3.6 had each of them compute the group's Philox call (305 32-bit high
+    multiplies a loop against 77 now), Triton 3.9 converted the draws' layout instead (8 conversions); on
+    the H100 (Triton 3.6) it was 3.5x slower at 256 rows."""
     from engine.kernels import sampling
 
     sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
     import kernel_ir
 
-    kernel, args, kwargs = kernel_ir.capture(kernel_ir.case_sampling(256))
+    kernel, args, kwargs = kernel_ir.capture(kernel_ir.case_sampling(256, logprobs))
     assert kernel is sampling._gumbel_split_kernel
     try:
         compiled = kernel_ir.compile_for(kernel, args, kwargs, 90)
@@ -199,3 +201,22 @@ def test_token_logprobs_equal_torch_log_softmax_under_interpreter(interpreted):
 def test_token_logprobs_equal_torch_log_softmax_on_gpu():
     worst = token_logprobs_case("cuda", 151936, GPU_LAYOUTS)
     assert max(worst.values()) < 1e-3, worst  # fp32 sums over 150k columns in another order than torch's
+
+
+def assert_fused_logprobs_match_log_softmax(case: dict, num_layouts: int, max_error: float) -> None:
+    assert len(case["worst"]) == 2 * num_layouts, case["worst"]
+    assert all(rows == [] for rows in case["token_changes"].values()), case["token_changes"]
+    assert max(case["worst"].values()) < max_error, case["worst"]  # NaN (a row left unwritten) fails too
+    assert len(set(case["sampled_tokens"])) >= 6, "rows sampled alike: the case would not tell tokens apart"
+
+
+@needs_triton
+def test_sampled_tokens_come_with_their_log_softmax_unchanged_under_interpreter(interpreted):
+    assert_fused_logprobs_match_log_softmax(interpreted["fused_logprobs"], 6, 1e-5)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_sampled_tokens_come_with_their_log_softmax_unchanged_on_gpu():
+    case = fused_logprobs_case("cuda", 151936, FUSED_GPU_LAYOUTS)
+    assert_fused_logprobs_match_log_softmax(case, len(FUSED_GPU_LAYOUTS), 1e-4)
