@@ -47,7 +47,8 @@ def start_gateway(url: str, queue: str) -> tuple[subprocess.Popen, int]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "serve", "--redis-url", url, "--queue", queue,
                              "--port", str(port), "--log-level", "WARNING"], cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
     deadline = time.monotonic() + GATEWAY_START_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
