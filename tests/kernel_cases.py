@@ -613,11 +613,12 @@ WINDOW_CASES = [
 
 
 # the GPU sizes: Gemma 3 1B (head_dim 256, window 512), Gemma 2 2B (window 4096, cap 50), Phi-3-mini (head_dim 96,
-# window 2047), and windows narrower than the GPU's KV and query tiles over 16-position pages
+# window 2047, contexts to 6000 so that most rows reach past it), and windows narrower than the GPU's KV and
+# query tiles over 16-position pages
 WINDOW_GPU_CASES = [
     ("gemma3_1b_window512", 4, 1, 256, 256, *random_lengths(48, 3000, 900, 0.6, 1), 512, 0.0),
     ("gemma2_2b_window4096_softcap", 8, 4, 256, 256, *random_lengths(24, 6000, 2000, 0.5, 2), 4096, 50.0),
-    ("phi3_mini_window2047_d96", 32, 32, 96, 256, *random_lengths(16, 4000, 1500, 0.5, 3), 2047, 0.0),
+    ("phi3_mini_window2047_d96", 32, 32, 96, 256, *random_lengths(12, 6000, 3000, 0.5, 3), 2047, 0.0),
     ("qwen_window100_page16", 16, 8, 128, 16, *random_lengths(32, 1500, 600, 0.5, 4), 100, 0.0),
     ("window7_softcap_d64", 8, 2, 64, 16, *random_lengths(20, 800, 300, 0.4, 5), 7, 20.0),
 ]
