@@ -80,8 +80,12 @@ def http_producer(concurrency: int, started: list):
 
 
 def _send_all(port: int, jobs: list[dict], concurrency: int) -> list[JobResult]:
-    """In the client process: every job as an HTTP call, `concurrency` at once."""
-    return asyncio.run(_send(port, jobs, concurrency))
+    """In the client process: every job as an HTTP call, `concurrency` at once. A failure comes back as a
+    RuntimeError with its message (the client's own exceptions do not survive the trip between processes)."""
+    try:
+        return asyncio.run(_send(port, jobs, concurrency))
+    except Exception as e:  # noqa: BLE001 - reported whole in the bench's process
+        raise RuntimeError(f"{type(e).__name__}: {e}") from None
 
 
 async def _send(port: int, jobs: list[dict], concurrency: int) -> list[JobResult]:

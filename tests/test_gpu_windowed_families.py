@@ -47,6 +47,14 @@ def hf_model(gpu_checkpoint):
                                                 attn_implementation="eager").cuda().eval()
 
 
+@pytest.fixture(scope="module")
+def hf_fp32(gpu_checkpoint):
+    """transformers in fp32 on the same weights: the reference both bf16 implementations are measured against."""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(gpu_checkpoint, dtype=torch.float32,
+                                                attn_implementation="eager").cuda().eval()
+
+
 @pytest.fixture
 def free_gpu():
     yield
@@ -61,20 +69,28 @@ def prompts_of(n=24, seed=3):
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["kernels", "eager-ops"])
-def test_prompt_logits_match_transformers_bf16(gpu_checkpoint, hf_model, fused, free_gpu):
+def test_prompt_logits_match_transformers_bf16(gpu_checkpoint, hf_model, hf_fp32, fused, free_gpu):
+    """Our bf16 prompt logits are as close to transformers' fp32 ones as transformers' own bf16 logits are
+    (within 1.5 times its error, or 1e-2): two bf16 implementations round at different places, so against each
+    other they part by about the sum of their errors (printed), which for these random checkpoints is above
+    1e-2 even where each is as accurate as the other."""
     llm = LLM(str(gpu_checkpoint), device="cuda", dtype="bfloat16", kvcache_block_size=16, num_kvcache_blocks=512,
               enforce_eager=True, fused_layers=fused)
-    runner, errors = llm.runner, []
+    runner, rows = llm.runner, []
     for prompt in prompts_of(6):
         inputs = prefill_inputs([prompt], 16, -(-len(prompt) // 16))
         inputs.logits_indices = torch.arange(len(prompt))
         with torch.inference_mode():
             ours = runner.compute_logits(runner.forward(inputs), inputs).float()
-            ref = hf_model(torch.tensor([prompt], device="cuda")).logits[0].float()
-        errors.append((len(prompt), float((ours - ref).norm() / ref.norm())))
-    print("prompt length, relative error against transformers bf16:", errors)
-    worst = max(errors, key=lambda e: e[1])
-    assert worst[1] < 1e-2, f"prompt of {worst[0]} tokens: relative error {worst[1]:.2e} ({errors})"
+            ids = torch.tensor([prompt], device="cuda")
+            ref16, ref32 = hf_model(ids).logits[0].float(), hf_fp32(ids).logits[0].float()
+        error = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+        rows.append((len(prompt), error(ours, ref32), error(ref16, ref32), error(ours, ref16)))
+    print("prompt length, relative error against transformers fp32 (ours, transformers bf16), ours against "
+          "transformers bf16:", rows)
+    for length, ours, theirs, _ in rows:
+        assert ours < max(1e-2, 1.5 * theirs), f"prompt of {length} tokens: {ours:.2e} against fp32, " \
+                                               f"transformers bf16 {theirs:.2e} ({rows})"
 
 
 @pytest.mark.parametrize("engine_kwargs", [
@@ -82,9 +98,10 @@ def test_prompt_logits_match_transformers_bf16(gpu_checkpoint, hf_model, fused, 
     dict(max_num_batched_tokens=256, num_kvcache_blocks=48, kvcache_block_size=16, max_model_len=768),  # chunked
     dict(max_num_seqs=2),                                             # the GEMV and fused decode at 1-2 rows
 ], ids=["graphs", "chunked-preempted", "small-batches"])
-def test_greedy_tokens_equal_transformers_bf16_up_to_near_ties(gpu_checkpoint, hf_model, engine_kwargs, free_gpu):
+def test_greedy_tokens_equal_transformers_bf16_up_to_near_ties(gpu_checkpoint, hf_model, hf_fp32, engine_kwargs,
+                                                               free_gpu):
     """Most sequences agree in full; where one parts from transformers, the two tokens are a near-tie for
-    transformers itself on the shared prefix (bf16 rounds differently in any two implementations)."""
+    transformers in fp32 on the shared prefix (bf16 rounds differently in any two implementations)."""
     prompts = prompts_of()
     llm = LLM(str(gpu_checkpoint), device="cuda", dtype="bfloat16", **{"max_model_len": 1024, **engine_kwargs})
     greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW)
@@ -94,7 +111,7 @@ def test_greedy_tokens_equal_transformers_bf16_up_to_near_ties(gpu_checkpoint, h
     if "num_kvcache_blocks" in engine_kwargs:
         assert llm.scheduler.num_preemptions > 0
     del llm
-    assert_greedy_agrees_but_at_near_ties(hf_model, prompts, outs, MAX_NEW)
+    assert_greedy_agrees_but_at_near_ties(hf_model, prompts, outs, MAX_NEW, judge=hf_fp32)
 
 
 def test_decode_graphs_give_the_tokens_of_eager_steps(gpu_checkpoint, free_gpu):
