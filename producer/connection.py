@@ -31,13 +31,23 @@ def is_cluster_url(url: str) -> bool:
     return url.split("://", 1)[0].lower() in CLUSTER_SCHEMES
 
 
-def connect(url: str, *, asyncio: bool = False, **options):
+def connect(url: str, *, asyncio: bool = False, pool_size: int | None = None, **options):
     """A client of the Redis (or, for redis+cluster://, the Redis Cluster) at `url`; `options` go to
-    redis-py (socket_timeout, password, ...), the URL's own values winning. asyncio=True: the asyncio client."""
+    redis-py (socket_timeout, password, ...), the URL's own values winning. asyncio=True: the asyncio client.
+    pool_size: at most this many connections (to each node), a caller past them waiting for one rather than
+    failing as redis-py's default pool (100 connections) does: for servers whose requests each hold one while
+    they wait on a blocking read."""
     if not is_cluster_url(url):
-        return (redis.asyncio.Redis if asyncio else redis.Redis).from_url(url, **options)
+        cls = redis.asyncio.Redis if asyncio else redis.Redis
+        if pool_size is None:
+            return cls.from_url(url, **options)
+        pool = (redis.asyncio.BlockingConnectionPool if asyncio else redis.BlockingConnectionPool).from_url(
+            url, max_connections=pool_size, timeout=None, **options)
+        return cls.from_pool(pool)
     seed, others = _cluster_seeds(url)
     cls, node = (AsyncRedisCluster, AsyncClusterNode) if asyncio else (RedisCluster, ClusterNode)
+    if pool_size is not None:
+        options["max_connections"] = pool_size
     return cls.from_url(seed, startup_nodes=[node(host, port) for host, port in others], **options)
 
 

@@ -238,6 +238,23 @@ def test_text_completion_plain_and_streamed_equals_llm_generate(client, llm):
     assert "".join(c.choices[0].text for c in streamed) == expected.text
 
 
+def test_more_concurrent_calls_than_redis_py_pools_by_default_all_succeed(stack):
+    """300 online calls at once: each holds a Redis connection while it waits for its job, past redis-py's
+    default pool of 100 connections (which failed the rest with 503 "Too many connections")."""
+    import asyncio
+
+    async def burst() -> list:
+        aclient = openai.AsyncOpenAI(api_key=KEY, base_url=stack.base_url, max_retries=0, timeout=120)
+        try:
+            return await asyncio.gather(*(aclient.completions.create(model="any", prompt=[11, 12, i % 50 + 13],
+                                                                     max_tokens=2, temperature=0)
+                                          for i in range(300)))
+        finally:
+            await aclient.close()
+    answers = asyncio.run(burst())
+    assert len(answers) == 300 and all(a.usage.completion_tokens == 2 for a in answers)
+
+
 def test_n_and_seeded_sampling_give_every_choice(client, llm):
     params = dict(n=3, seed=5, temperature=0.8, max_tokens=6)
     [expected] = llm.chat([HI], SamplingParams(**params), use_tqdm=False)

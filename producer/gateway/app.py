@@ -31,6 +31,9 @@ from .settings import GatewaySettings
 
 log = logging.getLogger("redline.gateway")
 
+# Redis connections of one gateway: each online request holds one while it waits on its job's result, so
+# requests past this many wait for a free one (redis-py's default pool of 100 would fail them)
+REDIS_CONNECTIONS = 1024
 MULTIPART_OVERHEAD = 64 * 1024  # an upload's body may exceed its file by this much (the form's other parts)
 CREATED = int(time.time())
 
@@ -39,7 +42,8 @@ def create_app(settings: GatewaySettings) -> Starlette:
     """The gateway for `settings.queue` on `settings.redis_url`."""
     password = {"password": settings.redis_password} if settings.redis_password else {}
     client = AsyncClient(settings.redis_url, settings.queue,
-                         redis_client=connect(settings.redis_url, asyncio=True, socket_timeout=None, **password))
+                         redis_client=connect(settings.redis_url, asyncio=True, pool_size=REDIS_CONNECTIONS,
+                                              socket_timeout=None, **password))
     files = FileStore(client.redis, client.keys)
     batches = BatchStore(client, files, settings.model_name)
     online = Online(client, settings.model_name, settings.request_timeout)
