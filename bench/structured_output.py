@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import sysconfig
 import time
@@ -130,6 +131,7 @@ def main(argv=None) -> int:
         "grammar_host_ms_per_step": round(1000 * steps["seconds"] / max(steps["steps"], 1), 3),
         "of_which_mask_ms_per_step": round(1000 * steps["masks"] / max(steps["steps"], 1), 3),
         "constrained_rows_per_step": round(steps["rows"] / max(steps["steps"], 1), 1),
+        "host_cpus": len(os.sched_getaffinity(0)),  # llguidance's threads: 80% of them, at most 32
     }
     print(f"{tokens} tokens: constrained {record['constrained_tok_s']:,.0f} tok/s, unconstrained "
           f"{record['unconstrained_tok_s']:,.0f} tok/s ({record['constrained_vs_unconstrained']:.3f}); grammar "
