@@ -26,6 +26,21 @@ def timed(llm, prompts, params) -> tuple[float, int]:
     return seconds, sum(len(c.token_ids) for o in outs for c in o.outputs)
 
 
+def compare(llm, record: dict, workloads: dict) -> None:
+    """Two workloads {name: (prompts, params)} alternating, each run twice, the second timed (the first
+    compiles what the warm-up did not); their seconds, tok/s and the first's throughput over the second's."""
+    runs = {name: [] for name in workloads}
+    for _ in range(2):
+        for name, (prompts, params) in workloads.items():
+            runs[name].append(timed(llm, prompts, params))
+    for name, results in runs.items():
+        seconds, tokens = results[-1]
+        record[f"{name}_seconds"] = round(seconds, 3)
+        record[f"{name}_tok_s"] = round(tokens / seconds, 1)
+    first, second = workloads
+    record[f"{first}_vs_{second}"] = round(record[f"{first}_tok_s"] / record[f"{second}_tok_s"], 4)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     bench.add_arguments(parser)
@@ -41,27 +56,10 @@ def main(argv=None) -> int:
     forked = [dataclasses.replace(p, n=4) for p in params]
     separate = [p for p in params for _ in range(4)]
     repeated = [q for q in prompts for _ in range(4)]
-    runs = {"n4": [], "separate": []}
-    for _ in range(2):  # alternating, each twice, the second timed (the first compiles what the warm-up did not)
-        runs["n4"].append(timed(llm, prompts, forked))
-        runs["separate"].append(timed(llm, repeated, separate))
-    for name, results in runs.items():
-        seconds, tokens = results[-1]
-        record[f"{name}_seconds"] = round(seconds, 3)
-        record[f"{name}_tok_s"] = round(tokens / seconds, 1)
-    record["n4_vs_separate"] = round(record["n4_tok_s"] / record["separate_tok_s"], 4)
-
+    compare(llm, record, {"n4": (prompts, forked), "separate": (repeated, separate)})
     penalised = [dataclasses.replace(p, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5)
                  for p in params]
-    runs = {"plain": [], "penalties": []}
-    for _ in range(2):
-        runs["plain"].append(timed(llm, prompts, params))
-        runs["penalties"].append(timed(llm, prompts, penalised))
-    for name, results in runs.items():
-        seconds, tokens = results[-1]
-        record[f"{name}_seconds"] = round(seconds, 3)
-        record[f"{name}_tok_s"] = round(tokens / seconds, 1)
-    record["penalties_vs_plain"] = round(record["penalties_tok_s"] / record["plain_tok_s"], 4)
+    compare(llm, record, {"penalties": (prompts, penalised), "plain": (prompts, params)})
     print(f"n=4: {record['n4_tok_s']:,.0f} tok/s against 4 separate requests' {record['separate_tok_s']:,.0f} "
           f"({record['n4_vs_separate']:.3f}); penalties: {record['penalties_tok_s']:,.0f} against "
           f"{record['plain_tok_s']:,.0f} tok/s ({record['penalties_vs_plain']:.3f})", file=sys.stderr)
