@@ -35,7 +35,7 @@ def compare(llm, record: dict, workloads: dict) -> None:
             runs[name].append(timed(llm, prompts, params))
     for name, results in runs.items():
         seconds, tokens = results[-1]
-        record[f"{name}_seconds"] = round(seconds, 3)
+        record[f"{name}_tokens"], record[f"{name}_seconds"] = tokens, round(seconds, 3)
         record[f"{name}_tok_s"] = round(tokens / seconds, 1)
     first, second = workloads
     record[f"{first}_vs_{second}"] = round(record[f"{first}_tok_s"] / record[f"{second}_tok_s"], 4)

@@ -135,3 +135,21 @@ def test_json_schema_constrains_every_completion_of_the_workload(tmp_path, capsy
                            "needs a model with a tokenizer")):
         with pytest.raises(ValueError, match=message):
             bench.check_arguments(parse("--device", "cpu", *argv))
+
+
+def test_breadth_bench_compares_n4_with_separate_requests_and_penalties_with_none(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "breadth.py"
+    spec = importlib.util.spec_from_file_location("breadth", path)
+    breadth = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(breadth)
+    assert breadth.main(["--model", str(TINY_MODEL_DIR), "--device", "cpu", "--num-seqs", "3", "--min-input-len", "5",
+                         "--max-input-len", "20", "--min-output-len", "4", "--max-output-len", "6",
+                         "--max-model-len", "64"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # the same completions either way: n=4 of 3 prompts is 4x the tokens of the penalised 3
+    assert record["n4_tokens"] == record["separate_tokens"] == 4 * record["plain_tokens"] > 0
+    assert record["penalties_tokens"] == record["plain_tokens"]
+    assert record["n4_vs_separate"] > 0 and record["penalties_vs_plain"] > 0
