@@ -96,15 +96,17 @@ def test_sigterm_lets_running_jobs_finish_then_exits_0(url):
 @pytest.mark.timeout(120)
 def test_a_second_signal_hands_running_jobs_back_at_once(url):
     client = Client(url, new_queue())
-    # a job long enough to be running still when the signals come, even when the stream's reader lags
-    proc = start_worker_process(url, client.keys.queue, "impatient", "--max-model-len", "4096")
-    job_id = client.submit(prompt_token_ids=[4, 5, 6], sampling={"max_tokens": 4000, "ignore_eos": True})
-    # running (taken by the worker), not waiting for its first token deltas: on a loaded machine the writer
-    # may flush them seconds apart, by when a job of 4000 tokens can have finished
-    wait_for(lambda: getattr(client.status(job_id), "status", None) == "running", 60, "the job to run")
+    # long jobs run one at a time: whichever runs when the signals come is handed back, however far the
+    # others got (on a loaded machine the status written as one starts may lag its run by seconds)
+    proc = start_worker_process(url, client.keys.queue, "impatient", "--max-model-len", "4096", "--max-num-seqs", "1")
+    job_ids = [client.submit(prompt_token_ids=[4, 5, 6], sampling={"max_tokens": 4000, "ignore_eos": True})
+               for _ in range(6)]
+    wait_for(lambda: any(getattr(client.status(j), "status", None) == "running" for j in job_ids), 60, "a job to run")
     proc.send_signal(signal.SIGTERM)
     assert stop_process(proc, signal.SIGINT) == 0, log_of(proc)
-    status = client.status(job_id)
-    assert status.status == "queued" and status.attempts == 1
+    states = [client.status(j) for j in job_ids]
+    assert {s.status for s in states} <= {"succeeded", "queued"}, states
+    assert [s.attempts for s in states if s.status == "queued"].count(1) == 1, states  # the one that ran
     stream = client.keys.jobs(0)
-    assert client.redis.xpending(stream, p.GROUP)["pending"] == 0 and client.redis.xlen(stream) == 1
+    queued = sum(s.status == "queued" for s in states)
+    assert client.redis.xpending(stream, p.GROUP)["pending"] == 0 and client.redis.xlen(stream) == queued
