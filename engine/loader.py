@@ -23,6 +23,7 @@ def load_safetensors(model: nn.Module, model_dir: str) -> None:
         raise ValueError(f"no *.safetensors files in {model_dir}; use load_format='dummy' for random weights")
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
+    renamed = getattr(model, "checkpoint_prefixes", {})
     loaded: set[str] = set()
     for file in files:
         with safe_open(file, "pt", "cpu") as f:
@@ -31,7 +32,7 @@ def load_safetensors(model: nn.Module, model_dir: str) -> None:
                     continue
                 if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
                     continue
-                target, shard_id = _target_name(name, packed)
+                target, shard_id = _target_name(_renamed(name, renamed), packed)
                 param = params.get(target)
                 if param is None:
                     raise ValueError(_no_place(name, model))
@@ -67,6 +68,15 @@ def _copy_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> No
     if param.shape != loaded.shape:
         raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}")
     param.data.copy_(loaded)
+
+
+def _renamed(name: str, prefixes: dict) -> str:
+    """A checkpoint name under the model's own module names: the first of its other layouts' prefixes it
+    starts with replaced (a model's `checkpoint_prefixes`, {checkpoint prefix: module prefix})."""
+    for ckpt_prefix, module_prefix in prefixes.items():
+        if name.startswith(ckpt_prefix):
+            return module_prefix + name[len(ckpt_prefix):]
+    return name
 
 
 def _target_name(name: str, packed: dict) -> tuple[str, object]:

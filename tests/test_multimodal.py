@@ -52,6 +52,25 @@ def test_greedy_tokens_match_transformers_with_0_1_and_2_images(vl):
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
+def test_a_checkpoint_with_the_decoder_under_model_language_model_loads_alike(vl, tmp_path):
+    """The layout transformers 4.52-4.57 saved (model.language_model.*, model.visual.*) gives the same tokens."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model_dir, cases, expected = vl
+    nested = tmp_path / "nested"
+    shutil.copytree(model_dir, nested)
+    for f in nested.glob("*.safetensors"):
+        tensors = load_file(f)
+        renamed = {("model.language_model." + k[len("model."):] if k.startswith("model.") else
+                    "model." + k if k.startswith("visual.") else k): v for k, v in tensors.items()}
+        assert any(k.startswith("model.language_model.layers.") for k in renamed)
+        save_file(renamed, f, metadata={"format": "pt"})
+    outs = _llm(nested).generate(_requests(cases), GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [toks for _, toks in expected]
+
+
 def test_other_images_give_other_tokens(vl):
     """The images reach the decoder: the same text with other images generates otherwise."""
     model_dir, cases, expected = vl

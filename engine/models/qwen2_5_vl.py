@@ -258,6 +258,8 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
     uses_mrope = True
+    # the layout transformers 4.52 to 4.57 saved: the decoder and the vision tower under "model."
+    checkpoint_prefixes = {"model.language_model.": "model.", "model.visual.": "visual."}
 
     def __init__(self, cfg, tp: TPGroup, ctx: ForwardContext):
         super().__init__()
