@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random checkpoints written by transformers, the way users' checkpoints are."""
 from __future__ import annotations
 
+import gc
 import shutil
 from pathlib import Path
 
@@ -86,6 +87,14 @@ def checkpoint(request, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def qwen3_checkpoint(tmp_path_factory) -> Path:
     return make_checkpoint("qwen3", tmp_path_factory.mktemp("qwen3-single"))
+
+
+@pytest.fixture
+def free_gpu():
+    """The test's GPU memory handed back after it (the GPU tests build engines and reference models)."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

@@ -24,13 +24,6 @@ def gpu_checkpoint(tmp_path_factory):
     return make_checkpoint("qwen3", tmp_path_factory.mktemp("gpu-breadth"), **shape)
 
 
-@pytest.fixture
-def free_gpu():
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 def test_cumulative_logprobs_of_graph_steps_equal_eager_steps(gpu_checkpoint, free_gpu):
     """The decode graph's token-logprob kernel against the eager path's, on plain (in-graph) and penalised
     (the graph's logits, then the sampler) batches."""

@@ -64,13 +64,6 @@ def test_prompt_logits_match_transformers_bf16(gpu_checkpoint, hf_model, hf_fp32
     assert worst[1] < 1e-2, f"prompt of {worst[0]} tokens: relative error {worst[1]:.2e} ({errors})"
 
 
-@pytest.fixture
-def free_gpu():
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 @pytest.mark.parametrize("engine_kwargs", [
     dict(),                                                           # CUDA graphs, prefix cache
     dict(max_num_batched_tokens=256, num_kvcache_blocks=48, kvcache_block_size=16, max_model_len=768),  # chunked, preempted

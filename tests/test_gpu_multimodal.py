@@ -4,7 +4,6 @@ Qwen2.5-VL-3B config (engine/configs/qwen2.5-vl-3b: decoder and vision widths, h
 whole image). Run on a GPU machine (bench/gpu_check.sh)."""
 from __future__ import annotations
 
-import gc
 import json
 
 import pytest
@@ -58,13 +57,6 @@ def hf_model(checkpoint):
     from transformers import Qwen2_5_VLForConditionalGeneration
     return Qwen2_5_VLForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.bfloat16,
                                                               attn_implementation="eager").cuda().eval()
-
-
-@pytest.fixture
-def free_gpu():
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def _hf(inputs: dict) -> dict:

@@ -55,13 +55,6 @@ def hf_fp32(gpu_checkpoint):
                                                 attn_implementation="eager").cuda().eval()
 
 
-@pytest.fixture
-def free_gpu():
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 def prompts_of(n=24, seed=3):
     rng = random.Random(seed)
     shared = [rng.randrange(3, 500) for _ in range(300)]
