@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from engine import bench as engine_bench  # noqa: E402
 from producer.embedded import RedisServer, free_port  # noqa: E402
 from producer.protocol import JobResult, Usage  # noqa: E402
-from worker.bench import forget_prefix_cache, sampling_dict, through_queue  # noqa: E402
+from worker.bench import forget_prefix_cache, in_own_process, sampling_dict, through_queue  # noqa: E402
 
 GATEWAY_START_S = 60  # the longest wait for `redline serve` to answer
 
@@ -64,28 +64,17 @@ def start_gateway(url: str, queue: str) -> tuple[subprocess.Popen, int]:
 
 def http_producer(concurrency: int, started: list):
     """`through_queue`'s producer: a gateway for the queue, and the jobs sent to it as concurrent HTTP calls
-    from a client process of its own (in the engine's process its Python work would take the engine's GIL)."""
-    import multiprocessing
-
+    from a client process of its own."""
     def make(url: str, queue: str):
         proc, port = start_gateway(url, queue)
         started.append(proc)
-        pool = multiprocessing.get_context("spawn").Pool(1)
-
-        def run(jobs: list[dict]) -> list[JobResult]:
-            return pool.apply(_send_all, (port, jobs, concurrency))
-        run.close = pool.terminate
-        return run
+        return in_own_process(_send_all, port, concurrency)
     return make
 
 
-def _send_all(port: int, jobs: list[dict], concurrency: int) -> list[JobResult]:
-    """In the client process: every job as an HTTP call, `concurrency` at once. A failure comes back as a
-    RuntimeError with its message (the client's own exceptions do not survive the trip between processes)."""
-    try:
-        return asyncio.run(_send(port, jobs, concurrency))
-    except Exception as e:  # noqa: BLE001 - reported whole in the bench's process
-        raise RuntimeError(f"{type(e).__name__}: {e}") from None
+def _send_all(port: int, concurrency: int, jobs: list[dict]) -> list[JobResult]:
+    """In the client process: every job as an HTTP call, `concurrency` at once."""
+    return asyncio.run(_send(port, jobs, concurrency))
 
 
 async def _send(port: int, jobs: list[dict], concurrency: int) -> list[JobResult]:

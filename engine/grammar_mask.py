@@ -86,7 +86,7 @@ def fill(g: GrammarRows, seqs: list, vocab_size: int, filler: MaskFiller, buffer
 def apply(logits: torch.Tensor, g: GrammarRows) -> None:
     """Mask to -inf, in place in logits [S, V], every token the grammar of a constrained row disallows: on
     a GPU with Triton one kernel (engine/kernels/token_mask.py), whatever the logits' dtype; else torch."""
-    if logits.is_cuda and _mask_kernel() is not None:
+    if in_place(logits):
         _mask_kernel()(logits, g.bitmask, g.rows)
         return
     vocab_size = logits.shape[1]

@@ -195,34 +195,48 @@ def _redline_producer(url: str, queue: str):
     return lambda jobs: collect(client, client.submit_many(jobs))
 
 
-def _celery_producer(url: str, queue: str):
-    """Send jobs as a Celery producer does (send_task, one message each) and read each result with .get(), in a
-    process of its own, as a Celery service is: in this one its Python work would take the engine's GIL."""
+def in_own_process(round_fn, *args):
+    """`through_queue`'s producer whose rounds run round_fn(*args, jobs) in a process of its own, as a producing
+    service is one: in the engine's process its Python work would take the engine's GIL. `.close()` ends it."""
     import multiprocessing
-
-    from producer.protocol import JobResult
 
     pool = multiprocessing.get_context("spawn").Pool(1)
 
     def run(jobs: list[dict]) -> list:
-        return [JobResult.model_validate(r) for r in pool.apply(_celery_round, (url, queue, jobs))]
+        return pool.apply(_round, (round_fn, args, jobs))
     run.close = pool.terminate
     return run
+
+
+def _round(round_fn, args: tuple, jobs: list[dict]) -> list:
+    """In the producer process: one round. A failure comes back as a RuntimeError with its message (a client
+    library's own exceptions do not always survive the trip between processes)."""
+    try:
+        return round_fn(*args, jobs)
+    except Exception as e:  # noqa: BLE001 - reported whole in the bench's process
+        raise RuntimeError(f"{type(e).__name__}: {e}") from None
+
+
+def _celery_producer(url: str, queue: str):
+    """Send jobs as a Celery producer does (send_task, one message each) and read each result with .get()."""
+    return in_own_process(_celery_round, url, queue)
 
 
 _CELERY_APPS: dict = {}
 
 
-def _celery_round(url: str, queue: str, jobs: list[dict]) -> list[dict]:
-    """In the producer process: send every job, then .get() each result (dicts, as Celery returns them)."""
+def _celery_round(url: str, queue: str, jobs: list[dict]) -> list:
+    """In the producer process: send every job, then .get() each result."""
     from celery import Celery
+
+    from producer.protocol import JobResult
 
     from .celery_source import TASK_NAME
 
     app = _CELERY_APPS.get(url) or _CELERY_APPS.setdefault(url, Celery(broker=url, backend=url, set_as_current=False))
     sent = [app.send_task(TASK_NAME, kwargs={k: v for k, v in job.items() if k != "stream"}, queue=queue)
             for job in jobs]
-    return [r.get(timeout=CELERY_RESULT_TIMEOUT_S) for r in sent]
+    return [JobResult.model_validate(r.get(timeout=CELERY_RESULT_TIMEOUT_S)) for r in sent]
 
 
 def collect(client, ids: list[str]) -> list:
