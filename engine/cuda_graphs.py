@@ -111,8 +111,10 @@ class DecodeGraphs:
         self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=i32, device=dev)
         # sampling in the graph: one rank only (under TP the ranks share the sampling through collectives)
         self.samples = runner.tp.size == 1 and graph_sampling_available()
-        self.tokens = torch.zeros(max_bs, dtype=i64, device=dev)              # the sampled ids
-        self.token_logprobs = torch.zeros(max_bs, dtype=torch.float32, device=dev)  # and their logprobs
+        # the sampled ids, then their logprobs, in one buffer: a step takes both to the host in one copy
+        self.sampled = torch.zeros(max_bs * 12, dtype=torch.uint8, device=dev)
+        self.tokens = self.sampled[: 8 * max_bs].view(i64)
+        self.token_logprobs = self.sampled[8 * max_bs:].view(torch.float32)
         self.temperatures = torch.zeros(max_bs, dtype=torch.float32, device=dev)  # 0: greedy
         self._temperatures_of = None  # the tensor self.temperatures holds a copy of
         self._tokens_sampled = None   # the view of self.tokens the last sampling replay returned
@@ -183,9 +185,9 @@ class DecodeGraphs:
         return self.outputs[bs][:n]
 
     def replay_sampled(self, inputs, temperatures: torch.Tensor | None, seed: int,
-                       previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One decode step with sampling: (token ids [n], their logprobs [n], logits [n, vocab]), views of the
-        graph's buffers, valid until the next replay. temperatures: [n] on the device (0: greedy), or None for
+                       previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step with sampling: (token ids [n], logits [n, vocab]), views of the graph's buffers,
+        valid until the next replay; the ids' logprobs are beside them in self.sampled. temperatures: [n] on the device (0: greedy), or None for
         greedy rows whose tokens the caller does not use (it samples from the logits itself).
         previous: the previous step's sampled ids, which pending rows index."""
         n = len(inputs.input_ids)
@@ -202,7 +204,7 @@ class DecodeGraphs:
         self._upload(inputs, bs, seed, pending=True)
         self.graphs[bs].replay()
         self._tokens_sampled = self.tokens[:n]
-        return self._tokens_sampled, self.token_logprobs[:n], self.logits[bs][:n]
+        return self._tokens_sampled, self.logits[bs][:n]
 
 
 PREFILL_GRAPH_TOKENS = [16, 32, 64, 128, 256, 512, 1024, 2048]

@@ -27,6 +27,7 @@ from collections import OrderedDict
 from functools import lru_cache
 
 MAX_CACHED_GRAMMARS = 256  # distinct constraints kept compiled (each a few KB to a few MB of lexer state)
+MATCHER_TEMPLATES = 16     # start matchers built apart per constraint, whose copies compute masks in parallel
 # JSON as json.dumps writes it: one canonical spacing, and no whitespace runs for a model to wander into
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_ERROR_CHARS = 300
@@ -78,7 +79,7 @@ class GrammarCache:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
         self._hf_tokenizer, self._vocab_size, self._eos = tokenizer, vocab_size, list(eos_token_ids)
         self._tokenizer = None  # llguidance's, built on first use (about a second for a large vocabulary)
-        self._compiled: OrderedDict[str, tuple[object | None, str | None]] = OrderedDict()
+        self._compiled: OrderedDict[str, tuple[CompiledGrammar | None, str | None]] = OrderedDict()
         self._lock = threading.Lock()
 
     def compile(self, kind: str, value) -> "CompiledGrammar":
@@ -95,15 +96,15 @@ class GrammarCache:
                 self._compiled[key] = hit
                 while len(self._compiled) > MAX_CACHED_GRAMMARS:
                     self._compiled.popitem(last=False)
-        matcher, error = hit
+        compiled, error = hit
         if error is not None:
             raise ValueError(f"{kind} cannot be enforced: {error}")
-        return CompiledGrammar(matcher)
+        return compiled
 
     def __len__(self) -> int:
         return len(self._compiled)
 
-    def _build(self, grammar: str) -> tuple[object | None, str | None]:
+    def _build(self, grammar: str) -> tuple["CompiledGrammar | None", str | None]:
         from llguidance import LLMatcher
 
         try:
@@ -113,7 +114,7 @@ class GrammarCache:
         matcher = LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             return None, _one_line(matcher.get_error())
-        return matcher, None
+        return CompiledGrammar(matcher, lambda: LLMatcher(tokenizer, grammar, log_level=0)), None
 
     def _llg_tokenizer(self):
         with self._lock:
@@ -128,16 +129,27 @@ class GrammarCache:
 
 
 class CompiledGrammar:
-    """A compiled constraint: a matcher at its start, copied for each sequence that follows it."""
+    """A compiled constraint: matchers at its start, each sequence that follows it given a copy of one.
 
-    def __init__(self, matcher):
-        self._start = matcher
+    Copies of one matcher share its lexer's lazily built states behind a lock, so the masks of copies of
+    one are computed one at a time, whatever the threads. The copies are spread over up to
+    MATCHER_TEMPLATES matchers built apart (about a millisecond each, built as sequences ask for them)."""
+
+    def __init__(self, matcher, build):
+        self._templates, self._build = [matcher], build
+        self._next = 0
+        self._lock = threading.Lock()
 
     def state(self) -> "GrammarState":
         return GrammarState(self)
 
     def matcher(self):
-        return self._start.deep_copy()
+        with self._lock:
+            if len(self._templates) < MATCHER_TEMPLATES:
+                self._templates.append(self._build())
+            template = self._templates[self._next % len(self._templates)]
+            self._next += 1
+            return template.deep_copy()
 
 
 class GrammarState:

@@ -13,6 +13,7 @@ import torch
 
 from engine import penalties
 from engine.grammar import MaskFiller
+from engine.pinned import PinnedRing
 
 
 @dataclass
@@ -32,44 +33,12 @@ def grammar_rows(seqs: list, device: torch.device) -> GrammarRows | None:
     return GrammarRows(index, penalties.on_device(index, torch.int64, device))
 
 
-class HostMasks:
-    """The host buffers a step's masks are written into: a ring of three, pinned where the device is a GPU,
-    each reused once the copy that read it is done (long before: two steps have run since), so a step
-    allocates nothing."""
-
-    RING = 3
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._buffers: list[torch.Tensor | None] = [None] * self.RING
-        self._copied: list[torch.cuda.Event | None] = [None] * self.RING
-        self._next = 0
-
-    def take(self, rows: int, words: int) -> tuple[int, torch.Tensor]:
-        i, self._next = self._next, (self._next + 1) % self.RING
-        if self._copied[i] is not None:
-            self._copied[i].synchronize()
-        buffer = self._buffers[i]
-        if buffer is None or buffer.shape[0] < rows or buffer.shape[1] != words:
-            buffer = self._buffers[i] = torch.empty((max(rows, 64), words), dtype=torch.int32,
-                                                    pin_memory=self.device.type == "cuda")
-        return i, buffer[:rows]
-
-    def to_device(self, i: int, host: torch.Tensor) -> torch.Tensor:
-        if self.device.type != "cuda":
-            return host
-        on_device = host.to(self.device, non_blocking=True)
-        self._copied[i] = event = torch.cuda.Event()
-        event.record()
-        return on_device
-
-
-def fill(g: GrammarRows, seqs: list, vocab_size: int, filler: MaskFiller, buffers: HostMasks) -> None:
+def fill(g: GrammarRows, seqs: list, vocab_size: int, filler: MaskFiller, buffers: PinnedRing) -> None:
     """This step's masks, every sampled token before it resolved: each live row's grammar follows its
     completion, then llguidance writes its mask into a host buffer that goes to the device in one copy.
     A row finished meanwhile (its token will be dropped) allows every token."""
     words = (vocab_size + 31) // 32
-    slot, host = buffers.take(len(g.index), words)
+    slot, host = buffers.take((len(g.index), words), torch.int32)
     live = []
     for row, i in enumerate(g.index):
         seq = seqs[i]
@@ -80,7 +49,11 @@ def fill(g: GrammarRows, seqs: list, vocab_size: int, filler: MaskFiller, buffer
                 continue
         host[row].fill_(-1)
     filler.fill(live, host.data_ptr(), words * 4, len(g.index))
-    g.bitmask = buffers.to_device(slot, host)
+    if buffers.device.type == "cuda":
+        g.bitmask = host.to(buffers.device, non_blocking=True)
+        buffers.copied(slot)
+    else:
+        g.bitmask = host
 
 
 def apply(logits: torch.Tensor, g: GrammarRows) -> None:

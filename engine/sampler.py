@@ -18,6 +18,7 @@ import torch
 from engine import grammar_mask, penalties
 from engine.grammar import MaskFiller
 from engine.layers.fusion import fused
+from engine.pinned import PinnedRing
 
 
 @dataclass
@@ -56,7 +57,8 @@ class Sampler:
         self.last_tokens = torch.empty(0, dtype=torch.int64, device=device)  # the last step's, on the device
         self.token_counts = penalties.TokenCounts(device, vocab_size)  # penalised sequences' tokens
         self.mask_filler = MaskFiller()
-        self.host_masks = grammar_mask.HostMasks(device)
+        self.host_masks = PinnedRing(device)   # structured output's masks on their way to the device
+        self.host_tokens = PinnedRing(device)  # the decode graph's tokens on their way to the host
         self._batch_ids: list[int] = []
         self._batch = None
 
@@ -148,14 +150,14 @@ class Sampler:
         rows) sample from its logits, after before_sampling() where given."""
         in_graph = num_logprobs <= 0 and st.adjust is None and st.grammar is None and samples_by_argmax(st)
         seed = draw_seed(self.seed_generator) if in_graph and not st.all_greedy else 0  # as sample() draws
-        tokens, logprobs, logits = graphs.replay_sampled(inputs, st.temperatures if in_graph else None, seed,
-                                                         self.last_tokens)
+        tokens, logits = graphs.replay_sampled(inputs, st.temperatures if in_graph else None, seed,
+                                               self.last_tokens)
         if not in_graph:
             if before_sampling is not None:
                 before_sampling()
             return self.sample(logits, st, num_logprobs)
         self.last_tokens = tokens
-        return SampledTokens([tokens, logprobs])
+        return SampledTokens.of_graph(graphs.sampled, len(tokens), self.host_tokens)
 
     def sample(self, logits: torch.Tensor, st: SamplingTensors, num_logprobs: int) -> "SampledTokens":
         """The step's tokens and their logprobs (and the top logprobs) from whole rows of logits [S, V]."""
@@ -191,10 +193,11 @@ class Sampler:
 
 
 class SampledTokens:
-    """Sampled ids, their logprobs (and top logprobs) on their way to the host: one device→host copy each."""
+    """Sampled ids, their logprobs (and top logprobs) on their way to the host: one device→host copy each,
+    or, from the decode graph, one copy of both."""
 
-    def __init__(self, parts: list[torch.Tensor]):
-        self.event = None
+    def __init__(self, parts: list[torch.Tensor], event: torch.cuda.Event | None = None):
+        self.event = event
         if parts and parts[0].is_cuda:
             self.parts = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True).copy_(p, non_blocking=True)
                           for p in parts]
@@ -202,6 +205,17 @@ class SampledTokens:
             self.event.record()
         else:
             self.parts = parts
+
+    @classmethod
+    def of_graph(cls, sampled: torch.Tensor, n: int, ring: PinnedRing) -> "SampledTokens":
+        """The first n of the decode graph's sampled ids and their logprobs, which `sampled` holds (bytes:
+        [B] int64 ids, then [B] float32 logprobs), copied to a host buffer of `ring` in one copy."""
+        bs = sampled.numel() // 12
+        end = 8 * bs + 4 * n
+        slot, host = ring.take((end,), torch.uint8)
+        host.copy_(sampled[:end], non_blocking=sampled.is_cuda)
+        parts = [host[: 8 * n].view(torch.int64), host[8 * bs: end].view(torch.float32)]
+        return cls(parts, ring.copied(slot))
 
     def result(self):
         """(token ids, (their logprobs, top logprobs or None, top ids or None)) as lists."""
