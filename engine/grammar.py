@@ -24,6 +24,7 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
 
 MAX_CACHED_GRAMMARS = 256  # distinct constraints kept compiled (each a few KB to a few MB of lexer state)
@@ -159,6 +160,9 @@ class GrammarState:
         self.compiled = compiled
         self.matcher = None        # built when first needed: a fork's or a recompute's is fed the completion
         self.num_consumed = 0      # completion tokens the matcher has consumed
+        # the completion is a whole match that nothing may extend (an end-of-sequence token ended it, or the
+        # grammar cannot go on): kept by follow(), read without the matcher, which may be computing a mask
+        self.done = False
 
     def fork(self) -> "GrammarState":
         """A state of its own for a forked sequence (fed the fork's tokens when first used)."""
@@ -166,7 +170,7 @@ class GrammarState:
 
     def restart(self) -> None:
         """Forget the matcher (its sequence is being recomputed); the next follow() feeds a fresh one."""
-        self.matcher, self.num_consumed = None, 0
+        self.matcher, self.num_consumed, self.done = None, 0, False
 
     def follow(self, completion_token_ids: list[int]) -> None:
         """Consume the completion's resolved tokens not consumed yet (a trailing -1 is still in flight).
@@ -175,32 +179,34 @@ class GrammarState:
         if num_resolved and completion_token_ids[-1] < 0:
             num_resolved -= 1
         if self.matcher is None or num_resolved < self.num_consumed:
-            self.matcher, self.num_consumed = self.compiled.matcher(), 0
+            self.matcher, self.num_consumed, self.done = self.compiled.matcher(), 0, False
         new = completion_token_ids[self.num_consumed: num_resolved]
-        if new and not self.matcher.consume_tokens(new):
-            raise ValueError(f"the grammar refused token {new[-1]}: {_one_line(self.matcher.get_error())}")
+        if new:
+            if not self.matcher.consume_tokens(new):
+                raise ValueError(f"the grammar refused token {new[-1]}: {_one_line(self.matcher.get_error())}")
+            self.done = self.matcher.is_stopped()
         self.num_consumed = num_resolved
-
-    @property
-    def done(self) -> bool:
-        """The completion is a whole match and nothing may follow (an end-of-sequence token ended it, or
-        the grammar cannot go on)."""
-        return self.matcher is not None and self.matcher.is_stopped()
 
 
 class MaskFiller:
-    """Computes a batch's masks on the host, the rows in parallel on llguidance's threads."""
+    """Computes a batch's masks on the host: the rows in parallel on llguidance's threads, the whole on a
+    thread of ours, so that the engine's thread goes on meanwhile (llguidance releases the GIL)."""
 
     def __init__(self):
         self._executor = None
+        self._thread = None
 
-    def fill(self, rows: list[tuple[GrammarState, int]], address: int, row_bytes: int, num_rows: int) -> None:
-        """Write each (state, row)'s mask of allowed tokens, one bit per token id (LSB first in int32
-        words), into row `row` of the num_rows x row_bytes buffer at `address`."""
+    def start(self, rows: list[tuple[GrammarState, int]], address: int, row_bytes: int,
+              num_rows: int) -> Future | None:
+        """Begin writing each (state, row)'s mask of allowed tokens, one bit per token id (LSB first in int32
+        words), into row `row` of the num_rows x row_bytes buffer at `address`; the future it is done at.
+        Until then nothing else may use those states' matchers."""
         if not rows:
-            return
+            return None
         if self._executor is None:
             from llguidance import LLExecutor
 
             self._executor = LLExecutor()
-        self._executor.unsafe_compute_mask_ptr([(s.matcher, row) for s, row in rows], address, row_bytes, num_rows)
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        matchers = [(s.matcher, row) for s, row in rows]
+        return self._thread.submit(self._executor.unsafe_compute_mask_ptr, matchers, address, row_bytes, num_rows)

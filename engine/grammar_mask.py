@@ -7,6 +7,7 @@ A batch without a constrained row has no GrammarRows, and its step runs as it wo
 from __future__ import annotations
 
 import functools
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -19,10 +20,13 @@ from engine.pinned import PinnedRing
 @dataclass
 class GrammarRows:
     """A batch's constrained rows: `index` of them in the batch's sampled rows (on the host and the
-    device); `bitmask` [R, ceil(V / 32)] int32, this step's, set by fill()."""
+    device); `bitmask` [R, ceil(V / 32)] int32, this step's on the device, set by finish()."""
     index: list[int]
     rows: torch.Tensor
     bitmask: torch.Tensor | None = None
+    host: torch.Tensor | None = None   # this step's masks on the host, and their slot of the ring
+    slot: int = 0
+    pending: Future | None = None      # the masks' computation, until finish()
 
 
 def grammar_rows(seqs: list, device: torch.device) -> GrammarRows | None:
@@ -33,27 +37,39 @@ def grammar_rows(seqs: list, device: torch.device) -> GrammarRows | None:
     return GrammarRows(index, penalties.on_device(index, torch.int64, device))
 
 
-def fill(g: GrammarRows, seqs: list, vocab_size: int, filler: MaskFiller, buffers: PinnedRing) -> None:
-    """This step's masks, every sampled token before it resolved: each live row's grammar follows its
-    completion, then llguidance writes its mask into a host buffer that goes to the device in one copy.
-    A row finished meanwhile (its token will be dropped) allows every token."""
+def start(g: GrammarRows, seqs: list, vocab_size: int, filler: MaskFiller, buffers: PinnedRing) -> None:
+    """Begin this step's masks, every sampled token before it resolved: each live row's grammar follows
+    its completion, then llguidance computes the masks into a host buffer on a thread of its own while the
+    caller goes on; finish() takes them to the device. A row finished meanwhile (its token will be dropped),
+    or whose grammar refused its last token (its request fails as the token is processed), allows every token."""
     words = (vocab_size + 31) // 32
-    slot, host = buffers.take((len(g.index), words), torch.int32)
+    g.slot, g.host = buffers.take((len(g.index), words), torch.int32)
     live = []
     for row, i in enumerate(g.index):
         seq = seqs[i]
         if not seq.is_finished:
-            seq.grammar.follow(seq.completion_token_ids)
-            if not seq.grammar.done:
-                live.append((seq.grammar, row))
-                continue
-        host[row].fill_(-1)
-    filler.fill(live, host.data_ptr(), words * 4, len(g.index))
+            try:
+                seq.grammar.follow(seq.completion_token_ids)
+            except ValueError:
+                pass  # follow() raises again where the step's tokens are processed, and fails the request
+            else:
+                if not seq.grammar.done:
+                    live.append((seq.grammar, row))
+                    continue
+        g.host[row].fill_(-1)
+    g.pending = filler.start(live, g.host.data_ptr(), words * 4, len(g.index))
+
+
+def finish(g: GrammarRows, buffers: PinnedRing) -> None:
+    """Wait for the masks start() began, and queue their copy to the device (one copy)."""
+    if g.pending is not None:
+        g.pending.result()
+        g.pending = None
     if buffers.device.type == "cuda":
-        g.bitmask = host.to(buffers.device, non_blocking=True)
-        buffers.copied(slot)
+        g.bitmask = g.host.to(buffers.device, non_blocking=True)
+        buffers.copied(g.slot)
     else:
-        g.bitmask = host
+        g.bitmask = g.host
 
 
 def apply(logits: torch.Tensor, g: GrammarRows) -> None:

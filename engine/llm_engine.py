@@ -247,8 +247,10 @@ class LLMEngine:
             before_sampling = None
             if st is not None and st.grammar is not None:
                 def before_sampling():
-                    outputs.extend(self._resolve_for_masks(finished_only))
-                    self.sampler.fill_grammar_masks(st, to_sample)
+                    def start_masks():
+                        self.sampler.start_grammar_masks(st, to_sample)
+                    outputs.extend(self._resolve_for_masks(finished_only, start_masks))
+                    self.sampler.finish_grammar_masks(st)
             launched = self._launch(batch, to_sample, inputs, st, num_logprobs, before_sampling)
             if not self.async_scheduling:  # a synchronous step is a launch collected at once
                 outputs += self._collect(launched, finished_only)
@@ -281,24 +283,27 @@ class LLMEngine:
         tokens = self.runner.launch(inputs, st, num_logprobs, before_sampling=before_sampling)
         return _InFlight(batch, sampled, positions, tokens)
 
-    def _resolve_for_masks(self, finished_only: bool) -> list[RequestOutput]:
+    def _resolve_for_masks(self, finished_only: bool, start_masks) -> list[RequestOutput]:
         """A step with constrained rows: their masks depend on the tokens the launch in flight is still
         sampling. Its forward pass queued, the step collects that launch now (what the end of step()
-        would do) so that the masks are filled on the host while the device runs the forward pass, and
-        its sampling follows them."""
+        would do) and calls start_masks() once its tokens are in place, so that the masks are computed
+        on the host while the device runs the forward pass and the rest of the collecting goes on; the
+        step's sampling follows them."""
         if self._inflight is None:
+            start_masks()
             return []
         step, self._inflight = self._inflight, None
-        return self._collect(step, finished_only)
+        return self._collect(step, finished_only, start_masks)
 
-    def _collect(self, step: "_InFlight", finished_only: bool) -> list[RequestOutput]:
+    def _collect(self, step: "_InFlight", finished_only: bool, tokens_placed=None) -> list[RequestOutput]:
         token_ids, logprobs = step.tokens.result()
-        return self._postprocess(step.batch, step.sampled, step.positions, token_ids, logprobs, finished_only)
+        return self._postprocess(step.batch, step.sampled, step.positions, token_ids, logprobs, finished_only,
+                                 tokens_placed)
 
     def _postprocess(self, batch: ScheduledBatch, sampled: list[Sequence], positions: list[int],
-                     token_ids: list[int], logprobs, finished_only: bool):
-        """Put each sampled token at its position, enter computed blocks in the prefix cache, finish
-        what is done; beam search takes its beams' top logprobs instead."""
+                     token_ids: list[int], logprobs, finished_only: bool, tokens_placed=None):
+        """Put each sampled token at its position (then call tokens_placed(), if given), enter computed
+        blocks in the prefix cache, finish what is done; beam search takes its beams' top logprobs instead."""
         live = [(i, seq, pos, tok) for i, (seq, pos, tok) in enumerate(zip(sampled, positions, token_ids))
                 if not seq.is_finished]  # aborted, or finished by the step before
         for _, seq, pos, tok in live:
@@ -309,6 +314,8 @@ class LLMEngine:
             else:
                 seq.token_ids[pos] = tok
                 seq.completion_token_ids[pos - seq.num_prompt_tokens] = tok
+        if tokens_placed is not None:
+            tokens_placed()
         for seq in batch.seqs:
             if not seq.is_finished:
                 self.block_manager.register_computed(seq)

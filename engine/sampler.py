@@ -124,10 +124,14 @@ class Sampler:
             grammar=grammar_mask.grammar_rows(seqs, device))
         return st, max(s.num_top_logprobs for s in seqs)
 
-    def fill_grammar_masks(self, st: SamplingTensors, seqs: list) -> None:
-        """This step's allowed-token masks of the constrained rows of `seqs` (the sequences batch_tensors
-        was given), once every token before them has resolved; on their way to the device when it returns."""
-        grammar_mask.fill(st.grammar, seqs, self.vocab_size, self.mask_filler, self.host_masks)
+    def start_grammar_masks(self, st: SamplingTensors, seqs: list) -> None:
+        """Begin this step's allowed-token masks of the constrained rows of `seqs` (the sequences
+        batch_tensors was given), once every token before them has resolved; computed beside the caller."""
+        grammar_mask.start(st.grammar, seqs, self.vocab_size, self.mask_filler, self.host_masks)
+
+    def finish_grammar_masks(self, st: SamplingTensors) -> None:
+        """Wait for the masks start_grammar_masks began; on their way to the device when it returns."""
+        grammar_mask.finish(st.grammar, self.host_masks)
 
     def plan(self, st: SamplingTensors | None, num_logprobs: int, tp_size: int) -> StepSampling | None:
         """Rank 0: how every rank takes part in this step's sampling (None: nothing is sampled). Sharded
