@@ -42,6 +42,7 @@ class StepBuffer:
                             for h in self.host_bytes]
         self.copied = [None] * self.RING
         self.slot = 0
+        self.stream = None  # the stream the copies are queued on, looked up once (a lookup is a few µs)
 
     def _slice(self, buffer: torch.Tensor, name: str, dtype: torch.dtype, count: int) -> torch.Tensor:
         start = self.offsets[name]
@@ -57,7 +58,8 @@ class StepBuffer:
         """Queue the copy of the first num_bytes of the host buffer just written."""
         self.device_bytes[:num_bytes].copy_(self.host_bytes[self.slot][:num_bytes], non_blocking=True)
         event = self.copied[self.slot] or torch.cuda.Event()
-        event.record()
+        self.stream = self.stream or torch.cuda.current_stream(self.device_bytes.device)
+        event.record(self.stream)
         self.copied[self.slot] = event
         self.slot = (self.slot + 1) % self.RING
 

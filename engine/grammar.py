@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
 
 MAX_CACHED_GRAMMARS = 256  # distinct constraints kept compiled (each a few KB to a few MB of lexer state)
-MATCHER_TEMPLATES = 16     # start matchers built apart per constraint, whose copies compute masks in parallel
 # JSON as json.dumps writes it: one canonical spacing, and no whitespace runs for a model to wander into
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_ERROR_CHARS = 300
@@ -129,28 +129,37 @@ class GrammarCache:
             return self._tokenizer
 
 
+def mask_threads() -> int:
+    """llguidance's threads for a batch's masks: its own default, 80% of this process's CPUs, at most 32."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(32, int(0.8 * cpus)))
+
+
 class CompiledGrammar:
     """A compiled constraint: matchers at its start, each sequence that follows it given a copy of one.
 
     Copies of one matcher share its lexer's lazily built states behind a lock, so the masks of copies of
-    one are computed one at a time, whatever the threads. The copies are spread over up to
-    MATCHER_TEMPLATES matchers built apart (about a millisecond each, built as sequences ask for them)."""
+    one are computed one at a time, whatever the threads. The copies are spread over twice as many
+    matchers built apart as there are mask threads (about a millisecond each, built as sequences ask for
+    them), and a batch's rows go to the threads grouped by the matcher they were copied from."""
 
     def __init__(self, matcher, build):
         self._templates, self._build = [matcher], build
+        self._num_templates = 2 * mask_threads()
         self._next = 0
         self._lock = threading.Lock()
 
     def state(self) -> "GrammarState":
         return GrammarState(self)
 
-    def matcher(self):
+    def matcher(self) -> tuple[object, int]:
+        """A matcher at the start, and the index of the one it was copied from."""
         with self._lock:
-            if len(self._templates) < MATCHER_TEMPLATES:
+            if len(self._templates) < self._num_templates:
                 self._templates.append(self._build())
-            template = self._templates[self._next % len(self._templates)]
+            i = self._next % len(self._templates)
             self._next += 1
-            return template.deep_copy()
+            return self._templates[i].deep_copy(), i
 
 
 class GrammarState:
@@ -159,6 +168,7 @@ class GrammarState:
     def __init__(self, compiled: CompiledGrammar):
         self.compiled = compiled
         self.matcher = None        # built when first needed: a fork's or a recompute's is fed the completion
+        self.template = 0          # the start matcher it was copied from (CompiledGrammar)
         self.num_consumed = 0      # completion tokens the matcher has consumed
         # the completion is a whole match that nothing may extend (an end-of-sequence token ended it, or the
         # grammar cannot go on): kept by follow(), read without the matcher, which may be computing a mask
@@ -179,7 +189,7 @@ class GrammarState:
         if num_resolved and completion_token_ids[-1] < 0:
             num_resolved -= 1
         if self.matcher is None or num_resolved < self.num_consumed:
-            self.matcher, self.num_consumed, self.done = self.compiled.matcher(), 0, False
+            (self.matcher, self.template), self.num_consumed, self.done = self.compiled.matcher(), 0, False
         new = completion_token_ids[self.num_consumed: num_resolved]
         if new:
             if not self.matcher.consume_tokens(new):
@@ -206,7 +216,8 @@ class MaskFiller:
         if self._executor is None:
             from llguidance import LLExecutor
 
-            self._executor = LLExecutor()
+            self._executor = LLExecutor(mask_threads())
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
-        matchers = [(s.matcher, row) for s, row in rows]
+        # the threads take runs of neighbouring rows: copies of one start matcher together, one thread's
+        matchers = [(s.matcher, row) for s, row in sorted(rows, key=lambda r: (id(r[0].compiled), r[0].template))]
         return self._thread.submit(self._executor.unsafe_compute_mask_ptr, matchers, address, row_bytes, num_rows)

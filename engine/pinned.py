@@ -16,6 +16,7 @@ class PinnedRing:
         self._buffers: list[torch.Tensor | None] = [None] * self.RING
         self._copied: list[torch.cuda.Event | None] = [None] * self.RING
         self._next = 0
+        self._stream = None  # the stream the copies are queued on, looked up once (a lookup is a few µs)
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, torch.Tensor]:
         """(slot, a host tensor of that shape and dtype in it), free to write or to copy into."""
@@ -37,6 +38,7 @@ class PinnedRing:
         if self.device.type != "cuda":
             return None
         event = self._copied[i] or torch.cuda.Event()
-        event.record()
+        self._stream = self._stream or torch.cuda.current_stream(self.device)
+        event.record(self._stream)
         self._copied[i] = event
         return event

@@ -291,3 +291,17 @@ def test_mask_kernel_equals_the_torch_mask_on_gpu():
     from tests.token_mask_cases import mask_case
     for vocab in (37, 2085, 151936):
         assert mask_case("cuda", vocab) == {"torch.bfloat16": 0, "torch.float32": 0}
+
+
+def test_a_constraints_sequences_copy_from_several_start_matchers(tiny):
+    """Copies of one start matcher compute their masks one at a time (they share a lock), so the sequences
+    of one constraint are spread over start matchers built apart, one compiled constraint for all."""
+    from engine.grammar import mask_threads
+
+    compiled = tiny.grammars.compile("regex", "[a-c]{2}")
+    states = [compiled.state() for _ in range(6)]
+    for state in states:
+        state.follow([])
+    assert len({state.template for state in states}) == min(6, 2 * mask_threads())
+    assert len({id(state.matcher) for state in states}) == 6
+    assert tiny.grammars.compile("regex", "[a-c]{2}") is compiled
