@@ -6,8 +6,9 @@
 
 One process holds one engine (a worker on this thread, as `redline bench --through-queue` runs it) and runs,
 after a warm-up: the workload through `llm.generate` (raw), then as jobs through the queue (queue), then as
-HTTP calls of the official `openai` client (AsyncOpenAI, `--concurrency` at once, from a process of its own) to a `redline serve` process
-that puts them on the same queue (gateway). Each call asks for its prompt's token ids, max_tokens,
+HTTP calls of the official `openai` client (AsyncOpenAI, `--concurrency` at once, from `--clients` processes of
+their own: the client takes ~7 ms of Python to build a call with a prompt of a few hundred token ids, so one
+process alone would spend ~2 s issuing 256) to a `redline serve` process that puts them on the same queue (gateway). Each call asks for its prompt's token ids, max_tokens,
 temperature and ignore_eos, so all three runs generate the same tokens. Needs `openai` (the dev extra).
 Prints one JSON line; gateway_vs_raw is gateway tok/s over raw tok/s.
 """
@@ -38,7 +39,9 @@ GATEWAY_START_S = 60  # the longest wait for `redline serve` to answer
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     engine_bench.add_arguments(parser)
-    parser.add_argument("--concurrency", type=int, default=256, help="HTTP calls in flight at once")
+    parser.add_argument("--concurrency", type=int, default=256, help="HTTP calls in flight at once, in all")
+    parser.add_argument("--clients", type=int, default=None,
+                        help="client processes the calls are spread over (default: 8, at most --concurrency)")
     parser.add_argument("--redis-url", default=None, help="default: an embedded redis-server")
     return parser
 
@@ -62,13 +65,13 @@ def start_gateway(url: str, queue: str) -> tuple[subprocess.Popen, int]:
     raise RuntimeError(f"redline serve did not answer within {GATEWAY_START_S} s")
 
 
-def http_producer(concurrency: int, started: list):
+def http_producer(concurrency: int, clients: int, started: list):
     """`through_queue`'s producer: a gateway for the queue, and the jobs sent to it as concurrent HTTP calls
-    from a client process of its own."""
+    from `clients` client processes of their own, concurrency / clients at once each."""
     def make(url: str, queue: str):
         proc, port = start_gateway(url, queue)
         started.append(proc)
-        return in_own_process(_send_all, port, concurrency)
+        return in_own_process(_send_all, port, -(-concurrency // clients), processes=clients)
     return make
 
 
@@ -104,6 +107,9 @@ def main() -> int:
     engine_bench.check_arguments(opts)
     if opts.concurrency < 1:
         raise SystemExit(f"--concurrency must be at least 1, got {opts.concurrency}")
+    opts.clients = opts.clients or min(8, opts.concurrency)
+    if not 1 <= opts.clients <= opts.concurrency:
+        raise SystemExit(f"--clients must be between 1 and --concurrency ({opts.concurrency}), got {opts.clients}")
     server = None if opts.redis_url else RedisServer().start()
     url = opts.redis_url or server.url
     gateways: list[subprocess.Popen] = []
@@ -117,7 +123,7 @@ def main() -> int:
         jobs = [{"prompt_token_ids": prompt, "sampling": sampling_dict(sp), "stream": False}
                 for prompt, sp in zip(prompts, params)]
         figures = {"raw": (raw_s, raw_tokens)}
-        for name, producer in (("queue", None), ("gateway", http_producer(opts.concurrency, gateways))):
+        for name, producer in (("queue", None), ("gateway", http_producer(opts.concurrency, opts.clients, gateways))):
             forget_prefix_cache(llm)
             figures[name] = through_queue(llm, url, jobs, opts, producer=producer)
         llm.shutdown()
@@ -130,7 +136,7 @@ def main() -> int:
     record = {"gpu": engine_bench.gpu_name(), "commit": engine_bench.git_commit(opts.commit),
               "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
               "model": Path(engine_bench.resolve_model(opts.model)).name, "num_seqs": opts.num_seqs,
-              "concurrency": opts.concurrency}
+              "concurrency": opts.concurrency, "clients": opts.clients}
     for name, (seconds, tokens) in figures.items():
         record.update({f"{name}_tokens": tokens, f"{name}_seconds": round(seconds, 3),
                        f"{name}_tok_s": round(tokens / seconds, 1)})

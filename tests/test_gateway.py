@@ -369,13 +369,13 @@ def test_http_mistakes_get_openais_error_shape(stack, method, path, body, status
 def test_the_gateway_bench_runs_the_workload_three_ways_on_cpu():
     done = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "gateway_throughput.py"), "--model", "tiny",
                            "--num-seqs", "6", "--min-input-len", "8", "--max-input-len", "32", "--min-output-len", "4",
-                           "--max-output-len", "12", "--device", "cpu", "--concurrency", "3"],
+                           "--max-output-len", "12", "--device", "cpu", "--concurrency", "3", "--clients", "2"],
                           capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads(done.stdout.strip().splitlines()[-1])
     assert record["raw_tokens"] == record["queue_tokens"] == record["gateway_tokens"] > 0
-    assert record["concurrency"] == 3 and record["num_seqs"] == 6
+    assert record["concurrency"] == 3 and record["clients"] == 2 and record["num_seqs"] == 6
     assert 0 < record["gateway_vs_raw"] and 0 < record["queue_vs_raw"]
 
 

@@ -195,15 +195,20 @@ def _redline_producer(url: str, queue: str):
     return lambda jobs: collect(client, client.submit_many(jobs))
 
 
-def in_own_process(round_fn, *args):
+def in_own_process(round_fn, *args, processes: int = 1):
     """`through_queue`'s producer whose rounds run round_fn(*args, jobs) in a process of its own, as a producing
-    service is one: in the engine's process its Python work would take the engine's GIL. `.close()` ends it."""
+    service is one: in the engine's process its Python work would take the engine's GIL. With `processes`
+    several, each takes every processes-th job, as several producing services would. `.close()` ends them."""
     import multiprocessing
 
-    pool = multiprocessing.get_context("spawn").Pool(1)
+    pool = multiprocessing.get_context("spawn").Pool(processes)
 
     def run(jobs: list[dict]) -> list:
-        return pool.apply(_round, (round_fn, args, jobs))
+        parts = pool.starmap(_round, [(round_fn, args, jobs[i::processes]) for i in range(processes)])
+        results: list = [None] * len(jobs)
+        for i, part in enumerate(parts):
+            results[i::processes] = part
+        return results
     run.close = pool.terminate
     return run
 
