@@ -130,9 +130,10 @@ class GrammarCache:
 
 
 def mask_threads() -> int:
-    """llguidance's threads for a batch's masks: its own default, 80% of this process's CPUs, at most 32."""
+    """llguidance's threads for a batch's masks: every CPU of this process but one, for the engine's thread
+    (which goes on beside them), at most 32."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(32, int(0.8 * cpus)))
+    return max(1, min(32, cpus - 1))
 
 
 class CompiledGrammar:
