@@ -10,9 +10,10 @@ check constraints with it too (xgrammar, the other candidate, depends on torch).
 - compiled once per distinct constraint for the engine's tokenizer (`GrammarCache`, keyed by the hash of
   its grammar, bounded), when a request is added, or by the worker's reader before a job reaches the
   engine thread (`LLMEngine.compile_grammar`);
-- followed per sequence (`GrammarState`): a matcher that has consumed the sequence's resolved completion
-  tokens, each fork with its own, rebuilt from a fresh matcher fed the completion's tokens when a
-  sequence's recompute begins (preemption).
+- followed per sequence (`GrammarState`): a matcher copied from one of the constraint's start matchers
+  (`CompiledGrammar`) that has consumed the sequence's resolved completion tokens, each fork with its own,
+  rebuilt from a fresh copy fed the completion's tokens when a sequence's recompute begins (preemption);
+- masked a step at a time (`MaskFiller`): the rows' masks on llguidance's threads, beside the engine's.
 
 The mask allows the tokens that keep the completion a prefix of a match, never a special token, and the
 end-of-sequence tokens only where the grammar may end; a completion ends ("stop") once its grammar is
