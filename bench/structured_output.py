@@ -88,8 +88,11 @@ def main(argv=None) -> int:
     start, finish = llm.sampler.start_grammar_masks, llm.sampler.finish_grammar_masks
     filler = llm.sampler.mask_filler
 
+    span: dict = {}  # this step's masks: when the first call began, when the last one ended
+
     def start_timed(st, seqs):  # the grammar's work on the engine's thread: follow the tokens, start the masks
         began = time.perf_counter()
+        span.clear()
         start(st, seqs)
         host["seconds"] += time.perf_counter() - began
         host["steps"] += 1
@@ -99,12 +102,16 @@ def main(argv=None) -> int:
         began = time.perf_counter()
         finish(st)
         host["wait"] += time.perf_counter() - began
+        if span:
+            host["masks"] += span["end"] - span["begin"]
 
-    def filler_timed(rows, *args):  # llguidance's masks, on their own thread
+    def filler_timed(rows, *args):  # llguidance's masks, on threads of their own
+        span.setdefault("begin", time.perf_counter())
         future = filler_start(rows, *args)
         if future is not None:
-            began = time.perf_counter()
-            future.add_done_callback(lambda _: host.__setitem__("masks", host["masks"] + time.perf_counter() - began))
+            future.add_done_callback(lambda _: span.__setitem__("end", time.perf_counter()))
+        else:
+            span.setdefault("end", time.perf_counter())
         return future
 
     filler_start = filler.start

@@ -201,25 +201,36 @@ class GrammarState:
 
 
 class MaskFiller:
-    """Computes a batch's masks on the host: the rows in parallel on llguidance's threads, the whole on a
+    """Computes a batch's masks on the host: the rows in parallel on llguidance's threads, each call from a
     thread of ours, so that the engine's thread goes on meanwhile (llguidance releases the GIL)."""
+
+    CALLS = 2  # calls in flight at once: a step's rows go in halves, the first computed while the second follows
 
     def __init__(self):
         self._executor = None
-        self._thread = None
+        self._threads = None
 
     def start(self, rows: list[tuple[GrammarState, int]], address: int, row_bytes: int,
               num_rows: int) -> Future | None:
         """Begin writing each (state, row)'s mask of allowed tokens, one bit per token id (LSB first in int32
         words), into row `row` of the num_rows x row_bytes buffer at `address`; the future it is done at.
-        Until then nothing else may use those states' matchers."""
+        Until then nothing else may use those states' matchers. Returns once the computation has begun:
+        a thread of ours needs the GIL to begin it, which it would otherwise get only when the caller
+        next blocks."""
         if not rows:
             return None
         if self._executor is None:
             from llguidance import LLExecutor
 
             self._executor = LLExecutor(mask_threads())
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+            self._threads = ThreadPoolExecutor(self.CALLS, thread_name_prefix="grammar-masks")
         # the threads take runs of neighbouring rows: copies of one start matcher together, one thread's
         matchers = [(s.matcher, row) for s, row in sorted(rows, key=lambda r: (id(r[0].compiled), r[0].template))]
-        return self._thread.submit(self._executor.unsafe_compute_mask_ptr, matchers, address, row_bytes, num_rows)
+        begun = threading.Event()
+
+        def compute():
+            begun.set()
+            self._executor.unsafe_compute_mask_ptr(matchers, address, row_bytes, num_rows)
+        future = self._threads.submit(compute)
+        begun.wait()
+        return future

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,7 +26,7 @@ class GrammarRows:
     bitmask: torch.Tensor | None = None
     host: torch.Tensor | None = None   # this step's masks on the host, and their slot of the ring
     slot: int = 0
-    pending: Future | None = None      # the masks' computation, until finish()
+    pending: list[Future] = field(default_factory=list)  # the masks' computations, until finish()
 
 
 def grammar_rows(seqs: list, device: torch.device) -> GrammarRows | None:
@@ -39,32 +39,42 @@ def grammar_rows(seqs: list, device: torch.device) -> GrammarRows | None:
 
 def start(g: GrammarRows, seqs: list, vocab_size: int, filler: MaskFiller, buffers: PinnedRing) -> None:
     """Begin this step's masks, every sampled token before it resolved: each live row's grammar follows
-    its completion, then llguidance computes the masks into a host buffer on a thread of its own while the
-    caller goes on; finish() takes them to the device. A row finished meanwhile (its token will be dropped),
+    its completion, then llguidance computes the masks into a host buffer (in two calls, one for each half
+    of the rows, the first begun before the second half follows) on threads of their own while the caller
+    goes on; finish() takes them to the device. A row finished meanwhile (its token will be dropped),
     or whose grammar refused its last token (its request fails as the token is processed), allows every token."""
     words = (vocab_size + 31) // 32
     g.slot, g.host = buffers.take((len(g.index), words), torch.int32)
-    live = []
+    g.pending = []
+    # two halves, the first's masks computed while the second follows; by start matcher, so that the two
+    # calls never wait on each other's matchers' locks
+    halves = ([], [])
     for row, i in enumerate(g.index):
-        seq = seqs[i]
-        if not seq.is_finished:
-            try:
-                seq.grammar.follow(seq.completion_token_ids)
-            except ValueError:
-                pass  # follow() raises again where the step's tokens are processed, and fails the request
-            else:
-                if not seq.grammar.done:
-                    live.append((seq.grammar, row))
-                    continue
-        g.host[row].fill_(-1)
-    g.pending = filler.start(live, g.host.data_ptr(), words * 4, len(g.index))
+        halves[seqs[i].grammar.template % 2].append(row)
+    for rows in halves:
+        live = []
+        for row in rows:
+            seq = seqs[g.index[row]]
+            if not seq.is_finished:
+                try:
+                    seq.grammar.follow(seq.completion_token_ids)
+                except ValueError:
+                    pass  # follow() raises again where the step's tokens are processed, and fails the request
+                else:
+                    if not seq.grammar.done:
+                        live.append((seq.grammar, row))
+                        continue
+            g.host[row].fill_(-1)
+        future = filler.start(live, g.host.data_ptr(), words * 4, len(g.index))
+        if future is not None:
+            g.pending.append(future)
 
 
 def finish(g: GrammarRows, buffers: PinnedRing) -> None:
     """Wait for the masks start() began, and queue their copy to the device (one copy)."""
-    if g.pending is not None:
-        g.pending.result()
-        g.pending = None
+    for future in g.pending:
+        future.result()
+    g.pending = []
     if buffers.device.type == "cuda":
         g.bitmask = g.host.to(buffers.device, non_blocking=True)
         buffers.copied(g.slot)

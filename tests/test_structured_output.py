@@ -305,3 +305,23 @@ def test_a_constraints_sequences_copy_from_several_start_matchers(tiny):
     assert len({state.template for state in states}) == min(6, 2 * mask_threads())
     assert len({id(state.matcher) for state in states}) == 6
     assert tiny.grammars.compile("regex", "[a-c]{2}") is compiled
+
+
+def test_masks_have_begun_when_start_returns_and_equal_each_matchers_own(tiny):
+    """The mask computation runs on a thread of ours, which needs the GIL to begin it: start() hands it over
+    and returns once the computation has begun, not when the engine's thread next blocks."""
+    from engine.grammar import MaskFiller
+
+    compiled = tiny.grammars.compile("regex", "[a-c]{2}x|y+")
+    states = [compiled.state() for _ in range(5)]
+    for state, tokens in zip(states, ([], *tiny.tokenizer(["a", "b", "y", "ab"], add_special_tokens=False)["input_ids"])):
+        state.follow(tokens)
+    words = (tiny.vocab_size + 31) // 32
+    masks = torch.zeros((len(states), words), dtype=torch.int32)
+    filler = MaskFiller()
+    for _ in range(3):
+        future = filler.start([(s, i) for i, s in enumerate(states)], masks.data_ptr(), words * 4, len(states))
+        assert future.running() or future.done()
+        future.result()
+    for row, state in enumerate(states):
+        assert masks[row].numpy().tobytes() == state.matcher.compute_bitmask()[: words * 4]
