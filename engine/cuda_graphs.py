@@ -189,8 +189,9 @@ class DecodeGraphs:
     def replay_sampled(self, inputs, temperatures: torch.Tensor | None, seed: int,
                        previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step with sampling: (token ids [n], logits [n, vocab]), views of the graph's buffers,
-        valid until the next replay; the ids' logprobs are beside them in self.sampled. temperatures: [n] on the device (0: greedy), or None for
-        greedy rows whose tokens the caller does not use (it samples from the logits itself).
+        valid until the next replay; the ids' logprobs are beside them in self.sampled. temperatures: [n] on
+        the device (0: greedy), or None for greedy rows whose tokens the caller does not use (it samples from
+        the logits itself).
         previous: the previous step's sampled ids, which pending rows index."""
         n = len(inputs.input_ids)
         bs = self._size(n)

@@ -204,7 +204,7 @@ class MaskFiller:
     """Computes a batch's masks on the host: the rows in parallel on llguidance's threads, each call from a
     thread of ours, so that the engine's thread goes on meanwhile (llguidance releases the GIL)."""
 
-    CALLS = 2  # calls in flight at once: a step's rows go in halves, the first computed while the second follows
+    CALLS = 2  # calls a step's rows are split into, in flight at once: the first computed while the next follows
 
     def __init__(self):
         self._executor = None

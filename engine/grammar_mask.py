@@ -39,19 +39,19 @@ def grammar_rows(seqs: list, device: torch.device) -> GrammarRows | None:
 
 def start(g: GrammarRows, seqs: list, vocab_size: int, filler: MaskFiller, buffers: PinnedRing) -> None:
     """Begin this step's masks, every sampled token before it resolved: each live row's grammar follows
-    its completion, then llguidance computes the masks into a host buffer (in two calls, one for each half
-    of the rows, the first begun before the second half follows) on threads of their own while the caller
+    its completion, then llguidance computes the masks into a host buffer (in MaskFiller.CALLS calls, each
+    for a part of the rows, begun before the next part follows) on threads of their own while the caller
     goes on; finish() takes them to the device. A row finished meanwhile (its token will be dropped),
     or whose grammar refused its last token (its request fails as the token is processed), allows every token."""
     words = (vocab_size + 31) // 32
     g.slot, g.host = buffers.take((len(g.index), words), torch.int32)
     g.pending = []
-    # two halves, the first's masks computed while the second follows; by start matcher, so that the two
-    # calls never wait on each other's matchers' locks
-    halves = ([], [])
+    # one part per call the filler keeps in flight, the first's masks computed while the next follows; by
+    # start matcher, so that the calls never wait on each other's matchers' locks
+    parts = [[] for _ in range(filler.CALLS)]
     for row, i in enumerate(g.index):
-        halves[seqs[i].grammar.template % 2].append(row)
-    for rows in halves:
+        parts[seqs[i].grammar.template % filler.CALLS].append(row)
+    for rows in parts:
         live = []
         for row in rows:
             seq = seqs[g.index[row]]
