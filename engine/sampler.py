@@ -58,7 +58,7 @@ class Sampler:
         self.token_counts = penalties.TokenCounts(device, vocab_size)  # penalised sequences' tokens
         self.mask_filler = MaskFiller()
         self.host_masks = PinnedRing(device)   # structured output's masks on their way to the device
-        self._graph_tokens: GraphTokens | None = None  # the decode graph's tokens on their way to the host
+        self.host_tokens = PinnedRing(device)  # the decode graph's tokens on their way to the host
         self._batch_ids: list[int] = []
         self._batch = None
 
@@ -67,7 +67,6 @@ class Sampler:
         self.last_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
         self.token_counts = penalties.TokenCounts(self.device, self.vocab_size)
         self._batch_ids, self._batch = [], None
-        self._graph_tokens = None
 
     def add_request(self, seq, eos_token_ids: list[int] = (), num_top_logprobs: int = -1) -> None:
         """What of a sequence's sampling reaches a device tensor, built when it is added, where an error is
@@ -162,9 +161,7 @@ class Sampler:
                 before_sampling()
             return self.sample(logits, st, num_logprobs)
         self.last_tokens = tokens
-        if self._graph_tokens is None or self._graph_tokens.sampled is not graphs.sampled:
-            self._graph_tokens = GraphTokens(graphs.sampled)
-        return self._graph_tokens.take(len(tokens))
+        return SampledTokens.of_graph(graphs.sampled, len(tokens), self.host_tokens)
 
     def sample(self, logits: torch.Tensor, st: SamplingTensors, num_logprobs: int) -> "SampledTokens":
         """The step's tokens and their logprobs (and the top logprobs) from whole rows of logits [S, V]."""
@@ -201,7 +198,7 @@ class Sampler:
 
 class SampledTokens:
     """Sampled ids, their logprobs (and top logprobs) on their way to the host: one device→host copy each,
-    or, from the decode graph, one copy of both (GraphTokens)."""
+    or, from the decode graph, one copy of both."""
 
     def __init__(self, parts: list[torch.Tensor], event: torch.cuda.Event | None = None):
         self.event = event
@@ -213,6 +210,17 @@ class SampledTokens:
         else:
             self.parts = parts
 
+    @classmethod
+    def of_graph(cls, sampled: torch.Tensor, n: int, ring: PinnedRing) -> "SampledTokens":
+        """The first n of the decode graph's sampled ids and their logprobs, which `sampled` holds (bytes:
+        [B] int64 ids, then [B] float32 logprobs), copied to a host buffer of `ring` in one copy."""
+        bs = sampled.numel() // 12
+        end = 8 * bs + 4 * n
+        slot, host = ring.take((end,), torch.uint8)
+        host.copy_(sampled[:end], non_blocking=sampled.is_cuda)
+        parts = [host[: 8 * n].view(torch.int64), host[8 * bs: end].view(torch.float32)]
+        return cls(parts, ring.copied(slot))
+
     def result(self):
         """(token ids, (their logprobs, top logprobs or None, top ids or None)) as lists."""
         if self.event is not None:
@@ -222,37 +230,6 @@ class SampledTokens:
         lists = [p.tolist() for p in self.parts]
         top = lists[2:] or [None, None]
         return lists[0], (lists[1], top[0], top[1])
-
-
-class GraphTokens:
-    """The decode graph's sampled ids and their logprobs on their way to the host: the graph's buffer of both
-    (`DecodeGraphs.sampled`: [B] int64 ids, then [B] float32 logprobs) in one copy a step, into a ring of host
-    buffers made once (pinned on a GPU), each written again only once the copy RING - 1 steps before is
-    done, whose tokens were read long since (a step's launch is collected by the next step)."""
-
-    RING = 4
-
-    def __init__(self, sampled: torch.Tensor):
-        self.sampled = sampled
-        bs, cuda = sampled.numel() // 12, sampled.is_cuda
-        self._host = [torch.empty(sampled.shape, dtype=torch.uint8, pin_memory=cuda) for _ in range(self.RING)]
-        self._views = [(h[: 8 * bs].view(torch.int64), h[8 * bs:].view(torch.float32)) for h in self._host]
-        self._events = [torch.cuda.Event() if cuda else None for _ in range(self.RING)]
-        self._stream = torch.cuda.current_stream(sampled.device) if cuda else None
-        self._next = 0
-
-    def take(self, n: int) -> SampledTokens:
-        """The first n ids and logprobs of the graph's replay just queued."""
-        i = self._next
-        self._next = (i + 1) % self.RING
-        event = self._events[i]
-        if event is not None:
-            event.synchronize()
-        self._host[i].copy_(self.sampled, non_blocking=event is not None)
-        if event is not None:
-            event.record(self._stream)
-        ids, logprobs = self._views[i]
-        return SampledTokens([ids[:n], logprobs[:n]], event)
 
 
 # ---- inside the decode graph (engine/cuda_graphs.py) ----------------------------------------------

@@ -111,17 +111,17 @@ def test_invalid_sampling_values_name_the_field(kwargs, field):
 def test_graph_tokens_and_logprobs_come_back_from_one_buffer():
     """The decode graph's ids and logprobs share one buffer ([B] int64, then [B] float32); a step reads back
     its first n of each, from host buffers a ring reuses, however many steps have been taken."""
-    from engine.sampler import GraphTokens
+    from engine.pinned import PinnedRing
+    from engine.sampler import SampledTokens
 
-    bs = 8
+    bs, ring = 8, PinnedRing(torch.device("cpu"))
     sampled = torch.zeros(bs * 12, dtype=torch.uint8)
     ids, logprobs = sampled[: 8 * bs].view(torch.int64), sampled[8 * bs:].view(torch.float32)
-    graph_tokens = GraphTokens(sampled)
     pending = []
-    for step, n in enumerate([3, 8, 1, 5, 8, 2, 7, 4, 6]):
+    for step, n in enumerate([3, 8, 1, 5, 8, 2]):
         ids.copy_(torch.arange(bs) + 1000 * step)
         logprobs.copy_(-torch.arange(bs, dtype=torch.float32) - step / 8)
-        pending.append((step, n, graph_tokens.take(n)))
+        pending.append((step, n, SampledTokens.of_graph(sampled, n, ring)))
         if len(pending) == 2:  # the engine collects a step once the next one is launched
             step0, n0, tokens = pending.pop(0)
             got_ids, (got_logprobs, top, top_ids) = tokens.result()
