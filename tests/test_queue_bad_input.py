@@ -8,7 +8,8 @@ import pytest
 
 from producer import Client
 from producer import protocol as p
-from queue_helpers import new_queue, redis_server, server_params, tiny_engine, worker_thread
+from queue_helpers import new_queue, tiny_engine, worker_thread
+from queue_helpers import url  # noqa: F401 - the fixture: a module's Redis, on each server
 
 MAX_MODEL_LEN = 128
 VALID = {"prompt_token_ids": [1, 2, 3], "sampling": {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True}}
@@ -81,12 +82,6 @@ def _fields(kind: str, job, job_id, n: int) -> tuple[dict, str | None]:
     else:
         fields["other"] = "x"
     return fields, key
-
-
-@pytest.fixture(scope="module", params=server_params())
-def url(request):
-    with redis_server(request.param) as server:
-        yield server.url
 
 
 @pytest.fixture(scope="module")

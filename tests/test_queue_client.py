@@ -8,13 +8,8 @@ import pytest
 
 from producer import AsyncClient, Client
 from producer import protocol as p
-from queue_helpers import new_queue, redis_server, server_params
-
-
-@pytest.fixture(scope="module", params=server_params())
-def url(request):
-    with redis_server(request.param) as server:
-        yield server.url
+from queue_helpers import new_queue
+from queue_helpers import url  # noqa: F401 - the fixture: a module's Redis, on each server
 
 
 @pytest.fixture

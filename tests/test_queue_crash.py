@@ -8,16 +8,11 @@ import pytest
 from engine import SamplingParams
 from producer import Client
 from producer import protocol as p
-from queue_helpers import (log_of, new_queue, one_torch_thread, redis_server, server_params, start_worker_process,
-                           stop_process, tiny_engine, wait_for)
+from queue_helpers import (log_of, new_queue, one_torch_thread, start_worker_process, stop_process, tiny_engine,
+                           wait_for)
+from queue_helpers import url  # noqa: F401 - the fixture: a module's Redis, on each server
 
 NUM_JOBS = 300
-
-
-@pytest.fixture(scope="module", params=server_params())
-def url(request):
-    with redis_server(request.param) as server:
-        yield server.url
 
 
 def _results_written(client: Client) -> int:

@@ -10,15 +10,10 @@ import redis
 from engine import SamplingParams
 from producer import Client
 from producer import protocol as p
-from queue_helpers import new_queue, redis_server, server_params, tiny_engine, worker_thread
+from queue_helpers import new_queue, tiny_engine, worker_thread
+from queue_helpers import url  # noqa: F401 - the fixture: a module's Redis, on each server
 
 GREEDY = {"temperature": 0.0, "max_tokens": 12}
-
-
-@pytest.fixture(scope="module", params=server_params())
-def url(request):
-    with redis_server(request.param) as server:
-        yield server.url
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["sync-engine", "async-engine"])

@@ -13,7 +13,8 @@ import pytest
 
 from producer import Client
 from producer import protocol as p
-from queue_helpers import new_queue, redis_server, server_params, tiny_engine, worker_thread
+from queue_helpers import new_queue, tiny_engine, worker_thread
+from queue_helpers import url  # noqa: F401 - the fixture: a module's Redis, on each server
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"], "properties": {
     "name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -21,12 +22,6 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
     "nickname": {"type": "string", "pattern": "^[a-z]{2,5}$"}}}
 REGEX = r"[A-Z]{2}-[0-9]{2,4}"
 CHOICE = ["approve", "reject", "escalate"]
-
-
-@pytest.fixture(scope="module", params=server_params())
-def url(request):
-    with redis_server(request.param) as server:
-        yield server.url
 
 
 @pytest.fixture(scope="module")
