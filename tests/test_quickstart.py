@@ -23,9 +23,11 @@ DEFAULT_PORT = 6379
 
 def fresh_env(runtime_dir: Path) -> dict:
     """This machine's environment with no Redis URL in it, and its own runtime folder (where a worker
-    publishes its embedded Redis), so that parallel runs never see each other's."""
-    env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONPATH": str(REPO_ROOT), "XDG_RUNTIME_DIR": str(runtime_dir)}
-    for name in ("REDIS_URL", "REDLINE_REDIS_URL", "REDLINE_DEBUG", "REDLINE_MODEL"):
+    publishes its embedded Redis) and data folder (where that Redis keeps its data), so that parallel
+    runs never see each other's."""
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONPATH": str(REPO_ROOT), "XDG_RUNTIME_DIR": str(runtime_dir),
+           "XDG_DATA_HOME": str(runtime_dir / "data")}
+    for name in ("REDIS_URL", "REDLINE_REDIS_URL", "REDLINE_DEBUG", "REDLINE_MODEL", "REDLINE_REDIS_DATA_DIR"):
         env.pop(name, None)
     return env
 

@@ -48,7 +48,7 @@ def run_worker(args: argparse.Namespace) -> int:
         client = connect(settings.redis_url, password=settings.redis_password)  # the URL's own password wins
         check_server(client, settings.redis_url)
     config = EngineConfig(settings.model, **settings.engine_kwargs)  # a bad option or model: said before Redis starts
-    server = None if client else embedded_redis()
+    server = None if client else embedded_redis(settings.redis_data_dir)
     if server:
         settings.redis_url = server.url  # a Celery queue, if served, is read from the same Redis
     try:
@@ -58,25 +58,43 @@ def run_worker(args: argparse.Namespace) -> int:
             server.stop()
 
 
-def embedded_redis():
-    """A redis-server of our own, on the default port when it is free, published for producers here."""
+def embedded_redis(data_dir: str):
+    """A redis-server of our own keeping its data in data_dir, on the default port when it is free,
+    published for producers here. One line on stderr if data_dir is unusable or another server's."""
+    from producer.cli import UsageError
     from producer.connection import redact_url
-    from producer.embedded import RedisServer, port_is_free
+    from producer.embedded import DataDirInUse
 
-    server = None
-    if port_is_free(DEFAULT_REDIS_PORT):
-        try:
-            server = RedisServer(port=DEFAULT_REDIS_PORT).start()
-        except RuntimeError:  # taken between the check and the start
-            server = None
-    server = server or RedisServer().start()
+    try:
+        server = _start_embedded(data_dir)
+    except DataDirInUse as e:
+        raise UsageError(f"{e}: serve its queue with --redis-url, or give this worker another --redis-data-dir",
+                         exit_code=1) from None
+    except OSError as e:
+        raise UsageError(f"cannot keep the embedded Redis's data in {data_dir} ({e.strerror or e}); "
+                         "give another --redis-data-dir") from None
+    except RuntimeError as e:
+        raise UsageError(f"the embedded redis-server did not start (data in {data_dir}): {e}", exit_code=1) from None
     try:
         server.publish()
         reach = f"`redline submit` on this machine finds it; elsewhere: REDIS_URL={server.url}"
     except OSError as e:
         reach = f"producers: REDIS_URL={server.url} (could not publish it for this machine: {e})"
-    print(f"no --redis-url: started an embedded redis-server at {redact_url(server.url)}; {reach}", flush=True)
+    print(f"no --redis-url: embedded Redis at {redact_url(server.url)}; data in {data_dir}; {reach}", flush=True)
     return server
+
+
+def _start_embedded(data_dir: str):
+    from producer.embedded import DataDirInUse, RedisServer, port_is_free
+
+    if port_is_free(DEFAULT_REDIS_PORT):
+        try:
+            return RedisServer(port=DEFAULT_REDIS_PORT, data_dir=data_dir).start()
+        except DataDirInUse:
+            raise
+        except RuntimeError:  # taken between the check and the start
+            pass
+    return RedisServer(data_dir=data_dir).start()
 
 
 def _serve(settings, config, client) -> int:

@@ -23,7 +23,8 @@ def register(subparsers) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--num-jobs", type=positive_int, default=12)
     parser.add_argument("--max-tokens", type=positive_int, default=32)
-    parser.add_argument("--redis-url", default=None, help="default: start an embedded redis-server")
+    parser.add_argument("--redis-url", default=None,
+                        help="default: start an embedded redis-server that keeps nothing after the demo")
     parser.set_defaults(func=run_demo)
 
 
@@ -63,6 +64,9 @@ def run_demo(args: argparse.Namespace) -> int:
     from .local import local_worker
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.redis_url is None:
+        print("the demo's embedded Redis is ephemeral: its jobs and results are gone when the demo ends "
+              "(`redline worker` keeps its data)")
     with local_worker(args.model, args.load_format, args.device, args.redis_url) as local:
         return _produce(Client(local.url, local.queue), args)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+from pathlib import Path
 from typing import Literal, get_args
 
 from pydantic import AliasChoices, Field
@@ -24,6 +25,12 @@ ENGINE_FIELDS = ("load_format", "dtype", "device", "tensor_parallel_size", "max_
                  "max_images_per_prompt", "max_image_bytes")
 
 
+def default_redis_data_dir() -> str:
+    """Where an embedded redis-server keeps its data: this user's XDG data folder."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(Path.home(), ".local", "share")
+    return os.path.join(base, "redline", "redis")
+
+
 class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="REDLINE_", extra="ignore", protected_namespaces=())
 
@@ -32,6 +39,10 @@ class WorkerSettings(BaseSettings):
                                   description="Redis to serve: redis://HOST:PORT/DB, or redis+cluster://HOST:PORT"
                                               "[,HOST:PORT...] for a Redis Cluster; unset: start an embedded "
                                               "redis-server")
+    redis_data_dir: str = Field(default_factory=default_redis_data_dir,
+                                description="without --redis-url: the embedded redis-server's data (append-only "
+                                            "file) lives here, one worker at a time "
+                                            "[$XDG_DATA_HOME/redline/redis, else ~/.local/share/redline/redis]")
     redis_password: str | None = Field(None, description="Redis password when the URL has none (e.g. from a "
                                                          "secret: REDLINE_REDIS_PASSWORD)")
     queue: str = Field("default", description="queue name")
