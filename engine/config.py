@@ -201,13 +201,15 @@ def resolve_model_dir(model: str, load_format: str) -> str:
         raise ValueError(f"model {model!r} is not a directory with a config.json, an HF hub id like 'org/name', "
                          f"nor a built-in name ({', '.join(BUILTIN_MODELS)})")
     patterns = ["*.json", "*.jinja", "tokenizer*"] + ([] if load_format == "dummy" else ["*.safetensors"])
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
     try:
-        from huggingface_hub import snapshot_download
         return snapshot_download(model, allow_patterns=patterns)
     except Exception as e:  # offline, unknown repo, gated repo, ...
         first_line = next((line for line in str(e).splitlines() if line.strip()), "")
-        raise ValueError(f"model {model!r} is not a local directory and could not be fetched from the HF hub "
-                         f"({type(e).__name__}: {first_line[:300]})") from None
+        error = ConnectionError if isinstance(e, LocalEntryNotFoundError) else ValueError  # offline: unreachable
+        raise error(f"model {model!r} is not a local directory and could not be fetched from the HF hub "
+                    f"({type(e).__name__}: {first_line[:300]})") from None
 
 
 def load_hf_config(model_dir: str):

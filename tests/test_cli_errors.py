@@ -95,10 +95,34 @@ def test_debug_shows_the_traceback_before_or_after_the_subcommand():
         assert done.returncode != 0 and "Traceback" in done.stderr and "ConnectionError" in done.stderr
 
 
-def test_argparse_errors_stay_usage_and_one_error_line():
-    done = redline("submit", "--priority", "high")
-    assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert done.stderr.startswith("usage: redline submit") and "invalid int value: 'high'" in done.stderr
+@pytest.mark.parametrize("args, words", [
+    (["worker", "--max-num-seqs", "abc"], "redline worker: --max-num-seqs: invalid int value: 'abc'"),
+    (["submit", "--priority", "high"], "redline submit: --priority: invalid int value: 'high'"),
+    (["bench", "--num-seqs", "many"], "redline bench: --num-seqs: invalid int value: 'many'"),
+    (["dlq", "drop"], "redline dlq: action: invalid choice: 'drop'"),
+    (["no-such-command"], "redline: command: invalid choice: 'no-such-command'"),
+], ids=["worker-int", "submit-int", "bench-int", "dlq-choice", "unknown-command"])
+def test_a_flag_argparse_refuses_is_one_line_not_the_usage(args, words):
+    line = assert_one_line_error(redline(*args), 2, words)
+    assert "usage:" not in line and line.endswith("--help)")
+
+
+def test_a_model_the_hub_cannot_be_reached_for_exits_1_in_one_line(url):
+    done = redline("worker", "--model", "nobody/no-such-model", "--redis-url", url, "--queue", new_queue(),
+                   env={"HF_HUB_OFFLINE": "1"})
+    assert_one_line_error(done, 1, "'nobody/no-such-model'", "could not be fetched from the HF hub")
+
+
+def test_serve_on_a_port_in_use_exits_1_in_one_line(url):
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        done = redline("serve", "--redis-url", url, "--port", str(port))
+    assert_one_line_error(done, 1, f"port {port} on 127.0.0.1 is in use", "--port")
+    assert "uvicorn" not in done.stderr
 
 
 def flash_attention_runs_here() -> bool:
@@ -123,7 +147,6 @@ WORKER_MISTAKES = {
     "log-level-unknown": (["--log-level", "loud"], ["--log-level", "'loud'"]),
     "model-missing-dir": (["--model", "./no/such/model"], ["'./no/such/model'", "built-in name"]),
     "model-unknown-name": (["--model", "tinyy"], ["'tinyy'", "tiny"]),
-    "model-unknown-hub-id": (["--model", "nobody/no-such-model"], ["'nobody/no-such-model'", "HF hub"]),
     "shipped-config-without-dummy": (["--model", "qwen3-0.6b"], ["--load-format dummy"]),
 }
 

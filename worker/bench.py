@@ -34,7 +34,9 @@ def register(subparsers) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from engine import bench as engine_bench
 
-    parser = argparse.ArgumentParser(prog="redline bench", description=__doc__.splitlines()[0])
+    from .cli import OneLineParser
+
+    parser = OneLineParser(prog="redline bench", description=__doc__.splitlines()[0])
     engine_bench.add_arguments(parser)
     q = parser.add_argument_group("through the queue")
     q.add_argument("--through-queue", action="store_true",

@@ -14,6 +14,7 @@ import importlib
 import os
 import re
 import sys
+from typing import NoReturn
 
 # subcommand name -> module that defines register(subparsers)
 SUBCOMMANDS = {
@@ -45,8 +46,16 @@ def version() -> str:
         return "unknown (not installed)"
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose mistakes are one line on stderr (not the usage), with exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        message = message.removeprefix("argument ")
+        self.exit(EXIT_BAD_USAGE, one_line(f"{self.prog}: {message} (see {self.prog} --help)") + "\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="redline", description="LLM batch generation over Redis")
+    parser = OneLineParser(prog="redline", description="LLM batch generation over Redis")
     parser.add_argument("--version", action="version", version=f"redline {version()}")
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of an error (also REDLINE_DEBUG=1)")

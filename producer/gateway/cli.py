@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import socket
 
 from .settings import GatewaySettings
 
@@ -39,6 +41,22 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     return settings
 
 
+def check_can_listen(host: str, port: int) -> None:
+    """One line (exit 1 for a port in use, 2 for a bad --host/--port) if the gateway cannot listen there."""
+    from producer.cli import UsageError
+
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(address)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise UsageError(f"port {port} on {host} is in use (another `redline serve`?); stop what holds it or "
+                             "give another --port", exit_code=1) from None
+        raise UsageError(f"cannot listen on {host}:{port} ({e.strerror or e}); check --host and --port") from None
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -50,6 +68,7 @@ def run_serve(args: argparse.Namespace) -> int:
     Keys(settings.queue)  # a bad queue name is refused before anything starts
     password = {"password": settings.redis_password} if settings.redis_password else {}
     check_server(connect(settings.redis_url, **password), settings.redis_url)
+    check_can_listen(settings.host, settings.port)  # before any log line; uvicorn would log a traceback, exit 3
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .app import create_app
 
