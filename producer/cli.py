@@ -81,7 +81,7 @@ def _connection(parser: argparse.ArgumentParser) -> None:
 
 
 def _client(args: argparse.Namespace) -> Client:
-    args.redis_url = args.redis_url or default_url()  # the error handler names the Redis it could not reach
+    args.redis_url = default_url(args.redis_url)  # the error handler names the Redis it could not reach
     return Client(args.redis_url, args.queue)
 
 

@@ -23,11 +23,15 @@ from .scripts import ClientScripts
 LOCAL_URL = "redis://localhost:6379/0"
 
 
-def default_url() -> str:
-    """REDLINE_REDIS_URL, else REDIS_URL, else the embedded redis-server a worker on this machine
-    published, else a Redis on localhost."""
-    return (os.environ.get("REDLINE_REDIS_URL") or os.environ.get("REDIS_URL") or published_url()
-            or LOCAL_URL)
+def find_url(given: str | None = None) -> str | None:
+    """The Redis every command uses: `given` (--redis-url), else REDLINE_REDIS_URL, else REDIS_URL, else
+    the embedded redis-server a worker on this machine published; None if there is none of them."""
+    return given or os.environ.get("REDLINE_REDIS_URL") or os.environ.get("REDIS_URL") or published_url()
+
+
+def default_url(given: str | None = None) -> str:
+    """`find_url`, else a Redis on localhost."""
+    return find_url(given) or LOCAL_URL
 
 
 def runtime_dir() -> Path:

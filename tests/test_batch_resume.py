@@ -199,3 +199,55 @@ def test_output_of_another_input_is_refused_in_one_line(finished_batch, url, tmp
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "another input" in err and "pick another -o or delete it" in err
     assert out.read_text() == full.read_text()
+
+
+def test_a_rerun_into_a_new_output_says_it_reuses_earlier_results(finished_batch, url, tmp_path, capsys):
+    src, full, queue = finished_batch
+    out = tmp_path / "again.jsonl"
+    # no worker runs now: every line can only come from the earlier run's results
+    assert main(["batch", str(src), "-o", str(out), "--redis-url", url, "--queue", queue, "--timeout", "20"]) == 0
+    err = capsys.readouterr().err
+    assert f"reusing 3 results of an earlier run of this input in queue '{queue}'; --fresh" in err
+    assert without_created(output_of(out)) == without_created(output_of(full))
+
+
+def test_fresh_runs_every_line_again_and_its_rerun_resumes_it(finished_batch, url, engine, tmp_path, capsys):
+    src, full, queue = finished_batch
+    out = tmp_path / "fresh.jsonl"
+    with Client(url, queue) as client:
+        before = submitted_jobs(client)
+        with worker_thread(url, queue, engine):
+            assert main(["batch", str(src), "-o", str(out), "--redis-url", url, "--queue", queue, "--fresh"]) == 0
+        assert "reusing" not in capsys.readouterr().err
+        assert submitted_jobs(client) == before + 3
+        fresh = output_of(out)
+        assert [o["custom_id"] for o in fresh] == ["f0", "f1", "f2"]
+        assert {o["id"] for o in fresh}.isdisjoint(o["id"] for o in output_of(full))
+        # cut after its first line, then rerun without --fresh: the fresh run's results are collected
+        out.write_text(out.read_text().splitlines(keepends=True)[0])
+        assert main(["batch", str(src), "-o", str(out), "--redis-url", url, "--queue", queue, "--timeout", "20"]) == 0
+        assert without_created(output_of(out)) == without_created(fresh)
+        assert submitted_jobs(client) == before + 3
+
+
+def test_fresh_into_an_output_with_lines_is_refused_in_one_line(finished_batch, url, tmp_path, capsys):
+    src, full, queue = finished_batch
+    assert main(["batch", str(src), "-o", str(full), "--redis-url", url, "--queue", queue, "--fresh"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "give a new -o, or delete" in err
+
+
+def test_batch_with_no_url_uses_the_queue_of_a_worker_on_this_machine(url, engine, tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "runtime" / "redline"
+    folder.mkdir(mode=0o700, parents=True)
+    (folder / f"redis-{os.getpid()}.url").write_text(url + "\n")  # as a `redline worker` here publishes it
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "runtime"))
+    for name in ("REDIS_URL", "REDLINE_REDIS_URL"):
+        monkeypatch.delenv(name, raising=False)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(request("d0", 3) + "\n")
+    with worker_thread(url, "default", engine), Client(url, "default") as client:
+        assert main(["batch", str(src), "-o", str(out)]) == 0
+        assert [s for _, s in results_feed(client)][-1:] == ["succeeded"]  # it ran on that queue's worker
+    assert f"queue 'default' at {url}" in capsys.readouterr().err
+    assert [o["custom_id"] for o in output_of(out)] == ["d0"]

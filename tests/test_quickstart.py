@@ -37,16 +37,35 @@ def redline(*args: str, env: dict, timeout: float = 180) -> subprocess.Completed
                           capture_output=True, text=True, timeout=timeout)
 
 
+def listening_holder(port: int) -> socket.socket:
+    """A socket that listens on the port and never answers (as a foreign service would). It binds as
+    redis-server and `port_is_free` do (SO_REUSEADDR), so a port `port_is_free` calls free it can hold."""
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    holder.bind(("127.0.0.1", port))
+    holder.listen()
+    return holder
+
+
 @pytest.fixture
 def default_port_taken():
-    """Port 6379 held by a socket that listens and never answers (as a foreign service would)."""
+    """Port 6379 held by a socket that listens and never answers."""
     if not port_is_free(DEFAULT_PORT):
         yield  # something here holds it already
         return
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", DEFAULT_PORT))
-        holder.listen()
+    with listening_holder(DEFAULT_PORT):
         yield
+
+
+def test_a_port_with_connections_in_time_wait_is_free_and_can_be_held(tmp_path):
+    with listening_holder(0) as server:
+        port = server.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            accepted, _ = server.accept()
+            accepted.close()  # the side that closes first keeps the port in TIME_WAIT
+            client.recv(1)
+    assert port_is_free(port)
+    listening_holder(port).close()
 
 
 @pytest.mark.timeout(300)
@@ -73,6 +92,7 @@ def test_two_terminal_quickstart_connects_with_no_url(port, tmp_path, request):
     out = (tmp_path / "worker.log").read_text()
     assert code == 0, out
     assert "`redline submit` on this machine finds it" in out and "RANDOM weights" in out
+    assert f"data in {tmp_path / 'data' / 'redline' / 'redis'}" in out  # the user's XDG data folder
     assert list(published.glob("redis-*.url")) == []  # removed on exit
 
 
@@ -131,6 +151,7 @@ def test_demo_runs_with_model_tiny(tmp_path):
     done = redline("demo", "--model", "tiny", "--num-jobs", "2", "--max-tokens", "4", env=fresh_env(tmp_path))
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("[succeeded]") == 2 and "RANDOM weights" in done.stderr
+    assert "the demo's embedded Redis is ephemeral" in done.stdout
 
 
 @pytest.mark.timeout(180)
