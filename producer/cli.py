@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from . import protocol as p
 from .client import Client, default_url
 
 
@@ -34,6 +35,12 @@ def register(subparsers) -> None:
     s.add_argument("--seed", type=int)
     s.add_argument("--stop", action="append", help="stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true", default=None)
+    s.add_argument("--json-schema", metavar="SCHEMA",
+                   help="structured output: the completion is JSON following this schema (its JSON text, or "
+                        "@FILE to read it from a file)")
+    s.add_argument("--regex", help="structured output: the completion matches this regular expression")
+    s.add_argument("--choice", action="append", help="structured output: the completion is one of these strings "
+                                                     "(repeatable)")
     submit.add_argument("--job-id", help="your id for the job; an id that exists is not enqueued again")
     submit.add_argument("--priority", type=int, default=0, help="0 (default), 1 or 2: higher runs first")
     submit.add_argument("--deadline", type=float, help="seconds after which an unstarted job expires")
@@ -106,9 +113,23 @@ def _job(args: argparse.Namespace) -> dict:
     else:
         raise UsageError("give a prompt, --chat, --messages or --token-ids")
     sampling = {k: getattr(args, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-                                              "stop", "ignore_eos")}
+                                              "stop", "ignore_eos", "json_schema", "regex", "choice")}
+    if args.json_schema is not None and args.json_schema.startswith("@"):
+        sampling["json_schema"] = _read_schema(args.json_schema[1:])
     job["sampling"] = {k: v for k, v in sampling.items() if v is not None}
     return job
+
+
+def _read_schema(path: str) -> str:
+    """The text of a --json-schema @FILE, at most a job's size (the wire schema then checks it)."""
+    with open(path, "rb") as f:
+        data = f.read(p.MAX_JOB_BYTES + 1)
+    if len(data) > p.MAX_JOB_BYTES:
+        raise UsageError(f"--json-schema file {path} is over {p.MAX_JOB_BYTES:,} bytes, a job's limit")
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        raise UsageError(f"--json-schema file {path} is not UTF-8 text; give a JSON schema") from None
 
 
 def run_submit(args: argparse.Namespace) -> int:

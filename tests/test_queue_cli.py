@@ -57,6 +57,34 @@ def test_submit_rejects_a_bad_job_with_a_clear_message(url):
     assert done.returncode == 2 and "sampling.max_tokens" in done.stderr
 
 
+def test_submit_structured_output_flags_constrain_the_completion(url, tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "boolean"}}, "required": ["n"],
+                                  "additionalProperties": False}))
+    queue = new_queue()
+    common = ["--temperature", "0", "--redis-url", url, "--queue", queue, "--timeout", "60"]
+    with worker_thread(url, queue, tiny_engine()):
+        chosen = redline("submit", "Pick", "--choice", "yes", "--choice", "no", *common)
+        matched = redline("submit", "Code", "--regex", "[0-9]{3}", *common)
+        shaped = redline("submit", "Give", "--json-schema", f"@{schema}", "--max-tokens", "64", *common)
+    assert chosen.returncode == 0 and chosen.stdout.strip() in ("yes", "no"), chosen.stderr
+    assert matched.returncode == 0 and matched.stdout.strip().isdigit() and len(matched.stdout.strip()) == 3
+    assert shaped.returncode == 0, shaped.stderr
+    assert set(json.loads(shaped.stdout)) == {"n"}
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--regex", "("], "sampling.regex must be a regular expression"),
+    (["--json-schema", "{not json"], "sampling.json_schema must be a JSON schema"),
+    (["--json-schema", "@no-such-schema.json"], "no-such-schema.json"),
+    (["--choice", "a", "--regex", "b"], "give at most one of json_schema, regex, choice"),
+], ids=["bad-regex", "schema-not-json", "schema-file-missing", "two-constraints"])
+def test_submit_structured_output_mistake_is_one_line(flags, words, url):
+    done = redline("submit", "x", *flags, "--redis-url", url, "--queue", new_queue())
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1 and words in lines[0], done.stderr
+
+
 def test_dlq_lists_and_requeues_dead_letters(url):
     client = Client(url, new_queue())
     q = client.keys.queue
