@@ -6,61 +6,158 @@ compile is cheap), computes masks on the host in parallel, and has no Python dep
 check constraints with it too (xgrammar, the other candidate, depends on torch). A constraint is
 
 - checked without a tokenizer (`check`): what `SamplingParams` and the wire's `Sampling` run, so a job the
-  client accepts compiles in the engine;
-- compiled once per distinct constraint for the engine's tokenizer (`GrammarCache`, keyed by the hash of
-  its grammar, bounded), when a request is added, or by the worker's reader before a job reaches the
-  engine thread (`LLMEngine.compile_grammar`);
+  client accepts compiles in the engine: compiled for a tokenizer of single bytes and followed a few bytes
+  in, where llguidance meets the limits a constraint can exceed;
+- compiled once per distinct constraint for the engine's tokenizer (`GrammarCache`, keyed by the
+  constraint, bounded), when a request is added, or by the worker's preparation threads before a job
+  reaches the engine thread (`LLMEngine.compile_grammar`);
+- checked and compiled within COMPILE_BUDGET_S, each on a thread that is left behind when it overruns;
 - followed per sequence (`GrammarState`): a matcher copied from one of the constraint's start matchers
   (`CompiledGrammar`) that has consumed the sequence's resolved completion tokens, each fork with its own,
   rebuilt from a fresh copy fed the completion's tokens when a sequence's recompute begins (preemption);
 - masked a step at a time (`MaskFiller`): the rows' masks on llguidance's threads, beside the engine's.
 
+In regexes and JSON-schema patterns, \\d \\w \\s (and \\D \\W \\S) are ASCII (engine/regex_classes.py).
 The mask allows the tokens that keep the completion a prefix of a match, never a special token, and the
 end-of-sequence tokens only where the grammar may end; a completion ends ("stop") once its grammar is
 complete.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import random
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
+
+from engine.regex_classes import ascii_regex, ascii_schema
 
 MAX_CACHED_GRAMMARS = 256  # distinct constraints kept compiled (each a few KB to a few MB of lexer state)
 # JSON as json.dumps writes it: one canonical spacing, and no whitespace runs for a model to wander into
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_ERROR_CHARS = 300
+# a constraint that takes longer to check or compile fails its job (llguidance compiles most in milliseconds)
+COMPILE_BUDGET_S = 10.0
+# check() follows this many paths of this many bytes into a constraint: llguidance finds some constraints
+# too large (a{1000000}) or endless (a recursive $ref every value must take) only once text begins
+CHECK_PATHS, CHECK_BYTES = 4, 8
+# a compile slower than this builds no second start matcher for the mask threads (CompiledGrammar)
+SLOW_BUILD_S = 0.05
+_TOO_LARGE = ("too many", "items; max is", "fuel", "too large", "too complex")  # llguidance's limits, as it words them
 
 
 def grammar_of(kind: str, value) -> str:
-    """llguidance's grammar for a constraint: kind is "json_schema" (a dict), "regex" or "choice" (a list)."""
+    """llguidance's grammar for a constraint: kind is "json_schema" (a dict), "regex" or "choice" (a list);
+    \\d \\w \\s as ASCII classes (engine/regex_classes.py)."""
     from llguidance import LLMatcher
 
     if kind == "json_schema":
-        return LLMatcher.grammar_from_json_schema(value, defaults=JSON_OPTIONS)
+        return LLMatcher.grammar_from_json_schema(ascii_schema(value), defaults=JSON_OPTIONS)
     if kind == "regex":
-        return LLMatcher.grammar_from_regex(value)
-    # each choice as a Lark string literal (JSON's escapes are Lark's)
-    return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
+        return LLMatcher.grammar_from_regex(ascii_regex(value))
+    # the choices as one lexeme, each a Lark string literal (JSON's escapes are Lark's): the lexer takes any
+    # number of them, where as alternatives of a rule the parser takes at most 2000
+    return LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c, ensure_ascii=False)
+                                                                           for c in value))
 
 
 def check(kind: str, value) -> str:
-    """Why the constraint cannot be enforced, in one line, or "" where it can."""
+    """Why the constraint cannot be enforced, in one line, or "" where it can: the engine's compile run for
+    a tokenizer of single bytes, its first bytes followed, within COMPILE_BUDGET_S."""
+    return _checked(kind, _key(kind, value))
+
+
+@lru_cache(maxsize=MAX_CACHED_GRAMMARS)
+def _checked(kind: str, key: str) -> str:
+    value = json.loads(key.partition(":")[2])
+    try:
+        return run_within(COMPILE_BUDGET_S, _check, kind, value)
+    except TimeoutError:
+        return f"it took longer than {COMPILE_BUDGET_S:g} s to check; simplify it"
+
+
+def _check(kind: str, value) -> str:
+    from llguidance import LLMatcher
+
     try:
         grammar = grammar_of(kind, value)
     except (ValueError, TypeError) as e:
         return _one_line(str(e))
-    return _grammar_error(grammar)
+    error = LLMatcher.validate_grammar(grammar)
+    if error:
+        return _one_line(error)
+    start = LLMatcher(_byte_tokenizer(), grammar, log_level=0)
+    for path in range(CHECK_PATHS):
+        error = _follow_bytes(start.deep_copy(), random.Random(path))
+        if error:
+            return _explain(kind, value, error)
+    return ""
 
 
-@lru_cache(maxsize=MAX_CACHED_GRAMMARS)
-def _grammar_error(grammar: str) -> str:
-    from llguidance import LLMatcher
+def _follow_bytes(matcher, rng: random.Random) -> str:
+    """llguidance's error on a path of up to CHECK_BYTES bytes the matcher allows (each picked by rng), or ""."""
+    for _ in range(CHECK_BYTES):
+        mask = matcher.compute_bitmask()
+        if matcher.is_error():
+            return matcher.get_error()
+        allowed = [b for b in range(256) if mask[b >> 3] >> (b & 7) & 1]
+        if not allowed:
+            return ""  # only the end is left
+        if not matcher.consume_token(rng.choice(allowed)):
+            return matcher.get_error()
+    return ""
 
-    return _one_line(LLMatcher.validate_grammar(grammar))
+
+@lru_cache(maxsize=1)
+def _byte_tokenizer():
+    """llguidance's tokenizer of the 256 bytes and an end-of-sequence token."""
+    from llguidance import LLTokenizer, TokenizerWrapper
+
+    class Bytes:
+        eos_token_id, bos_token_id, special_token_ids = 256, None, [256]
+        tokens = [bytes([b]) for b in range(256)] + [b"<eos>"]
+
+        def __call__(self, text):
+            return list(text if isinstance(text, bytes) else text.encode())
+
+    return LLTokenizer(TokenizerWrapper(Bytes()), slices=[])
+
+
+def _explain(kind: str, value, error: str) -> str:
+    """An error llguidance met while following a constraint, as the user's mistake."""
+    cause = _one_line(error)
+    recursive = kind == "json_schema" and '"$ref"' in json.dumps(value)
+    if recursive and ("Too many items" in cause or cause.startswith("NoExtension")):
+        return ("recursive $ref with no end: every value it allows contains another (or only itself); "
+                "let the recursion stop (an optional property, an anyOf with a plain case)")
+    if cause.startswith("NoExtension"):
+        return "it matches no text at all"
+    if any(sign in cause.lower() for sign in _TOO_LARGE):
+        return (f"it is too large to enforce ({cause[:120]}); use smaller repetition counts and fewer "
+                "alternatives in one place")
+    return cause
+
+
+def run_within(budget_s: float, fn, *args):
+    """fn(*args) on a thread of its own; TimeoutError once budget_s have passed, the thread left to finish
+    (llguidance holds no GIL while it compiles) and its result dropped."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            future.set_exception(e)
+    threading.Thread(target=run, name="grammar-compile", daemon=True).start()
+    return future.result(timeout=budget_s)
+
+
+def _key(kind: str, value) -> str:
+    """A constraint's identity: its kind and its value's canonical JSON."""
+    return kind + ":" + json.dumps(value, sort_keys=True, ensure_ascii=False)
 
 
 def _one_line(message: str) -> str:
@@ -73,34 +170,33 @@ def _one_line(message: str) -> str:
 
 
 class GrammarCache:
-    """An engine's compiled grammars for its tokenizer: one per distinct constraint (by the hash of its
-    grammar), the least recently used dropped past MAX_CACHED_GRAMMARS. A constraint that does not compile
-    is cached with its error. Thread-safe: the worker compiles on its reader thread what the engine thread
-    then takes."""
+    """An engine's compiled grammars for its tokenizer: one per distinct constraint, the least recently used
+    dropped past MAX_CACHED_GRAMMARS. Each compiles on a thread of its own within budget_s; one that does not
+    compile, or not in time, is cached with its error. Thread-safe: the worker compiles on its preparation
+    threads what the engine thread then takes."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], budget_s: float = COMPILE_BUDGET_S):
         self._hf_tokenizer, self._vocab_size, self._eos = tokenizer, vocab_size, list(eos_token_ids)
+        self.budget_s = budget_s
         self._tokenizer = None  # llguidance's, built on first use (about a second for a large vocabulary)
-        self._compiled: OrderedDict[str, tuple[CompiledGrammar | None, str | None]] = OrderedDict()
+        self._compiled: OrderedDict[str, _Build] = OrderedDict()
         self._lock = threading.Lock()
 
     def compile(self, kind: str, value) -> "CompiledGrammar":
-        """The compiled grammar of a constraint; ValueError naming the field where it cannot be enforced."""
-        grammar = grammar_of(kind, value)
-        key = hashlib.sha256(grammar.encode()).hexdigest()
+        """The compiled grammar of a constraint; ValueError naming the field where it cannot be enforced
+        or took longer than budget_s to compile (a compile under way is waited for, not started again)."""
+        key = _key(kind, value)
         with self._lock:
-            hit = self._compiled.get(key)
-            if hit is not None:
-                self._compiled.move_to_end(key)
-        if hit is None:
-            hit = self._build(grammar)
-            with self._lock:
-                self._compiled[key] = hit
+            build = self._compiled.get(key)
+            if build is None:
+                build = self._compiled[key] = _Build(self, kind, value)
                 while len(self._compiled) > MAX_CACHED_GRAMMARS:
                     self._compiled.popitem(last=False)
-        compiled, error = hit
+            else:
+                self._compiled.move_to_end(key)
+        compiled, error = build.result()
         if error is not None:
-            raise ValueError(f"{kind} cannot be enforced: {error}")
+            raise ValueError(error)
         return compiled
 
     def __len__(self) -> int:
@@ -113,10 +209,12 @@ class GrammarCache:
             tokenizer = self._llg_tokenizer()
         except ValueError as e:
             return None, str(e)
+        began = time.monotonic()
         matcher = LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             return None, _one_line(matcher.get_error())
-        return CompiledGrammar(matcher, lambda: LLMatcher(tokenizer, grammar, log_level=0)), None
+        slow = time.monotonic() - began > SLOW_BUILD_S
+        return CompiledGrammar(matcher, lambda: LLMatcher(tokenizer, grammar, log_level=0), slow), None
 
     def _llg_tokenizer(self):
         with self._lock:
@@ -128,6 +226,39 @@ class GrammarCache:
                 self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self._vocab_size,
                                                                eos_token=self._eos)
             return self._tokenizer
+
+
+class _Build:
+    """One constraint's compile, on a thread of its own from its creation: its outcome, or a timeout error
+    for every caller once the cache's budget has passed (a compile that ends later is dropped)."""
+
+    def __init__(self, cache: GrammarCache, kind: str, value):
+        self.kind, self.budget_s = kind, cache.budget_s
+        self.deadline = time.monotonic() + cache.budget_s
+        self.future: Future = Future()
+        threading.Thread(target=self._run, args=(cache, kind, value), name="grammar-compile", daemon=True).start()
+
+    def _run(self, cache: GrammarCache, kind: str, value) -> None:
+        try:
+            compiled, error = cache._build(grammar_of(kind, value))
+        except (ValueError, TypeError) as e:
+            compiled, error = None, _one_line(str(e))
+        except BaseException as e:  # noqa: BLE001 - a failure of llguidance's is this constraint's alone
+            compiled, error = None, f"{type(e).__name__}: {_one_line(str(e))}"
+        if time.monotonic() > self.deadline:
+            compiled, error = None, self._late()
+        elif error is not None:
+            error = f"{kind} cannot be enforced: {error}"
+        self.future.set_result((compiled, error))
+
+    def _late(self) -> str:
+        return f"the {self.kind} took longer than {self.budget_s:g} s to compile; simplify it"
+
+    def result(self) -> tuple["CompiledGrammar | None", str | None]:
+        try:
+            return self.future.result(timeout=max(self.deadline - time.monotonic(), 0.0))
+        except TimeoutError:
+            return None, self._late()
 
 
 def mask_threads() -> int:
@@ -143,11 +274,12 @@ class CompiledGrammar:
     Copies of one matcher share its lexer's lazily built states behind a lock, so the masks of copies of
     one are computed one at a time, whatever the threads. The copies are spread over twice as many
     matchers built apart as there are mask threads (about a millisecond each, built as sequences ask for
-    them), and a batch's rows go to the threads grouped by the matcher they were copied from."""
+    them; none beside the first where that took longer than SLOW_BUILD_S, as the engine's thread builds them),
+    and a batch's rows go to the threads grouped by the matcher they were copied from."""
 
-    def __init__(self, matcher, build):
+    def __init__(self, matcher, build, slow: bool = False):
         self._templates, self._build = [matcher], build
-        self._num_templates = 2 * mask_threads()
+        self._num_templates = 1 if slow else 2 * mask_threads()
         self._next = 0
         self._lock = threading.Lock()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jsonschema
 import llguidance
@@ -252,7 +253,7 @@ def test_grammars_are_compiled_once_per_constraint_and_the_cache_is_bounded(tiny
     (dict(json_schema=["a"]), "json_schema must be a JSON schema"),
     (dict(regex="a(b"), r"regex must be a regular expression .*unclosed group"),
     (dict(regex="(?=a)b"), r"regex must be .*look-around"),
-    (dict(choice=[]), "choice must be a non-empty list of non-empty strings"),
+    (dict(choice=[]), "choice must be a non-empty list"),
     (dict(choice=["a", ""]), "choice must be a non-empty list"),
     (dict(choice="yes"), "choice must be a non-empty list"),
     (dict(regex="a", choice=["a"]), "give at most one of json_schema, regex, choice"),
@@ -325,3 +326,87 @@ def test_masks_have_begun_when_start_returns_and_equal_each_matchers_own(tiny):
         future.result()
     for row, state in enumerate(states):
         assert masks[row].numpy().tobytes() == state.matcher.compute_bitmask()[: words * 4]
+
+
+ASCII_CASES = [({"regex": r"\d{4}-\d{2}-\d{2}"}, r"[0-9]{4}-[0-9]{2}-[0-9]{2}"),
+               ({"regex": r"\w{3}\s\w{3}"}, r"[0-9A-Za-z_]{3}[\t\n\v\f\r ][0-9A-Za-z_]{3}"),
+               ({"json_schema": {"type": "string", "pattern": r"^\d{2}\s\w{2}$"}},
+                r"[0-9]{2}[\t\n\v\f\r ][0-9A-Za-z_]{2}")]
+
+
+@pytest.mark.parametrize("constraint, ascii_match", ASCII_CASES, ids=["date", "words", "schema"])
+def test_digit_word_and_space_classes_generate_ascii_only(tiny, constraint, ascii_match):
+    """Rust's \\d \\w \\s are Unicode classes ('۴᱁9൪' for \\d{4}); a constraint's are ASCII, as users mean them."""
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=40, **constraint) for seed in range(48)]
+    outs = tiny.generate(["Write it:"] * len(params), params, use_tqdm=False)
+    texts = [o.text for o in outs if o.finish_reason == "stop"]
+    assert len(texts) >= 40
+    for text in texts:
+        value = json.loads(text) if "json_schema" in constraint else text
+        assert value.isascii() and re.fullmatch(ascii_match, value), text
+
+
+# constraints llguidance compiles but cannot follow once text begins: each failed its job at the worker
+UNFOLLOWABLE = [
+    ("regex", "a{1000000}", "got one that cannot be enforced: it is too large to enforce (lexer error: too many "
+                            "expressions constructed)"),
+    ("json_schema", {"$ref": "#"}, "got one that cannot be enforced: recursive $ref with no end"),
+    ("json_schema", {"type": "object", "required": ["next"], "properties": {"next": {"$ref": "#"}}},
+     "got one that cannot be enforced: recursive $ref with no end"),
+]
+
+
+@pytest.mark.parametrize("kind, value, message", UNFOLLOWABLE, ids=["huge-count", "self", "endless"])
+def test_constraints_the_engine_cannot_follow_are_refused_by_sampling_params(kind, value, message):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**{kind: value})
+    assert message in str(e.value) and "\n" not in str(e.value) and len(str(e.value)) < 400
+
+
+def test_a_recursive_schema_with_an_end_is_accepted_and_followed(tiny):
+    tree = {"type": "object", "additionalProperties": False, "required": ["v"],
+            "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9}, "next": {"$ref": "#"}}}
+    outs = tiny.generate(["Tree:"] * 8, [SamplingParams(seed=i, max_tokens=MAX_TOKENS, json_schema=tree)
+                                         for i in range(8)], use_tqdm=False)
+    for out in outs:
+        check_completion(tiny, {"json_schema": tree}, out.outputs[0])
+
+
+def test_a_check_past_its_budget_is_a_one_line_error(monkeypatch):
+    from engine import grammar
+
+    monkeypatch.setattr(grammar, "COMPILE_BUDGET_S", 0.01)  # a{999999} takes a few tenths of a second
+    try:
+        error = grammar.check("regex", "a{999999}")
+    finally:
+        grammar._checked.cache_clear()
+    assert error == "it took longer than 0.01 s to check; simplify it"
+
+
+def gated(cache, kind: str, value):
+    """`cache` with its compile of one constraint held until the returned gate opens (and `began` set
+    once it waits): a compile as slow as the test needs, the real one after it."""
+    began, gate, build, slow = threading.Event(), threading.Event(), cache._build, grammar_of(kind, value)
+
+    def build_after_gate(grammar):
+        if grammar == slow:
+            began.set()
+            gate.wait(60)
+        return build(grammar)
+    cache._build = build_after_gate
+    return began, gate
+
+
+def test_a_compile_past_its_budget_fails_its_constraint_and_its_late_result_is_dropped(tiny):
+    from engine.grammar import GrammarCache
+
+    cache = GrammarCache(tiny.tokenizer, tiny.vocab_size, tiny.config.eos_token_id, budget_s=0.3)
+    began, gate = gated(cache, "regex", "[a-c]{5}")
+    with pytest.raises(ValueError, match=r"^the regex took longer than 0.3 s to compile; simplify it$"):
+        cache.compile("regex", "[a-c]{5}")
+    assert began.is_set()
+    assert cache.compile("regex", "x|y") is not None  # other constraints compile meanwhile
+    gate.set()
+    for _ in range(2):  # the same constraint again, after its compile ended late: the same error, at once
+        with pytest.raises(ValueError, match="took longer than 0.3 s"):
+            cache.compile("regex", "[a-c]{5}")
