@@ -33,6 +33,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 from producer import protocol as p
 
+from .celery_transport import MAX_BODY_BYTES_OPTION, BadMessage, Transport
 from .consumer import Job
 
 log = logging.getLogger("redline.worker")
@@ -62,7 +63,7 @@ class CeleryTask(Job):
 
 def celery_app(url: str, settings):
     """The Celery app a worker consumes and stores results with: JSON only, results kept `result_ttl`,
-    unacked messages under keys of this queue's own."""
+    unacked messages under keys of this queue's own, bodies of at most `max_job_bytes`."""
     from celery import Celery
 
     unacked = unacked_key(settings.celery_queue)
@@ -77,7 +78,8 @@ def celery_app(url: str, settings):
             # a worker killed while it restores others' messages holds this lock no longer than the timeout
             "unacked_mutex_key": f"{unacked}_mutex", "unacked_mutex_expire": max(round(timeout), 1),
             "unacked_restore_throttle": round(RESTORE_EVERY_S / POLL_S),  # one idle poll in this many looks
-            "polling_interval": BRPOP_TIMEOUT_S})  # the Redis transport's BRPOP timeout
+            "polling_interval": BRPOP_TIMEOUT_S,  # the Redis transport's BRPOP timeout
+            MAX_BODY_BYTES_OPTION: settings.max_job_bytes})  # a compressed body decompresses no further
     return app
 
 
@@ -170,7 +172,7 @@ class CelerySource:
     def run(self) -> None:
         """Read tasks while the worker reads; serve revokes and acks until everything is written."""
         try:
-            with self.app.connection_for_read() as conn:
+            with self.app.connection_for_read(transport=Transport) as conn:
                 self._errors = conn.connection_errors
                 consumer = self.app.amqp.TaskConsumer(conn.channel(), queues=[self.queue],
                                                       callbacks=[self._on_task], on_decode_error=self._on_undecodable)
@@ -205,6 +207,8 @@ class CelerySource:
                 conn.drain_events(timeout=POLL_S)
             except socket.timeout:
                 pass
+            except BadMessage as bad:
+                self._on_bad_message(bad, consumer.channel)
             except self._errors as e:
                 log.warning("Celery queue %r: Redis failed (%s); retrying in 1 s", self.queue.name,
                             str(e) or type(e).__name__)
@@ -346,6 +350,20 @@ class CelerySource:
         else:
             log.warning("dropped a message on Celery queue %r: %s", self.queue.name, error)
             self._settle.put((message, True))
+
+    def _on_bad_message(self, bad: BadMessage, task_channel) -> None:
+        """A message kombu could not read, already off its queue: its task fails if it names one, else it is
+        dropped."""
+        error = p.clean_error(bad.error)
+        if bad.channel is not task_channel:
+            log.warning("dropped a message on Celery's control mailbox: %s", error)
+            return
+        self.metrics.job_received(source=self.name)
+        if bad.task_id is None:
+            log.warning("dropped a message on Celery queue %r: %s", self.queue.name, error)
+        elif self._store(bad.task_id, p.FAILED, error=error):
+            log.warning("Celery task %s fails: %s", bad.task_id, error)
+            self.metrics.job_completed(p.FAILED, source=self.name)
 
     def _on_revoke(self, state, task_id, **options) -> dict:
         """Celery's revoke, terminate or not: a task not started ends REVOKED, a running one is aborted."""
