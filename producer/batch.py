@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import protocol as p
-from .batch_format import BatchLine, output_line, parse_line
+from .batch_format import BatchLine, load_json, mark_repeated_ids, output_line, parse_line
 from .client import build_job, cancel_call
 
 SUBMIT_CHUNK = 500
@@ -41,7 +41,9 @@ class Batch:
     @classmethod
     def from_lines(cls, lines: list[str], batch_id: str, endpoint: str | None = None) -> "Batch":
         """endpoint: every line must ask for it (`parse_line`)."""
-        return cls([parse_line(raw, endpoint) for raw in lines], [f"{batch_id}-{i}" for i in range(len(lines))])
+        parsed = [parse_line(raw, endpoint) for raw in lines]
+        mark_repeated_ids(parsed)
+        return cls(parsed, [f"{batch_id}-{i}" for i in range(len(lines))])
 
 
 def batch_id(content: bytes, scope: str) -> str:
@@ -76,10 +78,8 @@ def input_lines(content: bytes, name: str) -> list[str]:
 
 
 def _is_object(raw: str | bytes) -> bool:
-    try:
-        return isinstance(json.loads(raw), dict)
-    except ValueError:
-        return False
+    value, error = load_json(raw)
+    return error is None and isinstance(value, dict)
 
 
 def read_kept(path: str, batch: Batch) -> tuple[int, int]:

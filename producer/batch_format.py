@@ -31,6 +31,9 @@ NOT_YET = {"stream": (False,), "echo": (False,), "tools": ([],), "tool_choice": 
 ANY_JSON_OBJECT = {"type": "object"}  # response_format {"type": "json_object"}
 INFORMATIONAL = {"model", "user", "metadata"}  # accepted and not used: the worker's model answers
 INPUTS = {"messages", "prompt"}
+# how deep a request body or batch line may nest: a schema or a message nests a dozen levels, and deeper
+# JSON would exhaust Python's recursion (near 1000) in the parser or the checks after it
+MAX_JSON_DEPTH = 64
 
 
 @dataclass
@@ -45,10 +48,9 @@ class BatchLine:
 def parse_line(raw: str, endpoint: str | None = None) -> BatchLine:
     """One input line as a job for `Client.submit_many`, or the reason it cannot be one. With `endpoint`,
     every line must ask for that one (an OpenAI batch names its endpoint once)."""
-    try:
-        req = json.loads(raw)
-    except json.JSONDecodeError as e:
-        return BatchLine(None, error=f"line is not JSON: {e}")
+    req, error = load_json(raw)
+    if error is not None:
+        return BatchLine(None, error=f"line {error}")
     if not isinstance(req, dict):
         return BatchLine(None, error="line is not a JSON object")
     custom_id = req.get("custom_id")
@@ -68,6 +70,37 @@ def parse_line(raw: str, endpoint: str | None = None) -> BatchLine:
         line.job, line.error = request_job(line.url, body)
         line.with_logprobs = line.job.get("sampling", {}).get("logprobs") is not None
     return line
+
+
+def load_json(raw: str | bytes) -> tuple[object, str | None]:
+    """(The JSON value of `raw`; or why it cannot be one: "is not JSON: ..." or "nests deeper than ...")."""
+    too_deep = f"nests deeper than {MAX_JSON_DEPTH} levels; flatten it"
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        return None, too_deep
+    except ValueError as e:  # UnicodeDecodeError too
+        return None, f"is not JSON: {str(e)[:200]}"
+    level = [value]  # the containers at one depth, from the top (depth 1)
+    for _ in range(MAX_JSON_DEPTH):
+        level = [child for node in level if isinstance(node, (dict, list))
+                 for child in (node.values() if isinstance(node, dict) else node)]
+        if not level:
+            return value, None
+    return (None, too_deep) if any(isinstance(node, (dict, list)) for node in level) else (value, None)
+
+
+def mark_repeated_ids(lines: list[BatchLine]) -> None:
+    """A custom_id must be unique in its batch, as OpenAI requires: a line repeating an earlier line's
+    custom_id becomes an error line (the earlier one runs)."""
+    first: dict[str, int] = {}
+    for i, line in enumerate(lines):
+        if line.custom_id is None:
+            continue
+        j = first.setdefault(line.custom_id, i)
+        if j != i and line.error is None:
+            line.error = (f"custom_id {_shown(line.custom_id)} repeats line {j + 1}'s; give every line its own "
+                          "custom_id")
 
 
 def _shown(value, limit: int = 40) -> str:
@@ -92,6 +125,7 @@ def request_job(url: str, body: dict) -> tuple[dict, str | None]:
     if not_yet:
         return {}, "; ".join(not_yet)
     sampling = {wire: body[name] for name, wire in SAMPLING_FIELDS.items() if body.get(name) is not None}
+    sampling.setdefault("max_tokens", None)  # OpenAI's default: the rest of the context (until max_model_len)
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = [sampling["stop"]]
     logprobs, error = _logprobs(url, body)

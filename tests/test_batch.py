@@ -38,7 +38,7 @@ def ran(tmp_path_factory):
         "this is not json",
         request("ids", "/v1/completions", prompt=IDS, max_completion_tokens=7, temperature=0, ignore_eos=True),
         request("bad-url", "/v1/embeddings", input="x"),
-        request("two", "/v1/completions", prompt="a", n=2),
+        request("two", "/v1/completions", prompt="a", n=2, max_tokens=8),
         request("unknown", "/v1/completions", prompt="a", frobnicate=3),
         request("negative", "/v1/completions", prompt="a", max_tokens=-4),
         request("text", "/v1/completions", prompt="The queue holds", max_tokens=5, temperature=0.8, seed=3),
@@ -180,7 +180,7 @@ def test_a_bad_response_format_is_an_error_on_its_line(ran, custom_id, message):
 
 @pytest.mark.parametrize("case, message", [
     ("missing", "cannot read"), ("empty", "is empty"), ("not-jsonl", "is not JSONL"), ("binary", "not UTF-8"),
-    ("output-is-dir", "is a directory"), ("detach-without-redis", "--detach needs --redis-url"),
+    ("output-is-dir", "is a directory"), ("detach-without-redis", "--detach needs a queue"),
 ])
 def test_user_mistake_is_one_line_without_traceback(tmp_path, capsys, case, message):
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"

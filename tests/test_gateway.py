@@ -292,7 +292,7 @@ def test_a_request_no_worker_takes_is_answered_504_and_cancelled(stack):
 @pytest.mark.parametrize("extra, message", [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools="),
     ({"frobnicate": 1}, "unsupported body fields: frobnicate"),
-    ({"n": 2, "stream": True}, "stream: true takes one completion"),
+    ({"best_of": 2, "stream": True}, "stream: true takes completions without best_of or logprobs"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"response_format": {"type": "xml"}}, "response_format must be"),
 ])

@@ -18,14 +18,17 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
-from starlette.routing import Route
+from starlette.routing import Match, Route
+
+from monitoring.gateway_metrics import UNROUTED, GatewayMetrics
 
 from ..aio import AsyncClient
-from ..batch_format import ENDPOINTS
+from ..batch_format import ENDPOINTS, load_json
 from ..connection import connect, redact_url
 from .batches import BatchStore
 from .errors import APIError, error_body, invalid
 from .files import FileStore, new_file_id
+from .offload import Offload
 from .online import Online
 from .settings import GatewaySettings
 
@@ -36,17 +39,20 @@ log = logging.getLogger("redline.gateway")
 REDIS_CONNECTIONS = 1024
 MULTIPART_OVERHEAD = 64 * 1024  # an upload's body may exceed its file by this much (the form's other parts)
 CREATED = int(time.time())
+METHODS = {"GET", "POST", "DELETE", "HEAD", "PUT", "PATCH", "OPTIONS"}  # others are one label value: "other"
 
 
-def create_app(settings: GatewaySettings) -> Starlette:
-    """The gateway for `settings.queue` on `settings.redis_url`."""
+def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None) -> Starlette:
+    """The gateway for `settings.queue` on `settings.redis_url`, counting into `metrics` (its own if None)."""
+    metrics = metrics or GatewayMetrics(settings.queue, settings.model_name)
+    offload = Offload()
     password = {"password": settings.redis_password} if settings.redis_password else {}
     client = AsyncClient(settings.redis_url, settings.queue,
                          redis_client=connect(settings.redis_url, asyncio=True, pool_size=REDIS_CONNECTIONS,
                                               socket_timeout=None, **password))
     files = FileStore(client.redis, client.keys)
-    batches = BatchStore(client, files, settings.model_name)
-    online = Online(client, settings.model_name, settings.request_timeout)
+    batches = BatchStore(client, files, settings.model_name, metrics, offload)
+    online = Online(client, settings.model_name, settings.request_timeout, metrics, offload)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -87,7 +93,7 @@ def create_app(settings: GatewaySettings) -> Starlette:
         return JSONResponse(await files.delete(request.path_params["file_id"]))
 
     async def create_batch(request: Request) -> Response:
-        return JSONResponse(await batches.create(await _json(request)))
+        return JSONResponse(await batches.create(await _json(request, offload)))
 
     async def list_batches(request: Request) -> Response:
         q = request.query_params
@@ -101,7 +107,7 @@ def create_app(settings: GatewaySettings) -> Starlette:
 
     def completions(url: str):
         async def endpoint(request: Request) -> Response:
-            return await online.answer(request, url, await _json(request))
+            return await online.answer(request, url, await _json(request, offload))
         return endpoint
 
     model = {"id": settings.model_name, "object": "model", "created": CREATED, "owned_by": "redline"}
@@ -125,6 +131,10 @@ def create_app(settings: GatewaySettings) -> Starlette:
             return PlainTextResponse(f"Redis unreachable: {str(e)[:200]}\n", status_code=503)
         return PlainTextResponse("ok\n")
 
+    async def exposition(request: Request) -> Response:
+        body, content_type = metrics.exposition()
+        return Response(body, media_type=content_type)
+
     routes = [
         Route("/v1/files", upload, methods=["POST"]),
         Route("/v1/files", list_files, methods=["GET"]),
@@ -140,6 +150,7 @@ def create_app(settings: GatewaySettings) -> Starlette:
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
+        Route("/metrics", exposition, methods=["GET"]),
     ]
 
     async def api_error(request: Request, e: APIError) -> Response:
@@ -155,7 +166,38 @@ def create_app(settings: GatewaySettings) -> Starlette:
 
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={APIError: api_error, HTTPException: http_error, redis.RedisError: redis_error})
-    return Guard(app, settings)
+    return Instrument(Guard(app, settings), routes, metrics)
+
+
+class Instrument:
+    """ASGI middleware outermost: every request's route, method, status and duration into the metrics (the
+    ones Guard answers too)."""
+
+    def __init__(self, app, routes: list[Route], metrics: GatewayMetrics) -> None:
+        self.app, self.routes, self.metrics = app, routes, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.monotonic(), 500  # uvicorn answers 500 for an app that never started its answer
+
+        async def send_noting_status(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_status)
+        finally:
+            method = scope["method"] if scope["method"] in METHODS else "other"
+            self.metrics.observe_request(self._route(scope), method, status, time.monotonic() - start)
+
+    def _route(self, scope) -> str:
+        """The path template of the route the request asks for (whatever its method), else UNROUTED."""
+        matches = [(route.matches(scope)[0], route.path) for route in self.routes]
+        return next((path for match, path in matches if match is Match.FULL),
+                    next((path for match, path in matches if match is Match.PARTIAL), UNROUTED))
 
 
 class Guard:
@@ -205,11 +247,14 @@ async def _answer(send, status: int, message: str, code: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-async def _json(request: Request) -> dict:
-    try:
-        body = json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise invalid(f"the body is not JSON: {e}") from None
+async def _json(request: Request, offload: Offload) -> dict:
+    return await offload(_parse_body, await request.body())
+
+
+def _parse_body(raw: bytes) -> dict:
+    body, error = load_json(raw)
+    if error is not None:
+        raise invalid(f"the body {error}")
     if not isinstance(body, dict):
         raise invalid("the body must be a JSON object")
     return body

@@ -14,21 +14,21 @@ expired: `completion_window` is every job's deadline, and when it passes the unf
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import re
 import time
 import uuid
 
-from starlette.concurrency import run_in_threadpool
-
 from .. import protocol as p
-from ..batch import Batch, BatchError, input_lines
+from ..batch import SUBMIT_CHUNK, Batch, BatchError, input_lines
 from ..batch_format import ENDPOINTS, BatchLine, output_line
-from ..client import build_job, cancel_call
+from ..client import build_job, cancel_call, submit_call
 from ..scripts import ScriptSet
 from .errors import APIError, invalid, not_found
 from .files import FileStore, page
+from .offload import Offload
 
 log = logging.getLogger("redline.gateway")
 
@@ -79,27 +79,26 @@ def check_metadata(metadata) -> dict | None:
     return metadata
 
 
-def prepare(lines: list[str], batch_id: str, endpoint: str, window_s: int) -> tuple[Batch, list[dict]]:
-    """The batch's lines, parsed, and the jobs of those that can run (the others' lines say why)."""
+def prepare(lines: list[str], batch_id: str, endpoint: str, window_s: int) -> tuple[Batch, list[tuple]]:
+    """The batch's lines, parsed, and the validated jobs (`build_job`'s) of those that can run (the others'
+    lines say why)."""
     batch = Batch.from_lines(lines, batch_id, endpoint)
     jobs = []
     for line, job_id in zip(batch.lines, batch.line_ids):
         if line.error is None:
-            job = {**line.job, "job_id": job_id, "deadline_s": window_s}
             try:
-                build_job(**job)
+                jobs.append(build_job(**line.job, job_id=job_id, deadline_s=window_s))
             except ValueError as e:
                 line.error = str(e)
-                continue
-            jobs.append(job)
     return batch, jobs
 
 
 class BatchStore:
     """The batches of one queue: created from files, advanced and finalized by every gateway."""
 
-    def __init__(self, client, files: FileStore, model_name: str) -> None:
+    def __init__(self, client, files: FileStore, model_name: str, metrics, offload: Offload) -> None:
         self.client, self.files, self.model_name = client, files, model_name
+        self.metrics, self.offload = metrics, offload
         self.redis, self.keys = client.redis, client.keys
         self.scripts = GatewayScripts(self.redis)
 
@@ -131,7 +130,7 @@ class BatchStore:
                    "metadata": metadata, "model": self.model_name}
         fields = {"batch": json.dumps(request), "status": "validating", "validating_at": now}
         try:
-            lines = await run_in_threadpool(input_lines, await self.files.content(file_id), f"file {file_id}")
+            lines = await self.offload(input_lines, await self.files.content(file_id), f"file {file_id}")
         except BatchError as e:
             errors = {"object": "list", "data": [{"code": "invalid_file", "message": str(e), "param": "input_file_id",
                                                   "line": None}]}
@@ -143,19 +142,26 @@ class BatchStore:
         if lines is not None:
             pipe.sadd(self.keys.open_batches, batch_id)
         await pipe.execute()
-        if lines is not None:
+        if lines is None:
+            self.metrics.batch_finished("failed")
+        else:
             await self._submit(batch_id, request, lines)
         return await self.advance(batch_id)
 
     async def _submit(self, batch_id: str, request: dict, lines: list[str]) -> None:
         """Submit the batch's jobs (again, after a gateway died: ids that exist are not enqueued twice)."""
         window_s = request["expires_at"] - request["created_at"]
-        batch, jobs = await run_in_threadpool(prepare, lines, batch_id, request["endpoint"], window_s)
+        try:
+            batch, jobs = await self.offload(prepare, lines, batch_id, request["endpoint"], window_s)
+        except Exception as e:  # noqa: BLE001 - an input no line check foresaw fails its batch, never loops it
+            log.exception("batch %s: its input could not be prepared", batch_id)
+            return await self._fail(batch_id, f"the input could not be prepared: {type(e).__name__}: {str(e)[:200]}")
         summaries = [[line.custom_id, line.url, line.error, line.with_logprobs] for line in batch.lines]
         await self.redis.hset(self.keys.batch(batch_id), mapping={"lines": json.dumps(summaries),
                                                                   "total": len(lines)})
-        for start in range(0, len(jobs), READ_CHUNK):
-            await self.client.submit_many(jobs[start:start + READ_CHUNK])
+        for start in range(0, len(jobs), SUBMIT_CHUNK):
+            keys, args = submit_call(self.keys, jobs[start:start + SUBMIT_CHUNK])
+            await self.client.scripts.submit(keys=keys, args=args)
         await self.redis.hset(self.keys.batch(batch_id), "submitted_at", int(time.time()))
         if await self._move(batch_id, "in_progress", "validating", in_progress_at=int(time.time())) == 0:
             await self._cancel_unfinished(batch_id)  # cancelled while its jobs were being submitted
@@ -165,13 +171,17 @@ class BatchStore:
         try:
             content = await self.files.content(request["input_file_id"])
         except APIError:
-            errors = {"object": "list", "data": [{"code": "invalid_file", "param": "input_file_id", "line": None,
-                                                  "message": "the input file was deleted before the batch's jobs "
-                                                             "were all submitted"}]}
-            await self._move(batch_id, "failed", "validating", failed_at=int(time.time()), errors=json.dumps(errors))
-            await self.redis.srem(self.keys.open_batches, batch_id)
-            return
-        await self._submit(batch_id, request, await run_in_threadpool(input_lines, content, "the input file"))
+            return await self._fail(batch_id, "the input file was deleted before the batch's jobs were all submitted")
+        await self._submit(batch_id, request, await self.offload(input_lines, content, "the input file"))
+
+    async def _fail(self, batch_id: str, message: str) -> None:
+        """A validating batch whose jobs cannot be submitted is failed, with `message` as its error."""
+        errors = {"object": "list", "data": [{"code": "invalid_file", "param": "input_file_id", "line": None,
+                                              "message": message}]}
+        if await self._move(batch_id, "failed", "validating cancelling", failed_at=int(time.time()),
+                            errors=json.dumps(errors)) == 1:
+            self.metrics.batch_finished("failed")
+        await self.redis.srem(self.keys.open_batches, batch_id)
 
     # ---- progress ----
 
@@ -294,8 +304,7 @@ class BatchStore:
                 pipe.hget(self.keys.job(f"{batch_id}-{i}"), "result")
             results += await pipe.execute()
         expired = "expired_at" in h
-        outputs, errors, any_expired = await run_in_threadpool(self._output_rows, batch_id, summaries, results,
-                                                               expired)
+        outputs, errors, any_expired = await self.offload(self._output_rows, batch_id, summaries, results, expired)
         hex_id = batch_id.removeprefix("batch_")
         files = {}
         if outputs:
@@ -306,8 +315,9 @@ class BatchStore:
                                                            "batch_output", errors))["id"]
         final = "cancelled" if "cancelling_at" in h else "expired" if expired or any_expired else "completed"
         n_out, n_err = outputs.count(b"\n"), errors.count(b"\n")
-        await self._move(batch_id, final, "finalizing", completed=n_out, failed=n_err,
-                         **{f"{final}_at": int(time.time())}, **files)
+        if await self._move(batch_id, final, "finalizing", completed=n_out, failed=n_err,
+                            **{f"{final}_at": int(time.time())}, **files) == 1:
+            self.metrics.batch_finished(final)
         await self.redis.srem(self.keys.open_batches, batch_id)
         log.info("batch %s %s: %d succeeded, %d failed", batch_id, final, n_out, n_err)
 
@@ -345,11 +355,13 @@ class BatchStore:
         """Advance every open batch, every KEEPER_INTERVAL_S, until cancelled (each gateway runs this)."""
         while True:
             try:
+                statuses = collections.Counter()
                 for batch_id in await self.redis.smembers(self.keys.open_batches):
                     try:
-                        await self.advance(p.decode(batch_id))
+                        statuses[(await self.advance(p.decode(batch_id)))["status"]] += 1
                     except APIError:  # deleted under us
                         await self.redis.srem(self.keys.open_batches, batch_id)
+                self.metrics.set_open_batches(statuses)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # Redis away for a moment: the next round tries again

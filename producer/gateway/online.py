@@ -3,7 +3,11 @@
 Each request is one job: its body becomes the job as a batch line's does (`producer.batch_format`), it is
 enqueued with the request timeout as its deadline, and the answer is its result in the endpoint's shape;
 with `stream: true`, server-sent events from the job's token stream, then `data: [DONE]`. A client that
-goes away, or a request with no result within the timeout, cancels its job.
+goes away, or a request with no result within the timeout, cancels its job. The body is parsed and the job
+validated (a schema's grammar compiled) on the gateway's Offload threads, never on the event loop.
+
+A stream of n > 1 completions carries each as OpenAI does, `choices[0].index` naming it: the worker streams
+completion 0's tokens as they come, and the others arrive whole from the result when the job ends.
 """
 from __future__ import annotations
 
@@ -18,7 +22,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .. import protocol as p
 from ..batch_format import request_job, response_body, usage_body
+from ..client import build_job, submit_call
 from .errors import APIError, error_body, invalid
+from .offload import Offload
 
 WAIT_SLICE_S = 1.0  # a waiting request checks this often whether its client is still there
 RESULT_STATUS = {p.FAILED: 400, p.EXPIRED: 503, p.CANCELLED: 500}  # a job that did not succeed, as HTTP
@@ -27,29 +33,21 @@ RESULT_STATUS = {p.FAILED: 400, p.EXPIRED: 503, p.CANCELLED: 500}  # a job that 
 class Online:
     """The online endpoints of one gateway, over its AsyncClient."""
 
-    def __init__(self, client, model_name: str, timeout_s: float) -> None:
+    def __init__(self, client, model_name: str, timeout_s: float, metrics, offload: Offload) -> None:
         self.client, self.model_name, self.timeout_s = client, model_name, timeout_s
+        self.metrics, self.offload = metrics, offload
 
     async def answer(self, request: Request, url: str, body: dict) -> Response:
         stream, include_usage = _stream_options(body)
-        job, error = request_job(url, {k: v for k, v in body.items() if k not in ("stream", "stream_options")})
-        if error is not None:
-            raise invalid(error)
-        sampling = job["sampling"]
-        with_logprobs = sampling.get("logprobs") is not None
-        if stream and (sampling.get("n", 1) != 1 or sampling.get("best_of") is not None or with_logprobs):
-            raise invalid("stream: true takes one completion without logprobs (leave out n, best_of and "
-                          "logprobs, or set stream: false)", "stream")
         chat = url == "/v1/chat/completions"
         job_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        job.update(job_id=job_id, stream=stream, deadline_s=self.timeout_s)
-        try:
-            await self.client.submit(**job)
-        except ValueError as e:
-            raise invalid(str(e)) from None
+        built, sampling = await self.offload(_build, url, body, job_id, stream, self.timeout_s)
+        with_logprobs = sampling.get("logprobs") is not None
+        keys, args = submit_call(self.client.keys, [built])
+        await self.client.scripts.submit(keys=keys, args=args)
         deadline = time.monotonic() + self.timeout_s
         if stream:
-            return await self._stream(request, job_id, chat, include_usage, deadline)
+            return await self._stream(request, job_id, chat, sampling.get("n", 1), include_usage, deadline)
         result = await self._wait(request, job_id, deadline, self.client.result)
         if not result.ok:
             raise _failed(result.status, result.error)
@@ -75,20 +73,21 @@ class Online:
     async def _first_delta(self, job_id: str, timeout: float) -> p.TokenDelta:
         return await anext(self.client.stream(job_id, timeout=timeout))
 
-    async def _stream(self, request: Request, job_id: str, chat: bool, include_usage: bool,
+    async def _stream(self, request: Request, job_id: str, chat: bool, n: int, include_usage: bool,
                       deadline: float) -> Response:
         first = await self._wait(request, job_id, deadline, self._first_delta)
         if first.finished and first.status != p.SUCCEEDED and not first.text:
             raise _failed(first.status, first.error)  # refused before it ran: an answer, not a stream
         rest = self.client.stream(job_id, after=first.id or "0-0", timeout=max(deadline - time.monotonic(), 0.01))
         chunks = Chunks(job_id, chat, self.model_name, include_usage)
-        return EventStream(self._events(job_id, first, rest, chunks))
+        return EventStream(self._events(job_id, first, rest, chunks, n), self.metrics)
 
     async def _events(self, job_id: str, first: p.TokenDelta, deltas: AsyncIterator[p.TokenDelta],
-                      chunks: "Chunks") -> AsyncIterator[str]:
+                      chunks: "Chunks", n: int) -> AsyncIterator[str]:
         finished = False
         try:
-            yield chunks.event(chunks.choice(role=True))
+            for index in range(n):
+                yield chunks.event(chunks.choice(index, role=True))
             sent = text = ""  # what the client has, and the text of the job's current attempt
             delta = first
             while True:
@@ -98,16 +97,21 @@ class Online:
                                             "from what was sent; send it again")
                     return
                 if len(text) > len(sent):
-                    yield chunks.event(chunks.choice(content=text[len(sent):]))
+                    yield chunks.event(chunks.choice(0, content=text[len(sent):]))
                     sent = text
                 if delta.finished:
                     finished = True
                     if delta.status != p.SUCCEEDED:
                         yield _error_event(RESULT_STATUS[delta.status], f"the request {delta.status}: {delta.error}")
                         return
-                    yield chunks.event(chunks.choice(finish_reason=delta.finish_reason))
+                    yield chunks.event(chunks.choice(0, finish_reason=delta.finish_reason))
+                    result = await self.client.result(job_id, timeout=10) if n > 1 or chunks.include_usage else None
+                    for c in (result.outputs or [])[1:] if n > 1 else []:  # the completions not streamed
+                        if c.text:
+                            yield chunks.event(chunks.choice(c.index, content=c.text))
+                        yield chunks.event(chunks.choice(c.index, finish_reason=c.finish_reason))
                     if chunks.include_usage:
-                        yield chunks.event(usage=usage_body(await self.client.result(job_id, timeout=10)))
+                        yield chunks.event(usage=usage_body(result))
                     yield "data: [DONE]\n\n"
                     return
                 delta = await anext(deltas)
@@ -128,11 +132,12 @@ class Chunks:
         self.head = {"id": job_id, "object": "chat.completion.chunk" if chat else "text_completion",
                      "created": int(time.time()), "model": model}
 
-    def choice(self, content: str = "", role: bool = False, finish_reason: str | None = None) -> dict:
+    def choice(self, index: int, content: str = "", role: bool = False, finish_reason: str | None = None) -> dict:
+        """Completion `index`'s next piece: its role (first), text, or finish reason (last)."""
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else {"content": content} if content else {}
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return {"index": 0, "text": content, "logprobs": None, "finish_reason": finish_reason}
+            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "text": content, "logprobs": None, "finish_reason": finish_reason}
 
     def event(self, choice: dict | None = None, usage: dict | None = None) -> str:
         data = {**self.head, "choices": [] if choice is None else [choice]}
@@ -145,15 +150,33 @@ class EventStream(StreamingResponse):
     """Server-sent events; the generator is closed however the response ends, so its job is never left
     running for a client that is gone."""
 
-    def __init__(self, events: AsyncIterator[str]) -> None:
+    def __init__(self, events: AsyncIterator[str], metrics) -> None:
         super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.metrics = metrics
 
     async def __call__(self, scope, receive, send) -> None:
+        self.metrics.open_streams.inc()
         try:
             await super().__call__(scope, receive, send)
         finally:
+            self.metrics.open_streams.dec()
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
+
+
+def _build(url: str, body: dict, job_id: str, stream: bool, deadline_s: float) -> tuple[tuple[str, int, str], dict]:
+    """(The validated job, as `build_job` returns it; its sampling) for a request body; 400 if it cannot run."""
+    job, error = request_job(url, {k: v for k, v in body.items() if k not in ("stream", "stream_options")})
+    if error is not None:
+        raise invalid(error)
+    sampling = job["sampling"]
+    if stream and (sampling.get("best_of") is not None or sampling.get("logprobs") is not None):
+        raise invalid("stream: true takes completions without best_of or logprobs (leave them out, or set "
+                      "stream: false)", "stream")
+    try:
+        return build_job(**{**job, "job_id": job_id, "stream": stream, "deadline_s": deadline_s}), sampling
+    except ValueError as e:
+        raise invalid(str(e)) from None
 
 
 def _stream_options(body: dict) -> tuple[bool, bool]:

@@ -27,6 +27,11 @@ class GatewaySettings(BaseSettings):
     max_request_bytes: int = Field(4 * MiB, ge=1024, description="largest body of any other request")
     request_timeout: float = Field(600.0, gt=0, description="an online request without a result this long after "
                                                            "it was enqueued is cancelled and answered 504")
+    header_timeout: float = Field(10.0, gt=0, le=3600, description="a connection whose request head has not arrived "
+                                                                   "whole this many seconds after it began is closed")
+    max_connections: int = Field(1000, ge=1, le=1_000_000,
+                                 description="client connections open at once; past it a new one takes the place of "
+                                             "the one waiting longest for a request head, else is answered 503")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
 
     @field_validator("api_keys", mode="before")

@@ -1,0 +1,116 @@
+"""The gateway's HTTP server: uvicorn with h11, guarded so that no client can lock others out.
+
+uvicorn times out idle keep-alive connections but not a request head that never ends, so one client
+sending heads byte by byte (slowloris) held connections, and file descriptors, until the process could
+accept no more. `GuardedH11Protocol` closes a connection whose request head has not arrived whole within
+`header_timeout`, and keeps at most `max_connections` open: a new connection past that takes the place
+of the one that has waited longest for a head, or is answered 503 when every connection is busy.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import resource
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .errors import error_body
+from .settings import GatewaySettings
+
+log = logging.getLogger("redline.gateway")
+
+FILE_MARGIN = 64  # descriptors beyond connections and Redis: the listening socket, logs, the interpreter's own
+REFUSED = json.dumps(error_body(503, "the gateway has no free connection: every one is busy with a request; "
+                                     "retry shortly")).encode()
+REFUSED_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                    b"content-length: " + str(len(REFUSED)).encode() + b"\r\n\r\n" + REFUSED)
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request head and a cap on open connections.
+    `guarded_protocol` makes the subclass that carries the settings and metrics."""
+
+    head_timeout_s: float = 10.0
+    max_connections: int = 1000
+    metrics = None  # GatewayMetrics, or None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.head_timer = None
+        self.idle_since = self.loop.time()
+        self._arm_head_timer()
+        if self.metrics is not None:
+            self.metrics.open_connections.inc()
+        if len(self.connections) > self.max_connections:
+            self._make_room()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm_head_timer()
+        if self.metrics is not None:
+            self.metrics.open_connections.dec()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self.head_timer is None and self.waiting_for_head():
+            self._arm_head_timer()  # the first bytes of a request on a kept-alive connection
+        super().data_received(data)
+        if not self.waiting_for_head():
+            self._disarm_head_timer()
+
+    def on_response_complete(self) -> None:
+        self.idle_since = self.loop.time()
+        super().on_response_complete()
+
+    def waiting_for_head(self) -> bool:
+        """No request is being answered, and the next one's head has not arrived whole."""
+        return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
+
+    def _arm_head_timer(self) -> None:
+        self.head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def _disarm_head_timer(self) -> None:
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+            self.head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self.head_timer = None
+        if self.waiting_for_head() and not self.transport.is_closing():
+            self._drop("head_timeout")
+
+    def _make_room(self) -> None:
+        """Close the connection that has waited longest for a request head, or refuse this one."""
+        waiting = [c for c in self.connections
+                   if c is not self and isinstance(c, GuardedH11Protocol) and c.waiting_for_head()
+                   and not c.transport.is_closing()]
+        if waiting:
+            min(waiting, key=lambda c: c.idle_since)._drop("evicted")
+        else:
+            self.transport.write(REFUSED_RESPONSE)
+            self._drop("refused")
+
+    def _drop(self, reason: str) -> None:
+        self._disarm_head_timer()
+        self.connections.discard(self)  # its place is free now, not when the close completes
+        self.transport.close()
+        if self.metrics is not None:
+            self.metrics.connection_dropped(reason)
+
+
+def guarded_protocol(settings: GatewaySettings, metrics=None) -> type[GuardedH11Protocol]:
+    """The protocol class for uvicorn's `http=`, carrying the settings' bounds."""
+    return type("GatewayProtocol", (GuardedH11Protocol,), {
+        "head_timeout_s": settings.header_timeout, "max_connections": settings.max_connections, "metrics": metrics})
+
+
+def raise_file_limit(needed: int) -> None:
+    """Raise this process's open-file limit to `needed` where the hard limit allows (it is often 1024 while
+    the hard limit is far higher); warn where it cannot."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        if target < needed:
+            log.warning("the open-file limit is %d (hard limit); --max-connections and the Redis connections need "
+                        "%d: raise it (ulimit -n) or lower --max-connections", target, needed)
