@@ -26,6 +26,10 @@ def register(subparsers) -> None:
     parser.add_argument("--max-request-bytes", type=int, default=None, help="largest other request body [4 MiB]")
     parser.add_argument("--request-timeout", type=float, default=None,
                         help="seconds an online request waits for its result before it is cancelled (504) [600]")
+    parser.add_argument("--header-timeout", type=float, default=None,
+                        help="seconds a client has to send a request's head before its connection is closed [10]")
+    parser.add_argument("--max-connections", type=int, default=None,
+                        help="client connections open at once; past it the one idle longest is closed, else 503 [1000]")
     parser.add_argument("--log-level", default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.set_defaults(func=run_serve)
 
@@ -70,13 +74,18 @@ def run_serve(args: argparse.Namespace) -> int:
     check_server(connect(settings.redis_url, **password), settings.redis_url)
     check_can_listen(settings.host, settings.port)  # before any log line; uvicorn would log a traceback, exit 3
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from .app import create_app
+    from monitoring.gateway_metrics import GatewayMetrics
 
-    app = create_app(settings)
+    from .app import REDIS_CONNECTIONS, create_app
+    from .server import FILE_MARGIN, guarded_protocol, raise_file_limit
+
+    metrics = GatewayMetrics(settings.queue, settings.model_name)
+    app = create_app(settings, metrics)
+    raise_file_limit(settings.max_connections + REDIS_CONNECTIONS + FILE_MARGIN)
     keys = (f"{len(settings.api_keys)} API key(s)" if settings.api_keys
             else "no API key (anyone who can connect may use it)")
     logging.getLogger("redline.gateway").info("gateway for queue %r on %s at http://%s:%d/v1, %s", settings.queue,
                                               redact_url(settings.redis_url), settings.host, settings.port, keys)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                timeout_graceful_shutdown=30)
+                timeout_graceful_shutdown=30, http=guarded_protocol(settings, metrics))
     return 0
