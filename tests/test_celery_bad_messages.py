@@ -156,8 +156,8 @@ def test_a_compression_bomb_fails_its_task_without_growing_the_worker(url, produ
         assert_queue_empty(redis, queue)
 
 
-def test_compressed_tasks_within_max_job_bytes_run_and_an_unbounded_compression_is_refused(url, producer, engine,
-                                                                                            monkeypatch):
+def test_bodies_within_max_job_bytes_run_compressed_and_larger_or_unbounded_ones_fail(url, producer, engine,
+                                                                                     monkeypatch):
     import kombu.compression
 
     # a compression kombu knows but redline cannot bound: refused, never decompressed
@@ -169,10 +169,13 @@ def test_compressed_tasks_within_max_job_bytes_run_and_an_unbounded_compression_
                 for name in ("zlib", "gzip", "bzip2", "lzma")]
         reversed_ = send(producer, worker, kwargs={"prompt": "backwards", "sampling": GREEDY}, compression="reversed")
         padded = send(producer, worker, kwargs={"prompt": "y" * MAX_JOB_BYTES, "sampling": GREEDY}, compression="zlib")
+        large = send(producer, worker, kwargs={"prompt_token_ids": [7] * MAX_JOB_BYTES, "sampling": GREEDY})
         assert [r.get(timeout=60)["status"] for r in sent] == ["succeeded"] * 4
         with pytest.raises(Exception, match=r"compression 'application/x-reversed' .*send with zlib, bzip2, lzma"):
             reversed_.get(timeout=30)
         with pytest.raises(Exception, match="decompresses to more than"):
             padded.get(timeout=30)
+        with pytest.raises(Exception, match=f"the body is [0-9,]+ bytes; this worker takes at most {MAX_JOB_BYTES:,}"):
+            large.get(timeout=30)
         redis = Client(url, worker.settings.queue).redis
         assert_queue_empty(redis, worker.settings.celery_queue)

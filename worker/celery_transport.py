@@ -3,10 +3,10 @@
 kombu reads a message's JSON envelope, builds its `Message` (body decoded, then decompressed without a bound)
 and files it as unacked before any consumer sees it; a message it cannot read raises out of `drain_events`.
 Here a message that is not kombu's envelope raises `BadMessage` instead, already off the queue and never in the
-unacked set, for the source to drop (or to fail its task, when its headers name one). A compressed body is
-decompressed incrementally up to the worker's `max_job_bytes`: past that, or in a compression that cannot be
-bounded, the message carries the error as kombu's own decode errors do, and its consumer's `on_decode_error`
-fails its task.
+unacked set, for the source to drop (or to fail its task, when its headers name one). A body may be at most
+the worker's `max_job_bytes`, a compressed one decompressed incrementally up to that bound: past it, or in a
+compression that cannot be bounded, the message carries the error as kombu's own decode errors do, and its
+consumer's `on_decode_error` fails its task.
 """
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def _task_id(payload) -> str | None:
 
 
 class CheckedMessage(virtual.Message):
-    """kombu's message, built only from a well-formed envelope and decompressed within the channel's bound."""
+    """kombu's message, built only from a well-formed envelope; its body (decompressed) within the channel's bound."""
 
     def __init__(self, payload, channel=None, **kwargs) -> None:
         error = _envelope_error(payload, channel)
@@ -115,11 +115,17 @@ class CheckedMessage(virtual.Message):
             raise BadMessage(f"kombu could not read it: {type(e).__name__}: {e}", _task_id(payload),
                              channel) from None
         self._raw, self.headers = payload, headers  # filed as unacked (and restored) as it came
-        if packed and not self.errors:
-            try:
-                self.body = decompress(self.body, packed, channel.max_body_bytes)
-            except ValueError as e:  # as kombu records a failed decompression: on to on_decode_error
-                self.errors.append((type(e), e, None))
+        if self.errors:
+            return
+        limit = channel.max_body_bytes
+        try:
+            if packed:
+                self.body = decompress(self.body, packed, limit)
+            elif isinstance(self.body, bytes) and len(self.body) > limit:  # refused before it is parsed
+                raise ValueError(f"the body is {len(self.body):,} bytes; this worker takes at most {limit:,} "
+                                 "(max_job_bytes)")
+        except ValueError as e:  # as kombu records a failed decompression: on to on_decode_error
+            self.errors.append((type(e), e, None))
 
 
 class Channel(redis.Channel):
