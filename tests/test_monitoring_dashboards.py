@@ -1,7 +1,9 @@
-"""Every Grafana panel query, evaluated by a real Prometheus that scraped a worker which processed jobs.
+"""Every Grafana panel query, evaluated by a real Prometheus that scraped a worker which processed jobs and a
+gateway which answered requests.
 
 The worker is a real `redline worker` process (tiny built-in model, dummy weights, CPU) serving an
-embedded redis-server, fed jobs through `producer.Client`. Prometheus is Debian's `prometheus` package
+embedded redis-server, fed jobs through `producer.Client`; the gateway a real `redline serve` process on
+the same queue, called through the official `openai` client. Prometheus is Debian's `prometheus` package
 (`.ci/run` installs it); without the binary these tests skip and say so. The test starts its own
 Prometheus on a free port with a config derived from monitoring/prometheus.yml (same job name, 1 s
 scrapes) and never touches a system service.
@@ -28,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MONITORING = ROOT / "monitoring"
 DASHBOARDS = sorted((MONITORING / "grafana" / "dashboards").glob("*.json"))
 WORKER_JOB = "redline-worker"
+GATEWAY_JOB = "redline-gateway"
 SCRAPE_SECONDS = 1
 QUEUE = "dash_test"
 NUM_JOBS = 6
@@ -97,25 +100,28 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def prometheus_config(worker_targets: list[str]) -> dict:
-    """monitoring/prometheus.yml with the worker job pointed at local targets and 1 s scrapes."""
+def prometheus_config(targets: dict[str, list[str]]) -> dict:
+    """monitoring/prometheus.yml with the worker and gateway jobs pointed at local targets ({job: targets})
+    and 1 s scrapes."""
     config = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
     config["global"]["scrape_interval"] = f"{SCRAPE_SECONDS}s"
     config["global"]["evaluation_interval"] = f"{SCRAPE_SECONDS}s"
-    jobs = [job for job in config["scrape_configs"] if job["job_name"] == WORKER_JOB]
-    assert jobs, f"monitoring/prometheus.yml has no {WORKER_JOB!r} job"
-    job = {k: v for k, v in jobs[0].items() if not k.endswith("_sd_configs")}
-    job["static_configs"] = [{"targets": worker_targets}]
-    config["scrape_configs"] = [job]
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert set(targets) <= set(jobs), f"monitoring/prometheus.yml lacks a job of {sorted(targets)}"
+    config["scrape_configs"] = []
+    for name, addresses in targets.items():
+        job = {k: v for k, v in jobs[name].items() if not k.endswith("_sd_configs")}
+        job["static_configs"] = [{"targets": addresses}]
+        config["scrape_configs"].append(job)
     return config
 
 
 class Prometheus:
-    def __init__(self, tmp: Path, worker_targets: list[str]):
+    def __init__(self, tmp: Path, targets: dict[str, list[str]]):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config_path = tmp / "prometheus.yml"
-        config_path.write_text(yaml.safe_dump(prometheus_config(worker_targets)))
+        config_path.write_text(yaml.safe_dump(prometheus_config(targets)))
         self.log = open(tmp / "prometheus.log", "w")
         self.proc = subprocess.Popen(
             [PROMETHEUS, f"--config.file={config_path}", f"--storage.tsdb.path={tmp / 'data'}",
@@ -162,9 +168,23 @@ def metrics_text(port: int) -> str | None:
         return None
 
 
+def use_the_gateway(port: int) -> None:
+    """Requests of each kind a gateway answers that run no job: models, a 404, a file, a batch that fails."""
+    import openai
+
+    client = openai.OpenAI(api_key="unused", base_url=f"http://127.0.0.1:{port}/v1", max_retries=0, timeout=30)
+    client.models.list()
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch_none")
+    f = client.files.create(file=("in.jsonl", b"not jsonl\n"), purpose="batch")
+    assert client.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                                 completion_window="24h").status == "failed"
+
+
 @pytest.fixture(scope="module")
 def scraped(tmp_path_factory):
-    """A Prometheus that scraped a real `redline worker` before, while and after it processed jobs."""
+    """A Prometheus that scraped a real `redline worker` and `redline serve` before, while and after they
+    processed jobs and requests."""
     if PROMETHEUS is None:
         pytest.skip(needs_prometheus.kwargs["reason"])
     from engine.builtin import TINY_MODEL_DIR
@@ -172,19 +192,24 @@ def scraped(tmp_path_factory):
     from producer.embedded import RedisServer
 
     tmp = tmp_path_factory.mktemp("prometheus")
-    port = free_port()
+    port, gateway_port = free_port(), free_port()
     redis_server = RedisServer().start()
-    worker_log = open(tmp / "worker.log", "w")
+    worker_log, gateway_log = open(tmp / "worker.log", "w"), open(tmp / "gateway.log", "w")
     worker = subprocess.Popen(
         [sys.executable, "-m", "worker.cli", "worker", "--model", TINY_MODEL_DIR, "--load-format", "dummy",
          "--device", "cpu", "--redis-url", redis_server.url, "--queue", QUEUE, "--metrics-port", str(port)],
         cwd=ROOT, env=worker_env(), stdout=worker_log, stderr=subprocess.STDOUT)
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "worker.cli", "serve", "--redis-url", redis_server.url, "--queue", QUEUE,
+         "--port", str(gateway_port)], cwd=ROOT, env=worker_env(), stdout=gateway_log, stderr=subprocess.STDOUT)
     prometheus = None
     try:
         wait_until(lambda: metrics_text(port), 120, "the worker's /metrics", worker)
-        prometheus = Prometheus(tmp, [f"127.0.0.1:{port}"])
+        wait_until(lambda: metrics_text(gateway_port), 60, "the gateway's /metrics", gateway)
+        prometheus = Prometheus(tmp, {WORKER_JOB: [f"127.0.0.1:{port}"], GATEWAY_JOB: [f"127.0.0.1:{gateway_port}"]})
         # rate() needs samples from before the jobs; the queue gauges appear at the worker's first upkeep.
         wait_until(lambda: prometheus.scalar(f'up{{job="{WORKER_JOB}"}}') == 1, 60, "the first scrape")
+        wait_until(lambda: prometheus.scalar(f'up{{job="{GATEWAY_JOB}"}}') == 1, 60, "the gateway's first scrape")
         wait_until(lambda: prometheus.scalar("count(redline_queue_stream_length)"), 60,
                    "the worker's first queue-depth report")
         start = time.time()
@@ -194,15 +219,19 @@ def scraped(tmp_path_factory):
                        for i in range(NUM_JOBS)]
             results = [client.result(job_id, timeout=120) for job_id in job_ids]
         assert [r.status for r in results] == ["succeeded"] * NUM_JOBS
+        use_the_gateway(gateway_port)
         done = f'sum(redline_jobs_completed_total{{queue="{QUEUE}",status="succeeded"}})'
         wait_until(lambda: prometheus.scalar(done) == NUM_JOBS, 60, "Prometheus to see every job finished")
         time.sleep(3 * SCRAPE_SECONDS)  # a few more scrapes so every rate window closes over the jobs
-        yield {"prometheus": prometheus, "start": start, "end": time.time(), "exposition": metrics_text(port)}
+        yield {"prometheus": prometheus, "start": start, "end": time.time(),
+               "exposition": metrics_text(port) + metrics_text(gateway_port)}
     finally:
         if prometheus is not None:
             prometheus.close()
+        stop(gateway)
         stop(worker)
         worker_log.close()
+        gateway_log.close()
         redis_server.stop()
 
 
@@ -246,11 +275,11 @@ def test_panel_query_returns_data(scraped, dashboard, panel, ref, expr):
 
 
 @needs_prometheus
-def test_panels_refer_only_to_metrics_the_worker_exports(scraped):
+def test_panels_refer_only_to_metrics_the_worker_and_gateway_export(scraped):
     exported = set(re.findall(r"^(redline_\w+?)(?:\{| )", scraped["exposition"], re.MULTILINE))
     referenced = {name for _, _, _, expr in TARGETS for name in re.findall(r"\bredline_\w+", expr)}
     assert referenced, "no redline_ metric in any panel"
-    assert referenced <= exported, f"not exported by the worker: {sorted(referenced - exported)}"
+    assert referenced <= exported, f"not exported by the worker or gateway: {sorted(referenced - exported)}"
 
 
 @needs_prometheus
@@ -309,9 +338,10 @@ def test_every_panel_has_a_query_and_stays_on_the_grid():
 
 
 def test_every_exported_metric_has_a_panel():
+    from monitoring.gateway_metrics import GatewayMetrics
     from monitoring.metrics import Metrics
 
-    families = {family.name for family in Metrics().registry.collect()}
+    families = {family.name for metrics in (Metrics(), GatewayMetrics()) for family in metrics.registry.collect()}
     shown = " ".join(expr for _, _, _, expr in TARGETS)
     missing = sorted(name for name in families
                      if not re.search(rf"\b{name}(_total|_bucket|_sum|_count)?\b", shown))
