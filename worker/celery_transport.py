@@ -63,8 +63,8 @@ def decompress(body: bytes, name, limit: int) -> bytes:
     decompressor = incremental()
     try:
         data = decompressor.decompress(body, limit + 1)
-    except (zlib.error, OSError, EOFError, lzma.LZMAError) as e:
-        raise ValueError(f"the {name} body is corrupt ({e})") from None
+    except Exception as e:  # each format has its own error for bytes it cannot decompress (zlib.error, ...)
+        raise ValueError(f"the {name} body is corrupt ({type(e).__name__}: {e})") from None
     if len(data) > limit:
         raise ValueError(f"the body decompresses to more than {limit:,} bytes; this worker takes at most "
                          f"{limit:,} (max_job_bytes)")
