@@ -16,6 +16,9 @@ import re
 MAX_IMAGES_PER_PROMPT = 8          # default limit on the images of one prompt (job)
 MAX_IMAGE_BYTES = 8 * 1024 * 1024  # default limit on one encoded image
 MAX_IMAGE_PIXELS = 40_000_000      # an image larger than this (width x height) is refused before it is decoded
+# default limit on the pixels of all the images of one prompt (job) together, from their headers before any is
+# decoded: ~150 MB as RGB, so that a job's decoding takes a bounded time and memory
+MAX_PIXELS_PER_PROMPT = 50_000_000
 
 _DATA_URL = re.compile(r"^data:(image/[A-Za-z0-9.+-]+)?(;[A-Za-z0-9=.+-]+)*;base64,", re.ASCII)
 
@@ -92,9 +95,21 @@ def check_message_images(messages: list[dict], max_images: int = MAX_IMAGES_PER_
     return len(urls)
 
 
-def load_image(image, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_IMAGE_PIXELS):
-    """A PIL image in RGB from a PIL.Image, encoded bytes, a file path or a data URL; ImageError with the
-    reason otherwise."""
+def load_images(images: list, max_bytes: int = MAX_IMAGE_BYTES,
+                max_pixels_per_prompt: int = MAX_PIXELS_PER_PROMPT) -> list:
+    """One prompt's images as PIL images in RGB, their pixels counted from their headers before any is
+    decoded; ImageError with the reason where one is unusable or they are too many pixels together."""
+    opened = [open_image(im, max_bytes) for im in images]
+    total = sum(img.size[0] * img.size[1] for img in opened)
+    if total > max_pixels_per_prompt:
+        raise ImageError(f"the prompt's {len(opened)} images have {total:,} pixels in all; the limit is "
+                         f"{max_pixels_per_prompt:,} pixels per prompt: send fewer or smaller images")
+    return [decode_image(img) for img in opened]
+
+
+def open_image(image, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_IMAGE_PIXELS):
+    """A PIL image opened from a PIL.Image, encoded bytes, a file path or a data URL, its size checked but
+    its pixels not yet decoded (PIL reads the header only)."""
     from PIL import Image, UnidentifiedImageError
 
     if isinstance(image, Image.Image):
@@ -135,6 +150,13 @@ def load_image(image, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_IM
         raise ImageError(f"an image is {width}x{height} pixels; it must have at least one pixel")
     if width * height > max_pixels:
         raise ImageError(f"an image is {width}x{height} pixels; the limit is {max_pixels:,} pixels")
+    return img
+
+
+def decode_image(img):
+    """An opened image's pixels, decoded, in RGB."""
+    from PIL import Image
+
     try:
         return img.convert("RGB")
     except (OSError, ValueError, Image.DecompressionBombError) as e:

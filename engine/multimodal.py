@@ -21,7 +21,8 @@ import numpy as np
 import torch
 import xxhash
 
-from engine.images import MAX_IMAGE_BYTES, MAX_IMAGES_PER_PROMPT, ImageError, image_parts, load_image
+from engine.images import (MAX_IMAGE_BYTES, MAX_IMAGES_PER_PROMPT, MAX_PIXELS_PER_PROMPT, ImageError, image_parts,
+                           load_images)
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -105,7 +106,7 @@ class ImagePrompts:
     processor (transformers', from the model's directory) and limits."""
 
     def __init__(self, model_dir: str, hf_config, max_images: int = MAX_IMAGES_PER_PROMPT,
-                 max_image_bytes: int = MAX_IMAGE_BYTES):
+                 max_image_bytes: int = MAX_IMAGE_BYTES, max_pixels_per_prompt: int = MAX_PIXELS_PER_PROMPT):
         self.model_dir = model_dir
         self._processor = None  # loaded with the first image: text-only use needs no preprocessor_config.json
         self.image_token_id = hf_config.image_token_id
@@ -113,6 +114,7 @@ class ImagePrompts:
         self.vision_end_token_id = hf_config.vision_end_token_id
         self.merge = hf_config.vision_config.spatial_merge_size
         self.max_images, self.max_image_bytes = max_images, max_image_bytes
+        self.max_pixels_per_prompt = max_pixels_per_prompt
 
     @property
     def processor(self):
@@ -147,7 +149,7 @@ class ImagePrompts:
         if len(slots) != len(images):
             raise ImageError(f"the prompt has {len(slots)} image placeholders (<|image_pad|>) for {len(images)} "
                              f"images; put one {IMAGE_PLACEHOLDER} where each image goes")
-        pil = [load_image(im, self.max_image_bytes) for im in images]
+        pil = load_images(images, self.max_image_bytes, self.max_pixels_per_prompt)
         try:
             out = self.processor(images=pil, return_tensors="pt")
         except Exception as e:  # noqa: BLE001 - an image the processor cannot take is the request's

@@ -1,7 +1,8 @@
 """Images through the queue: chat jobs with data-URL image parts on a real worker (a tiny random Qwen2.5-VL
 written by transformers, a real redis-server) come back with the engine's own tokens, their images decoded
-and preprocessed on the reader's thread; unusable images fail their job alone and the worker serves on;
-`redline batch` takes chat lines with image parts."""
+and preprocessed on preparation threads, so that a job slow to prepare delays no other; unusable images, and
+images past the pixel budget of a job (counted from their headers, before any is decoded), fail their job
+alone and the worker serves on; `redline batch` takes chat lines with image parts."""
 from __future__ import annotations
 
 import base64
@@ -14,7 +15,7 @@ from engine import LLMEngine, SamplingParams
 from producer import Client
 from producer import protocol as p
 from queue_helpers import new_queue, redis_server, server_params, worker_thread
-from tests.multimodal_helpers import data_url, make_vl_checkpoint, noise_image
+from tests.multimodal_helpers import data_url, make_vl_checkpoint, noise_image, png_bytes
 from worker.cli import main
 
 SAMPLING = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -34,7 +35,10 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(model_dir):
     return LLMEngine(str(model_dir), device="cpu", kvcache_block_size=8, max_images_per_prompt=2,
-                     max_image_bytes=60_000)
+                     max_image_bytes=60_000, max_pixels_per_prompt=PIXEL_BUDGET)
+
+
+PIXEL_BUDGET = 20_000  # the jobs' images below have 12,544 pixels at most
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +74,7 @@ def test_image_jobs_through_the_queue_equal_the_engine_alone(url, engine, expect
     assert [r.status for r in results] == ["succeeded"] * 3, [r.error for r in results]
     assert [r.token_ids for r in results] == tokens
     assert results[1].usage.prompt_tokens > 30  # image tokens counted: 4 + 12 of them, and the template's
-    assert prepared_on == ["redline-reader"] * 2  # the images' work is off the engine's thread
+    assert len(prepared_on) == 2 and all(name.startswith("redline-prepare-") for name in prepared_on)
 
 
 def test_bad_images_fail_their_job_alone_and_the_worker_serves_on(url, engine, expected):
@@ -128,3 +132,48 @@ def test_redline_batch_takes_chat_lines_with_image_parts(model_dir, expected, tm
         assert body["choices"][0]["message"]["content"] == tok.decode(want, skip_special_tokens=True)
     assert out["bad"]["response"] is None and "the worker fetches nothing" in out["bad"]["error"]["message"]
     assert rc == 0  # a failed line is an error line in the output, not a failed run
+
+
+def test_images_past_the_pixel_budget_fail_their_job_before_any_is_decoded(url, engine, expected):
+    convs, tokens = expected
+    whole = png_bytes(noise_image(112, 112, 5))
+    # a second image whose header says 112x112 but whose pixels are cut off: were it decoded, that would fail
+    cut = "data:image/png;base64," + base64.b64encode(whole[:len(whole) // 3]).decode()
+    with Client(url, new_queue()) as client, worker_thread(url, client.keys.queue, engine):
+        big = client.submit(messages=_chat("What?", noise_image(112, 112, 6), cut), sampling=SAMPLING)
+        good = client.submit(messages=convs[1], sampling=SAMPLING)
+        failed, ok = client.result(big, timeout=120), client.result(good, timeout=120)
+    assert failed.status == "failed" and failed.error == (
+        "the prompt's 2 images have 25,088 pixels in all; the limit is 20,000 pixels per prompt: send fewer or "
+        "smaller images")
+    assert ok.status == "succeeded" and ok.token_ids == tokens[1]
+
+
+def test_a_job_slow_to_prepare_delays_no_other_job(url, engine, expected, monkeypatch):
+    """A job whose images take long to prepare (held here until the others are done) starts when they are
+    ready; the jobs read after it start at once."""
+    convs, tokens = expected
+    began, gate = threading.Event(), threading.Event()
+    prepare = engine.images.prepare
+
+    def slow_for_two_images(token_ids, images):
+        if len(images) == 2:
+            began.set()
+            gate.wait(60)
+        return prepare(token_ids, images)
+
+    monkeypatch.setattr(engine.images, "prepare", slow_for_two_images)
+    try:
+        with Client(url, new_queue()) as client, worker_thread(url, client.keys.queue, engine):
+            slow = client.submit(messages=convs[1], sampling=SAMPLING)
+            assert began.wait(60)
+            others = [client.submit(messages=convs[0], sampling=SAMPLING),
+                      client.submit(messages=convs[2], sampling=SAMPLING)]
+            results = [client.result(job_id, timeout=60) for job_id in others]
+            assert client.status(slow).status != "succeeded"
+            gate.set()
+            late = client.result(slow, timeout=120)
+    finally:
+        gate.set()
+    assert [r.token_ids for r in results] == [tokens[0], tokens[2]]
+    assert late.status == "succeeded" and late.token_ids == tokens[1]

@@ -1,6 +1,7 @@
 """The worker: one loop drives the engine; Redis I/O runs beside it on three threads.
 
     reader  (consumer.py)  waits for engine room, reads/reclaims that many jobs, settles bad ones
+    prepare (prepare.py)   a few threads: grammars compiled and images decoded before a job enters the engine
     engine  (this file)    add_request / abort / step, hands each step's outputs to the writer
     writer  (results.py)   token deltas, results + acks, heartbeats
     cancels (this file)    watches the cancel stream and tells the engine loop which jobs to abort
@@ -21,12 +22,12 @@ import time
 
 import redis
 
-from engine.images import has_images
 from producer import protocol as p
 from producer.connection import UNAVAILABLE
 
 from .blocking import BlockingConnection, when_available
 from .consumer import Consumer, InFlight, Job
+from .prepare import Preparation
 from .results import STOP, ResultWriter
 from .scripts import WorkerScripts
 from .stats import NullMetrics, StatsLog
@@ -82,6 +83,7 @@ class Worker:
         self.in_flight = InFlight()
         self.capacity = Capacity()
         self.commands: queue.SimpleQueue = queue.SimpleQueue()  # ("run", Job) | ("abort", job_id)
+        self.preparation = Preparation(engine, lambda job: self.commands.put(("run", job)))
         self.stopping = threading.Event()
         # The threads that block in Redis get connections of their own, so stop() can unblock them.
         self._reader = BlockingConnection(client, self.keys.jobs())
@@ -259,6 +261,8 @@ class Worker:
         hang in a call to a Redis that stopped answering)."""
         if not self.stopping.is_set() or not self.commands.empty():
             return False
+        if len(self.preparation) and time.monotonic() < self.drain_deadline:
+            return False
         if self.reader_done.is_set() and all(s.reading_done.is_set() for s in self.sources):
             return True
         return time.monotonic() >= self.drain_deadline + SHUTDOWN_GRACE_S
@@ -318,6 +322,8 @@ class Worker:
         self.metrics.observe_queue_time(job.queue_s + job.handed_at - job.admitted_at)
 
     def _hand_back_running(self) -> None:
+        for job in self.preparation.take_all():
+            self.writer.outbox.put(("handback", job, None))
         for job in self.in_flight.jobs():
             if job.abort_reason is None and job.handed_at is not None:
                 job.abort_reason = "handback"
@@ -328,6 +334,7 @@ class Worker:
             job = self.in_flight.get(job_id)
             if job is not None and job.abort_reason is None:
                 job.abort_reason = "lost"
+                self.preparation.cut_short(job)
                 self.commands.put(("abort", job_id))
 
     # ---- the reader thread ----
@@ -386,32 +393,9 @@ class Worker:
                 self.hand_to_engine(job)
 
     def hand_to_engine(self, job: Job) -> None:
-        """Send an admitted job to the engine thread, its structured-output grammar compiled and its images
-        decoded and preprocessed first, here on the source's thread, so that the engine thread finds them
-        ready (an error is the job's own: the engine thread fails the job with it)."""
-        self._prepare_images(job)
-        compile_grammar = getattr(self.engine, "compile_grammar", None)
-        if compile_grammar is not None and job.spec is not None:
-            try:
-                compile_grammar(job.spec.sampling)
-            except Exception:  # noqa: BLE001 - a job can fail only itself: add_request reports it
-                log.exception("compiling the grammar of job %s failed", job.job_id)
-        self.commands.put(("run", job))
-
-    def _prepare_images(self, job: Job) -> None:
-        spec = job.spec
-        if spec is None or spec.messages is None or getattr(self.engine, "images", None) is None:
-            return
-        messages = [m.model_dump() for m in spec.messages]
-        if not has_images(messages):
-            return
-        try:
-            job.prompt = self.engine.encode_chat(messages)
-        except ValueError as e:
-            job.prompt_error = str(e)
-        except Exception as e:  # noqa: BLE001 - a template or image processor error is the job's problem
-            log.exception("the images of job %s could not be prepared", job.job_id)
-            job.prompt_error = f"could not start: {type(e).__name__}: {e}"
+        """Send an admitted job to the engine thread once its grammar is compiled and its images are
+        decoded, on the preparation threads (prepare.py); the engine thread fails a job with its own error."""
+        self.preparation.submit(job)
 
     def _admit(self, entries) -> list[Job]:
         """Admit entries. A job submitted again (same id) after Redis lost the entry of a copy this worker
@@ -478,6 +462,7 @@ class Worker:
         job = self.in_flight.cancel(job_id)
         if job is not None:
             log.info("cancelling job %s", job.job_id)
+            self.preparation.cut_short(job)
             self.commands.put(("abort", job.job_id))
 
     def _record_error(self, error: str) -> None:
