@@ -11,7 +11,7 @@ import torch
 
 from engine.attention import BACKENDS as ATTENTION_BACKENDS
 from engine.builtin import BUILTIN_MODELS, TINY_MODEL_DIR
-from engine.images import MAX_IMAGE_BYTES, MAX_IMAGES_PER_PROMPT
+from engine.images import MAX_IMAGE_BYTES, MAX_IMAGES_PER_PROMPT, MAX_PIXELS_PER_PROMPT
 
 log = logging.getLogger("redline.engine")
 
@@ -52,6 +52,7 @@ class EngineConfig:
     # vision-language models: at most this many images in one prompt, each at most this many bytes encoded
     max_images_per_prompt: int = MAX_IMAGES_PER_PROMPT
     max_image_bytes: int = MAX_IMAGE_BYTES
+    max_pixels_per_prompt: int = MAX_PIXELS_PER_PROMPT  # all of one prompt's images together (width x height)
     # resolved in __post_init__
     model_dir: str = field(init=False)
     hf_config: object = field(init=False, repr=False)
@@ -112,7 +113,8 @@ class EngineConfig:
                              "use 'triton' or 'auto'")
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kvcache_block_size",
-                     "num_kvcache_blocks", "max_images_per_prompt", "max_image_bytes"):
+                     "num_kvcache_blocks", "max_images_per_prompt", "max_image_bytes",
+                     "max_pixels_per_prompt"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
         util = self.gpu_memory_utilization

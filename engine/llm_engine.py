@@ -33,7 +33,7 @@ class LLMEngine:
         self.images = None
         if getattr(config.hf_config, "vision_config", None) is not None:
             self.images = ImagePrompts(config.model_dir, config.hf_config, config.max_images_per_prompt,
-                                       config.max_image_bytes)
+                                       config.max_image_bytes, config.max_pixels_per_prompt)
         self.vocab_size = config.text_config.vocab_size
         self.grammars = GrammarCache(self.tokenizer, self.vocab_size, config.eos_token_id)
         self.block_manager = BlockManager(self.runner.num_kvcache_blocks, config.kvcache_block_size,

@@ -22,7 +22,7 @@ ENGINE_FIELDS = ("load_format", "dtype", "device", "tensor_parallel_size", "max_
                  "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization", "kvcache_block_size",
                  "num_kvcache_blocks", "enable_prefix_caching", "enforce_eager", "attention_backend",
                  "kv_cache_dtype", "async_scheduling", "fused_layers", "tp_all_reduce", "seed",
-                 "max_images_per_prompt", "max_image_bytes")
+                 "max_images_per_prompt", "max_image_bytes", "max_pixels_per_prompt")
 
 
 def default_redis_data_dir() -> str:
@@ -86,6 +86,9 @@ class WorkerSettings(BaseSettings):
                                                                 f"[{images.MAX_IMAGES_PER_PROMPT}]")
     max_image_bytes: int | None = Field(None, description="vision-language models: most bytes of one encoded "
                                                           f"image [{images.MAX_IMAGE_BYTES}]")
+    max_pixels_per_prompt: int | None = Field(None, description="vision-language models: most pixels (width x "
+                                                                f"height) of one job's images together "
+                                                                f"[{images.MAX_PIXELS_PER_PROMPT}]")
 
     @property
     def engine_kwargs(self) -> dict:
