@@ -101,18 +101,8 @@ class Online:
                     sent = text
                 if delta.finished:
                     finished = True
-                    if delta.status != p.SUCCEEDED:
-                        yield _error_event(RESULT_STATUS[delta.status], f"the request {delta.status}: {delta.error}")
-                        return
-                    yield chunks.event(chunks.choice(0, finish_reason=delta.finish_reason))
-                    result = await self.client.result(job_id, timeout=10) if n > 1 or chunks.include_usage else None
-                    for c in (result.outputs or [])[1:] if n > 1 else []:  # the completions not streamed
-                        if c.text:
-                            yield chunks.event(chunks.choice(c.index, content=c.text))
-                        yield chunks.event(chunks.choice(c.index, finish_reason=c.finish_reason))
-                    if chunks.include_usage:
-                        yield chunks.event(usage=usage_body(result))
-                    yield "data: [DONE]\n\n"
+                    async for event in self._ending(job_id, delta, chunks, n):
+                        yield event
                     return
                 delta = await anext(deltas)
         except TimeoutError:
@@ -122,6 +112,23 @@ class Online:
             if not finished:  # the client went away, or the stream failed: stop using the GPU for it
                 with anyio.CancelScope(shield=True):
                     await self.client.cancel(job_id)
+
+
+    async def _ending(self, job_id: str, last: p.TokenDelta, chunks: "Chunks", n: int) -> AsyncIterator[str]:
+        """The events after the job's last delta: an error event; or completion 0's finish, each other
+        completion whole from the result, the usage when asked for, and [DONE]."""
+        if last.status != p.SUCCEEDED:
+            yield _error_event(RESULT_STATUS[last.status], f"the request {last.status}: {last.error}")
+            return
+        yield chunks.event(chunks.choice(0, finish_reason=last.finish_reason))
+        result = await self.client.result(job_id, timeout=10) if n > 1 or chunks.include_usage else None
+        for c in (result.outputs or [])[1:] if n > 1 else []:
+            if c.text:
+                yield chunks.event(chunks.choice(c.index, content=c.text))
+            yield chunks.event(chunks.choice(c.index, finish_reason=c.finish_reason))
+        if chunks.include_usage:
+            yield chunks.event(usage=usage_body(result))
+        yield "data: [DONE]\n\n"
 
 
 class Chunks:
