@@ -48,6 +48,13 @@ def get(port: int, path: str, timeout: float = 30) -> str:
         return r.read().decode()
 
 
+def answers(port: int) -> bool:
+    try:
+        return get(port, "/healthz", timeout=10) == "ok\n"
+    except OSError:  # refused with a 503 too
+        return False
+
+
 def metric(port: int, name: str, **labels) -> float:
     """The sum of the gateway's samples of `name` whose labels include `labels`."""
     total = 0.0
@@ -114,6 +121,29 @@ def test_half_sent_request_heads_neither_lock_clients_out_nor_stay_open(stack):
         assert get(port, "/healthz", timeout=10) == "ok\n"
     finally:
         for s in sockets:
+            s.close()
+        stop_process(gateway)
+
+
+def test_past_max_connections_busy_with_requests_a_new_client_gets_a_503(stack):
+    url, queue, _ = stack
+    gateway = start_gateway(url, queue, port := free_port(), "--max-connections", "4")
+    busy = []
+    try:
+        for _ in range(4):  # whole heads, bodies still to come: requests in progress, not waiting for a head
+            s = socket.create_connection(("127.0.0.1", port), timeout=30)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+            busy.append(s)
+        time.sleep(0.5)  # the gateway has read their heads
+        with pytest.raises(urllib.error.HTTPError) as e:
+            get(port, "/healthz", timeout=10)
+        assert e.value.code == 503 and "every one is busy" in json.loads(e.value.read())["error"]["message"]
+        for s in busy:
+            s.close()
+        wait_for(lambda: answers(port), 10, "a place to free up")
+        assert metric(port, "redline_gateway_connections_dropped_total", reason="refused") == 1
+    finally:
+        for s in busy:
             s.close()
         stop_process(gateway)
 
