@@ -134,7 +134,7 @@ def test_past_max_connections_busy_with_requests_a_new_client_gets_a_503(stack):
             s = socket.create_connection(("127.0.0.1", port), timeout=30)
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
             busy.append(s)
-        time.sleep(0.5)  # the gateway has read their heads
+        time.sleep(2)  # the gateway has read their heads (it parses a head as soon as it arrives)
         with pytest.raises(urllib.error.HTTPError) as e:
             get(port, "/healthz", timeout=10)
         assert e.value.code == 503 and "every one is busy" in json.loads(e.value.read())["error"]["message"]
