@@ -19,19 +19,41 @@ MAX_N = 128            # completions (n, best_of) or beams of one request
 MAX_LOGIT_BIAS = 300   # biased tokens of one request (OpenAI's limit)
 MAX_BIAS = 100.0       # |bias| of one token (OpenAI's)
 MAX_PENALTY = 2.0      # |presence_penalty|, |frequency_penalty| (OpenAI's)
+# logits are divided by t: below 0.01 (vLLM's floor too) 1/t pushes float32/bf16 logits towards inf, and a tiny
+# t rounds to 0 in float32; above 100 the distribution is flat already, and past float32's range -inf / t is NaN
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 100.0
+MIN_TOP_P = 1e-6  # smaller keeps the top token alone anyway; below float32's range it rounds to 0 and masks every token
+# a seen token's logit is divided or multiplied by it: 100x either way outweighs any logit gap already, and
+# 1e-300 rounds to 0 in float32 (NaN logprobs, empty text)
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+MAX_STOP = 64          # stop strings of one request: each is looked for in the completion's text at every token
+MAX_STOP_CHARS = 1024  # characters of one stop string
+MAX_STOP_TOKEN_IDS = 256  # stop_token_ids of one request: each generated token is looked up in them
+# structured output, checked before compiling: llguidance needs a grammar symbol per choice (it panics near 65k)
+# and compiles 4096 short ones in ~0.1 s; a schema's compile time grows with its size (~2,000 optional
+# properties, 64 KiB, take ~0.6 s) and llguidance refuses deep ones anyway (about 130 levels)
+MAX_CHOICES = 4096
+MAX_CHOICE_CHARS = 256 * 1024  # all the choices' characters together
+MAX_SCHEMA_CHARS = 64 * 1024   # a JSON schema's JSON text
+MAX_SCHEMA_DEPTH = 64          # objects and arrays nested in a JSON schema
+MAX_REGEX_CHARS = 16 * 1024
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what a value must fit to reach a device tensor or a generator
 _TOKEN_ID_TEXT = re.compile(r"[0-9]{1,19}")  # a token id as a JSON object key spells it
 CONSTRAINTS = ("json_schema", "regex", "choice")  # structured output: at most one of them
 
 
 def _spec(default, kind: str, allowed: str, ok: Callable[[Any], bool] = lambda v: True, nullable: bool = False,
-          **bounds):
+          max_items: int | None = None, schema: dict | None = None, **bounds):
     """A field with its kind ("float", "int", "bool", "strings", "token_ids", "token_biases", or a constraint:
-    "json_schema", "regex", "choices"), the sentence an
-    error gives, the check, and the numeric bounds the wire's JSON schema states. nullable: None is a value
-    of its own although the default is not (max_tokens=None: until max_model_len)."""
+    "json_schema", "regex", "choices"), the sentence an error gives, the check (of each item, for a list),
+    the most items a list may hold, and the bounds the wire's JSON schema states (numeric ones, and `schema`:
+    JSON Schema keywords of their own). nullable: None is a value of its own although the default is not
+    (max_tokens=None: until max_model_len)."""
+    extra = {**({"maxItems": max_items} if max_items else {}), **(schema or {})}
+    if extra:
+        bounds["json_schema_extra"] = extra
     return field(default=default, metadata={"kind": kind, "allowed": allowed, "ok": ok, "bounds": bounds,
-                                            "nullable": nullable})
+                                            "nullable": nullable, "max_items": max_items})
 
 
 def _int64(v: int) -> bool:
@@ -45,8 +67,12 @@ class SamplingParams:
     n: int = _spec(1, "int", f"an integer in [1, {MAX_N}]", lambda v: 1 <= v <= MAX_N, ge=1, le=MAX_N)
     best_of: int | None = _spec(None, "int", f"null or an integer in [n, {MAX_N}]", lambda v: 1 <= v <= MAX_N,
                                 ge=1, le=MAX_N)
-    temperature: float = _spec(1.0, "float", "a finite number >= 0 (0 means greedy)", lambda v: v >= 0, ge=0)
-    top_p: float = _spec(1.0, "float", "a number in (0, 1]", lambda v: 0 < v <= 1, gt=0, le=1)
+    temperature: float = _spec(
+        1.0, "float", f"0 (greedy) or a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]",
+        lambda v: v == 0 or MIN_TEMPERATURE <= v <= MAX_TEMPERATURE, ge=0, le=MAX_TEMPERATURE,
+        schema={"not": {"exclusiveMinimum": 0, "exclusiveMaximum": MIN_TEMPERATURE}})
+    top_p: float = _spec(1.0, "float", f"a number in [{MIN_TOP_P:g}, 1]", lambda v: MIN_TOP_P <= v <= 1,
+                         ge=MIN_TOP_P, le=1)
     top_k: int = _spec(-1, "int", "-1 (off) or an integer in [1, 2**63-1]",
                        lambda v: v == -1 or 1 <= v <= INT64_MAX, ge=-1, le=INT64_MAX)
     min_p: float = _spec(0.0, "float", "a number in [0, 1]", lambda v: 0 <= v <= 1, ge=0, le=1)
@@ -55,13 +81,19 @@ class SamplingParams:
     min_tokens: int = _spec(0, "int", "an integer in [0, max_tokens]", lambda v: 0 <= v <= INT64_MAX,
                             ge=0, le=INT64_MAX)
     ignore_eos: bool = _spec(False, "bool", "true or false")
-    stop: list[str] | str | None = _spec(None, "strings", "a string or a list of non-empty strings",
-                                         lambda v: len(v) > 0)
-    stop_token_ids: list[int] | None = _spec(None, "token_ids", "a list of token ids in [0, 2**63-1]",
-                                             lambda v: 0 <= v <= INT64_MAX)
+    stop: list[str] | str | None = _spec(
+        None, "strings", f"a string or a list of at most {MAX_STOP} strings, each of 1 to {MAX_STOP_CHARS} characters",
+        lambda v: 0 < len(v) <= MAX_STOP_CHARS, max_items=MAX_STOP,
+        schema={"items": {"minLength": 1, "maxLength": MAX_STOP_CHARS}})
+    stop_token_ids: list[int] | None = _spec(
+        None, "token_ids", f"a list of at most {MAX_STOP_TOKEN_IDS} token ids in [0, 2**63-1]",
+        lambda v: 0 <= v <= INT64_MAX, max_items=MAX_STOP_TOKEN_IDS)
     seed: int | None = _spec(None, "int", "an integer in [-2**63, 2**63-1], or null", _int64,
                              ge=INT64_MIN, le=INT64_MAX)
-    repetition_penalty: float = _spec(1.0, "float", "a finite number > 0 (1 is off)", lambda v: v > 0, gt=0)
+    repetition_penalty: float = _spec(
+        1.0, "float", f"a number in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 is off)",
+        lambda v: MIN_REPETITION_PENALTY <= v <= MAX_REPETITION_PENALTY,
+        ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     presence_penalty: float = _spec(0.0, "float", f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
                                     lambda v: abs(v) <= MAX_PENALTY, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float = _spec(0.0, "float", f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
@@ -71,9 +103,14 @@ class SamplingParams:
         f"strings) to biases in [-{MAX_BIAS:g}, {MAX_BIAS:g}]", lambda v: abs(v) <= MAX_BIAS)
     logprobs: int | None = _spec(None, "int", f"null or an integer in [0, {MAX_LOGPROBS}]",
                                  lambda v: 0 <= v <= MAX_LOGPROBS, ge=0, le=MAX_LOGPROBS)
-    json_schema: dict[str, Any] | str | None = _spec(None, "json_schema", "a JSON schema (an object or its JSON text)")
-    regex: str | None = _spec(None, "regex", "a regular expression (Rust regex syntax)")
-    choice: list[str] | None = _spec(None, "choices", "a non-empty list of non-empty strings")
+    json_schema: dict[str, Any] | str | None = _spec(
+        None, "json_schema", f"a JSON schema (an object or its JSON text) of at most {MAX_SCHEMA_CHARS:,} characters "
+        f"as JSON, nested at most {MAX_SCHEMA_DEPTH} levels", schema={"maxLength": MAX_SCHEMA_CHARS})
+    regex: str | None = _spec(None, "regex", f"a regular expression (Rust regex syntax) of at most "
+                              f"{MAX_REGEX_CHARS:,} characters", schema={"maxLength": MAX_REGEX_CHARS})
+    choice: list[str] | None = _spec(
+        None, "choices", f"a non-empty list of at most {MAX_CHOICES:,} non-empty strings, {MAX_CHOICE_CHARS:,} "
+        "characters in all", max_items=MAX_CHOICES, schema={"minItems": 1, "items": {"minLength": 1}})
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -147,7 +184,8 @@ def check_field(name: str, value):
         good = value is not None
     elif kind in ("strings", "token_ids"):
         item_type = str if kind == "strings" else int
-        good = isinstance(value, list) and all(_is(item_type, v) and ok(v) for v in value)
+        good = (isinstance(value, list) and len(value) <= meta["max_items"]
+                and all(_is(item_type, v) and ok(v) for v in value))
     else:
         if kind == "float" and _is(int, value):
             value = float(value) if abs(value) <= 2**1023 else math.inf  # an int too large for a float is not finite
@@ -179,24 +217,70 @@ def constraint(params) -> tuple[str, Any] | None:
 
 
 def _constraint(name: str, value, allowed: str):
-    """A constraint as SamplingParams holds it (a schema's JSON text parsed), checked by compiling its grammar
-    without a tokenizer; ValueError naming the field otherwise."""
+    """A constraint as SamplingParams holds it (a schema's JSON text parsed), checked against its size caps and
+    then by compiling its grammar without a tokenizer; ValueError naming the field otherwise."""
     if name == "json_schema" and isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise ValueError(f"{name} must be {allowed}, got {_brief(value)} (not JSON: {e})") from None
+        value = _schema_of_text(value, allowed)
     good = {"json_schema": lambda v: isinstance(v, dict),
             "regex": lambda v: isinstance(v, str),
             "choice": lambda v: isinstance(v, list) and v and all(isinstance(c, str) and c for c in v)}[name]
     if not good(value):
         raise ValueError(f"{name} must be {allowed}, got {_brief(value)}")
+    too_large = _constraint_too_large(name, value)
+    if too_large:
+        raise ValueError(f"{name} must be {allowed}, got {too_large}")
     from engine import grammar  # llguidance: no Python dependencies, no torch
 
     error = grammar.check(name, value)
     if error:
         raise ValueError(f"{name} must be {allowed}; got one that cannot be enforced: {error}")
     return value
+
+
+def _schema_of_text(text: str, allowed: str):
+    """A JSON schema's JSON text parsed, within its size and depth caps."""
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise ValueError(f"json_schema must be {allowed}, got one of {len(text):,} characters")
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"json_schema must be {allowed}, got one nested deeper than {MAX_SCHEMA_DEPTH} levels") from None
+    except ValueError as e:
+        raise ValueError(f"json_schema must be {allowed}, got {_brief(text)} (not JSON: {e})") from None
+
+
+def _constraint_too_large(name: str, value) -> str:
+    """What exceeds the constraint's caps ("one of 70,000 choices"), or ""."""
+    if name == "regex" and len(value) > MAX_REGEX_CHARS:
+        return f"one of {len(value):,} characters"
+    if name == "choice":
+        chars = sum(len(c) for c in value)
+        if len(value) > MAX_CHOICES or chars > MAX_CHOICE_CHARS:
+            return f"{len(value):,} choices of {chars:,} characters in all"
+    if name == "json_schema":
+        if _nesting_exceeds(value, MAX_SCHEMA_DEPTH, MAX_SCHEMA_CHARS):
+            return f"one nested deeper than {MAX_SCHEMA_DEPTH} levels or larger than {MAX_SCHEMA_CHARS:,} characters"
+        try:
+            size = len(json.dumps(value, ensure_ascii=False))
+        except (TypeError, ValueError):
+            return f"{_brief(value)} (not JSON)"
+        if size > MAX_SCHEMA_CHARS:
+            return f"one of {size:,} characters as JSON"
+    return ""
+
+
+def _nesting_exceeds(value, max_depth: int, max_containers: int) -> bool:
+    """Whether `value`'s dicts and lists nest deeper than max_depth or number more than max_containers,
+    walked a level at a time (no recursion; an object that contains itself is too deep)."""
+    level, depth, seen = [value], 0, 0
+    while True:
+        containers = [v for v in level if isinstance(v, (dict, list))]
+        if not containers:
+            return False
+        depth, seen = depth + 1, seen + len(containers)
+        if depth > max_depth or seen > max_containers:
+            return True
+        level = [item for c in containers for item in (c.values() if isinstance(c, dict) else c)]
 
 
 def _token_biases(value, ok) -> dict[int, float] | None:

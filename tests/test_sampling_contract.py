@@ -67,7 +67,8 @@ def test_a_job_that_survives_json_is_one_the_engine_takes(d):
 @pytest.mark.parametrize("field, value", [
     ("top_k", 2**63), ("top_k", 10**30), ("seed", 2**64), ("seed", -(2**63) - 1), ("seed", 10**30),
     ("temperature", math.inf), ("temperature", math.nan), ("temperature", 10**400), ("top_k", 0),
-    ("logprobs", 21), ("stop", [""]), ("stop_token_ids", [-1]), ("max_tokens", 0), ("top_p", 0.0)])
+    ("logprobs", 21), ("stop", [""]), ("stop_token_ids", [-1]), ("max_tokens", 0), ("top_p", 0.0),
+    ("repetition_penalty", 1e-300), ("temperature", 1e-300), ("top_p", 1e-300), ("stop", ["s"] * 50_000)])
 def test_values_the_engine_cannot_take_are_refused_at_submit_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})

@@ -45,6 +45,14 @@ def test_redline_schema_prints_it(capsys):
     {"sampling": {"max_tokens": 8}},  # no input
     {"prompt": "Hi", "sampling": {"max_tokens": 0}},
     {"prompt": "Hi", "sampling": {"top_p": 1.5}},
+    {"prompt": "Hi", "sampling": {"temperature": 0.01, "top_p": 1e-6, "repetition_penalty": 100, "stop": ["a"] * 64}},
+    {"prompt": "Hi", "sampling": {"temperature": 0.005}},  # the bounds of every sampling field
+    {"prompt": "Hi", "sampling": {"repetition_penalty": 1e-300}},
+    {"prompt": "Hi", "sampling": {"stop": ["a"] * 65}},
+    {"prompt": "Hi", "sampling": {"stop": ["x" * 1025]}},
+    {"prompt": "Hi", "sampling": {"stop_token_ids": [1] * 257}},
+    {"prompt": "Hi", "sampling": {"choice": [f"{i}" for i in range(4097)]}},
+    {"prompt": "Hi", "sampling": {"regex": "a" * 16385}},
     {"prompt": "Hi", "sampling": {"temprature": 0}},  # a misspelt field
     {"prompt": "Hi", "priorty": 1},
     {"prompt": 3},
