@@ -212,7 +212,11 @@ class GrammarCache:
         began = time.monotonic()
         matcher = LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            return None, _one_line(matcher.get_error())
+            return None, matcher.get_error()
+        first = matcher.deep_copy()
+        first.compute_bitmask()  # the start's lexer states, which copies share: built here, not in a step
+        if first.is_error():
+            return None, first.get_error()
         slow = time.monotonic() - began > SLOW_BUILD_S
         return CompiledGrammar(matcher, lambda: LLMatcher(tokenizer, grammar, log_level=0), slow), None
 
@@ -242,13 +246,13 @@ class _Build:
         try:
             compiled, error = cache._build(grammar_of(kind, value))
         except (ValueError, TypeError) as e:
-            compiled, error = None, _one_line(str(e))
+            compiled, error = None, str(e)
         except BaseException as e:  # noqa: BLE001 - a failure of llguidance's is this constraint's alone
-            compiled, error = None, f"{type(e).__name__}: {_one_line(str(e))}"
+            compiled, error = None, f"{type(e).__name__}: {e}"
         if time.monotonic() > self.deadline:
             compiled, error = None, self._late()
         elif error is not None:
-            error = f"{kind} cannot be enforced: {error}"
+            error = f"{kind} cannot be enforced: {_explain(kind, value, error)}"
         self.future.set_result((compiled, error))
 
     def _late(self) -> str:
