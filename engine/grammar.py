@@ -74,7 +74,7 @@ def check(kind: str, value) -> str:
 def _checked(kind: str, key: str) -> str:
     value = json.loads(key.partition(":")[2])
     try:
-        return run_within(COMPILE_BUDGET_S, _check, kind, value)
+        return _run_within(COMPILE_BUDGET_S, _check, kind, value)
     except TimeoutError:
         return f"it took longer than {COMPILE_BUDGET_S:g} s to check; simplify it"
 
@@ -141,7 +141,7 @@ def _explain(kind: str, value, error: str) -> str:
     return cause
 
 
-def run_within(budget_s: float, fn, *args):
+def _run_within(budget_s: float, fn, *args):
     """fn(*args) on a thread of its own; TimeoutError once budget_s have passed, the thread left to finish
     (llguidance holds no GIL while it compiles) and its result dropped."""
     future: Future = Future()

@@ -31,7 +31,8 @@ def test_perl_classes_become_their_ascii_sets(pattern, rust, ecma):
 def test_schema_patterns_are_rewritten_only_where_the_keywords_hold_schemas():
     schema = {"type": "object",
               "properties": {"pattern": {"type": "string", "pattern": r"^\d+$"},
-                             "list": {"type": "array", "items": {"pattern": r"\w"}, "prefixItems": [{"pattern": r"\s"}]}},
+                             "list": {"type": "array", "items": {"pattern": r"\w"},
+                                      "prefixItems": [{"pattern": r"\s"}]}},
               "patternProperties": {r"^\w+$": {"pattern": r"\d"}},
               "anyOf": [{"pattern": r"\d"}], "$defs": {"x": {"not": {"pattern": r"\d"}}},
               "enum": [{"pattern": r"\d"}], "const": {"pattern": r"\d"}, "default": {"pattern": r"\d"}}

@@ -37,7 +37,7 @@ class Job:
     abort_reason: str | None = None  # "cancel" | "lost" | "handback" once the engine is told to stop it
     entry_gone: bool = False  # its entry vanished with Redis's data: its result is still written, nothing acked
     source: object | None = None  # None: a stream entry; else the job source that stores its states (celery_source)
-    prompt: object | None = None  # chat with images: the prompt prepared on the source's thread (images decoded)
+    prompt: object | None = None  # chat with images: the prompt prepared before the engine took it (prepare.py)
     prompt_error: str | None = None  # or why it could not be
 
 
