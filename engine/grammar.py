@@ -67,7 +67,11 @@ def grammar_of(kind: str, value) -> str:
 def check(kind: str, value) -> str:
     """Why the constraint cannot be enforced, in one line, or "" where it can: the engine's compile run for
     a tokenizer of single bytes, its first bytes followed, within COMPILE_BUDGET_S."""
-    return _checked(kind, _key(kind, value))
+    try:
+        key = _key(kind, value)
+    except ValueError as e:
+        return str(e)
+    return _checked(kind, key)
 
 
 @lru_cache(maxsize=MAX_CACHED_GRAMMARS)
@@ -129,16 +133,28 @@ def _byte_tokenizer():
 def _explain(kind: str, value, error: str) -> str:
     """An error llguidance met while following a constraint, as the user's mistake."""
     cause = _one_line(error)
-    recursive = kind == "json_schema" and '"$ref"' in json.dumps(value)
-    if recursive and ("Too many items" in cause or cause.startswith("NoExtension")):
+    endless = "Too many items" in cause or cause.startswith("NoExtension")
+    if endless and kind == "json_schema" and _refers_to_itself(value, "#"):
         return ("recursive $ref with no end: every value it allows contains another (or only itself); "
                 "let the recursion stop (an optional property, an anyOf with a plain case)")
     if cause.startswith("NoExtension"):
-        return "it matches no text at all"
+        return f"it allows no text to be generated ({cause})"
     if any(sign in cause.lower() for sign in _TOO_LARGE):
         return (f"it is too large to enforce ({cause[:120]}); use smaller repetition counts and fewer "
                 "alternatives in one place")
     return cause
+
+
+def _refers_to_itself(schema, path: str) -> bool:
+    """Whether a $ref in `schema` (at JSON pointer `path`) points to the schema it is in, or above it."""
+    if isinstance(schema, list):
+        return any(_refers_to_itself(v, f"{path}/{i}") for i, v in enumerate(schema))
+    if not isinstance(schema, dict):
+        return False
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or path == ref or path.startswith(ref.rstrip("/") + "/")):
+        return True
+    return any(_refers_to_itself(v, f"{path}/{k}") for k, v in schema.items() if k != "$ref")
 
 
 def _run_within(budget_s: float, fn, *args):
@@ -156,8 +172,11 @@ def _run_within(budget_s: float, fn, *args):
 
 
 def _key(kind: str, value) -> str:
-    """A constraint's identity: its kind and its value's canonical JSON."""
-    return kind + ":" + json.dumps(value, sort_keys=True, ensure_ascii=False)
+    """A constraint's identity: its kind and its value's canonical JSON; ValueError if it has none."""
+    try:
+        return kind + ":" + json.dumps(value, sort_keys=True, ensure_ascii=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"it is not JSON ({_one_line(str(e))})") from None
 
 
 def _one_line(message: str) -> str:
