@@ -24,6 +24,10 @@ KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.f
 # "engine": on GPUs, the engine's symmetric-memory all-reduce kernels (decode steps) and copy-engine sums
 # (large prefill steps); "nccl": every all-reduce in NCCL
 TP_ALL_REDUCES = ("engine", "nccl")
+# a CPU engine of a model this narrow or narrower runs torch on one thread: where another process holds a core,
+# each op waits for a descheduled thread (2 cores, one busy: tiny 146-189 tok/s on torch's two threads, 1,078-1,347
+# on one; the Qwen3-0.6B shape 222.7 s against 14.5 s: docs/performance.md); OMP_NUM_THREADS, where set, is kept
+CPU_ONE_THREAD_MAX_HIDDEN_SIZE = 1024
 
 
 @dataclass
@@ -34,6 +38,9 @@ class EngineConfig:
     device: str = "auto"
     tensor_parallel_size: int = 1
     max_num_seqs: int | None = None
+    # the most of max_num_seqs one request (n, best_of, beam_width) may hold, so that one request never takes
+    # every slot from the others for as long as it runs; default max_num_seqs // 2
+    max_seqs_per_request: int | None = None
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -60,6 +67,7 @@ class EngineConfig:
     torch_dtype: torch.dtype = field(init=False)
     kv_torch_dtype: torch.dtype = field(init=False)
     eos_token_id: list[int] = field(init=False)
+    cpu_threads: int | None = field(init=False)  # torch's threads for a CPU engine (None: torch's own count)
 
     def __post_init__(self) -> None:
         self._check_options()
@@ -90,12 +98,21 @@ class EngineConfig:
             raise ValueError(f"max_model_len is {self.max_model_len}; the model's max_position_embeddings is {max_pos}")
         if self.max_num_seqs is None:
             self.max_num_seqs = 512 if on_gpu else 64
+        if self.max_seqs_per_request is None:
+            self.max_seqs_per_request = max(1, self.max_num_seqs // 2)
+        if self.max_seqs_per_request > self.max_num_seqs:
+            raise ValueError(f"max_seqs_per_request is {self.max_seqs_per_request}; it must be at most max_num_seqs "
+                             f"({self.max_num_seqs})")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 16384 if on_gpu else 2048
         if self.kvcache_block_size is None:
             self.kvcache_block_size = 256 if on_gpu else 16
         if self.async_scheduling is None:
             self.async_scheduling = on_gpu
+        self.cpu_threads = None
+        if not on_gpu and "OMP_NUM_THREADS" not in os.environ \
+                and self.text_config.hidden_size <= CPU_ONE_THREAD_MAX_HIDDEN_SIZE:
+            self.cpu_threads = 1
         eos = getattr(self.hf_config, "eos_token_id", None) or getattr(self.text_config, "eos_token_id", None)
         self.eos_token_id = [eos] if isinstance(eos, int) else list(eos or [])
         if random_tiny:
@@ -112,8 +129,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported by attention_backend='flash'; "
                              "use 'triton' or 'auto'")
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kvcache_block_size",
-                     "num_kvcache_blocks", "max_images_per_prompt", "max_image_bytes",
+        for name in ("max_num_seqs", "max_seqs_per_request", "max_num_batched_tokens", "max_model_len",
+                     "kvcache_block_size", "num_kvcache_blocks", "max_images_per_prompt", "max_image_bytes",
                      "max_pixels_per_prompt"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))

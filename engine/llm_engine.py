@@ -98,10 +98,12 @@ class LLMEngine:
                                  f"vocabulary has {self.vocab_size} tokens")
             params = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
         group = SequenceGroup(request_id, token_ids, params, self.config.kvcache_block_size, beam)
-        if group.width > self.config.max_num_seqs:
+        cap = self.config.max_seqs_per_request
+        if group.width > cap:
             name = "beam_width" if beam is not None else ("best_of" if params.best_of else "n")
             raise ValueError(f"{name}={group.width} needs {group.width} sequences at once; max_num_seqs is "
-                             f"{self.config.max_num_seqs}")
+                             f"{self.config.max_num_seqs}, of which one request may hold {cap} "
+                             f"(max_seqs_per_request): ask for at most {cap}")
         seq = group.first
         if not isinstance(params, BeamSearchParams) and params.constraint is not None:
             seq.grammar = self.grammars.compile(*params.constraint).state()

@@ -59,6 +59,8 @@ class ModelRunner:
         self.config = config
         self.tp = tp
         self.device = torch.device(config.device)
+        if self.device.type == "cpu" and config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)  # process-wide, as torch's thread count is
         if self.device.type == "cuda":
             if self.device.index is None:
                 self.device = torch.device("cuda", tp.rank)

@@ -6,7 +6,8 @@ budget left admits waiting sequences, whose prompts are cut into chunks when the
 decode needs a KV block and none is free, the newest running sequence is preempted: its blocks are
 freed and it waits to be recomputed (its computed blocks usually come back from the prefix cache).
 
-A request of n > 1 sequences is admitted when there are slots for all of them; when its prompt's last
+A request of n > 1 sequences (at most max_seqs_per_request, which the engine checks when it is added, so
+that no request holds every slot) is admitted when there are slots for all of them; when its prompt's last
 chunk is scheduled the prompt's sequence forks into the others, which share its blocks and are sampled
 from the same logits (`ScheduledBatch.forks`).
 """

@@ -22,7 +22,8 @@ ENGINE_FIELDS = ("load_format", "dtype", "device", "tensor_parallel_size", "max_
                  "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization", "kvcache_block_size",
                  "num_kvcache_blocks", "enable_prefix_caching", "enforce_eager", "attention_backend",
                  "kv_cache_dtype", "async_scheduling", "fused_layers", "tp_all_reduce", "seed",
-                 "max_images_per_prompt", "max_image_bytes", "max_pixels_per_prompt")
+                 "max_images_per_prompt", "max_image_bytes", "max_pixels_per_prompt",
+                 "max_seqs_per_request")
 
 
 def default_redis_data_dir() -> str:
@@ -68,6 +69,8 @@ class WorkerSettings(BaseSettings):
     device: str | None = Field(None, description="auto | cuda | cpu")
     tensor_parallel_size: int | None = Field(None, description="GPUs the model is split across")
     max_num_seqs: int | None = Field(None, description="sequences in one batch")
+    max_seqs_per_request: int | None = Field(None, description="most of max_num_seqs one job (n, best_of) may "
+                                                               "hold [max_num_seqs // 2]")
     max_num_batched_tokens: int | None = Field(None, description="tokens in one engine step")
     max_model_len: int | None = Field(None, description="prompt plus completion tokens")
     gpu_memory_utilization: float | None = Field(None, description="share of GPU memory to use")
