@@ -29,9 +29,9 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 MAX_STOP = 64          # stop strings of one request: each is looked for in the completion's text at every token
 MAX_STOP_CHARS = 1024  # characters of one stop string
 MAX_STOP_TOKEN_IDS = 256  # stop_token_ids of one request: each generated token is looked up in them
-# structured output, checked before compiling: llguidance needs a grammar symbol per choice (it panics near 65k)
-# and compiles 4096 short ones in ~0.1 s; a schema's compile time grows with its size (~2,000 optional
-# properties, 64 KiB, take ~0.6 s) and llguidance refuses deep ones anyway (about 130 levels)
+# structured output, checked before compiling: 130k choices made llguidance panic (a grammar symbol each, under
+# 65k) and 4,096 check and compile in ~0.05 s; a schema's time grows with its size (12k properties: seconds; a
+# 64 KiB one of ~2,000: ~0.5 s) and a deep one is refused by llguidance anyway (about 130 levels)
 MAX_CHOICES = 4096
 MAX_CHOICE_CHARS = 256 * 1024  # all the choices' characters together
 MAX_SCHEMA_CHARS = 64 * 1024   # a JSON schema's JSON text
