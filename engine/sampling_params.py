@@ -167,16 +167,17 @@ class BeamSearchParams:
 FIELDS = {f.name: f for f in fields(SamplingParams)}
 
 
-def check_field(name: str, value):
+def check_field(name: str, value, compile_constraint: bool = True):
     """`value` as field `name` holds it (a lone stop string becomes a list, logit_bias keys become ints);
-    ValueError naming the field, what it allows and (briefly) what it got."""
+    ValueError naming the field, what it allows and (briefly) what it got. compile_constraint=False checks a
+    constraint's shape and size caps only, leaving its compile check to a thread that may take the time."""
     f = FIELDS[name]
     meta = f.metadata
     if value is None and (f.default is None or meta["nullable"]):
         return None
     kind, ok, given = meta["kind"], meta["ok"], value
     if kind in ("json_schema", "regex", "choices"):
-        return _constraint(name, value, meta["allowed"])
+        return _constraint(name, value, meta["allowed"], compile_constraint)
     if kind == "strings" and isinstance(value, str):
         value = [value]
     if kind == "token_biases":
@@ -216,7 +217,7 @@ def constraint(params) -> tuple[str, Any] | None:
     return next(((name, getattr(params, name)) for name in CONSTRAINTS if getattr(params, name) is not None), None)
 
 
-def _constraint(name: str, value, allowed: str):
+def _constraint(name: str, value, allowed: str, compile_check: bool = True):
     """A constraint as SamplingParams holds it (a schema's JSON text parsed), checked against its size caps and
     then by compiling its grammar without a tokenizer; ValueError naming the field otherwise."""
     if name == "json_schema" and isinstance(value, str):
@@ -229,6 +230,8 @@ def _constraint(name: str, value, allowed: str):
     too_large = _constraint_too_large(name, value)
     if too_large:
         raise ValueError(f"{name} must be {allowed}, got {too_large}")
+    if not compile_check:
+        return value
     from engine import grammar  # llguidance: no Python dependencies, no torch
 
     error = grammar.check(name, value)

@@ -20,6 +20,10 @@ GROUP = "workers"  # the consumer group every worker reads through
 PRIORITIES = (2, 1, 0)  # priority levels, read in this order: higher first; 0 is the default
 MAX_JOB_BYTES = 4 * 1024 * 1024  # default limit on one job's JSON; workers may lower or raise it
 RESULT_TTL_S = 24 * 3600  # a final job's hash and done list expire this long after it ends
+# A worker's readers check a job's constraint by its shape and size caps only: its compile check (up to
+# engine.grammar.COMPILE_BUDGET_S) runs on the worker's preparation threads, where it holds no other job back.
+DEFER_CONSTRAINT_CHECK = "defer_constraint_check"
+AT_WORKER = {DEFER_CONSTRAINT_CHECK: True}  # JobSpec.model_validate_json(raw, context=AT_WORKER)
 TOKENS_TTL_S = 3600  # its token stream sooner (at most this); stream() then replays the result instead
 RESULTS_FEED_MAXLEN = 100_000  # the results feed keeps about this many recent entries
 MAX_ERROR_PROBLEMS = 5  # a validation error names at most this many problems, then how many more
@@ -104,7 +108,8 @@ class _SamplingChecks(_Strict):
     def _as_the_engine_checks(cls, value, info):
         if value is None:
             return value
-        return sampling_params.check_field(info.field_name, value)
+        return sampling_params.check_field(info.field_name, value,
+                                           not (info.context or {}).get(DEFER_CONSTRAINT_CHECK))
 
     @model_validator(mode="before")
     @classmethod

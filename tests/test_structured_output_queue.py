@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import uuid
 
 import jsonschema
 import pytest
@@ -101,9 +102,40 @@ def test_a_bad_constraint_written_past_the_client_fails_alone_at_the_worker(url,
         client.redis.xadd(client.keys.jobs(), {"job_id": "bad-regex", "job": bad})
         good = client.submit("y", sampling={"choice": CHOICE, "max_tokens": 20})
         failed, ok = client.result("bad-regex", timeout=60), client.result(good, timeout=60)
-    assert failed.status == p.FAILED and "sampling.regex must be a regular expression" in failed.error
-    assert "unclosed group" in failed.error
+    assert failed.status == p.FAILED and "regex must be a regular expression" in failed.error
+    assert "unclosed group" in failed.error and "\n" not in failed.error
     assert ok.status == p.SUCCEEDED and ok.text in CHOICE
+
+
+def test_a_constraint_slow_to_check_holds_no_reader(url, client, engine, monkeypatch):
+    """A job written past the client is checked at the worker; its constraint's compile check runs on a
+    preparation thread, so while it takes its time the reader goes on reading other jobs."""
+    from engine import grammar
+
+    slow = f"[f-h]{{4}}-{uuid.uuid4().hex[:8]}"  # new to the process: its check is not cached yet
+    began, gate, check = threading.Event(), threading.Event(), grammar._check
+
+    def check_after_gate(kind, value):
+        if value == slow:
+            began.set()
+            gate.wait(60)
+        return check(kind, value)
+    monkeypatch.setattr(grammar, "_check", check_after_gate)
+    try:
+        with worker_thread(url, client.keys.queue, engine):
+            client.redis.xadd(client.keys.jobs(), {"job_id": "slow-check", "job": json.dumps(
+                {"prompt": "x", "sampling": {"regex": slow, "max_tokens": 20}})})
+            assert began.wait(60)
+            others = [client.submit("Free", sampling={"max_tokens": 5}),
+                      client.submit("Choose", sampling={"choice": CHOICE, "max_tokens": 20})]
+            results = [client.result(job_id, timeout=60) for job_id in others]
+            assert [r.status for r in results] == [p.SUCCEEDED] * 2, [r.error for r in results]
+            assert client.status("slow-check").status != p.SUCCEEDED  # still being checked
+            gate.set()
+            late = client.result("slow-check", timeout=60)
+    finally:
+        gate.set()
+    assert late.status == p.SUCCEEDED and re.fullmatch(slow, late.text)
 
 
 @pytest.fixture

@@ -124,7 +124,7 @@ def job_spec(body, message_priority, max_job_bytes: int) -> p.JobSpec:
     if len(raw) > max_job_bytes:
         raise ValueError(f"the job is {len(raw):,} bytes; this worker takes at most {max_job_bytes:,} (max_job_bytes)")
     try:
-        return p.JobSpec.model_validate_json(raw)
+        return p.JobSpec.model_validate_json(raw, context=p.AT_WORKER)
     except p.ValidationError as e:
         raise ValueError(f"invalid job: {p.describe_validation_error(e)}") from None
 

@@ -133,7 +133,7 @@ def parse_entry(entry: Entry, max_job_bytes: int) -> tuple[str, p.JobSpec | None
         return job_id, None, (f"the job is {len(raw):,} bytes; this worker takes at most {max_job_bytes:,} "
                               "(max_job_bytes)")
     try:
-        return job_id, p.JobSpec.model_validate_json(raw), None
+        return job_id, p.JobSpec.model_validate_json(raw, context=p.AT_WORKER), None
     except p.ValidationError as e:
         return job_id, None, f"invalid job: {p.describe_validation_error(e)}"
 

@@ -14,7 +14,7 @@ import threading
 from typing import Callable
 
 from engine.images import has_images
-from engine.sampling_params import constraint
+from engine.sampling_params import check_field, constraint
 
 from .consumer import Job
 
@@ -89,7 +89,14 @@ class Preparation:
                 log.exception("the images of job %s could not be prepared", job.job_id)
                 job.prompt_error = f"could not start: {type(e).__name__}: {e}"
         if self._compiles(job):
-            self.engine.compile_grammar(job.spec.sampling)  # within its budget; an error is add_request's
+            # the compile check the readers left out (cached for add_request), then the compile, each within
+            # its budget; an error is add_request's to report
+            name, value = constraint(job.spec.sampling)
+            try:
+                check_field(name, value)
+            except ValueError:
+                return
+            self.engine.compile_grammar(job.spec.sampling)
 
     def _compiles(self, job: Job) -> bool:
         return (job.spec is not None and hasattr(self.engine, "compile_grammar")
