@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from engine.beam_search import BeamSearch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.detokenizer import Detokenizer
 from engine.grammar import GrammarCache
 from engine.model_runner import ModelRunner
 from engine.multimodal import ImagePrompts, MultimodalPrompt, chat_parts
@@ -57,11 +58,12 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int] | dict | MultimodalPrompt,
                     sampling_params: SamplingParams | BeamSearchParams | dict | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, stream: bool = False) -> str:
         """Queue one request (sampling, or beam search with BeamSearchParams); returns its id. A prompt is
         text, token ids, {"prompt": text or ids, "images": [PIL.Image | bytes | path | data URL, ...]} (a
-        vision-language model), or what prepare_prompt / encode_chat returned. Raises ValueError for bad
-        input, leaving the engine as it was."""
+        vision-language model), or what prepare_prompt / encode_chat returned. stream: its outputs carry
+        each step's new text (`new_text`), not only the final text. Raises ValueError for bad input,
+        leaving the engine as it was."""
         self._check_open()
         params = _as_params(sampling_params)
         prepared = self.prepare_prompt(prompt)
@@ -70,7 +72,7 @@ class LLMEngine:
             request_id = f"req-{next(self._request_ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        group = self._new_group(request_id, token_ids, params)
+        group = self._new_group(request_id, token_ids, params, stream)
         if isinstance(prepared, MultimodalPrompt):
             group.first.multimodal = prepared.multimodal
             group.first.mrope_position_delta = prepared.multimodal.mrope_position_delta
@@ -89,7 +91,7 @@ class LLMEngine:
             except ValueError:
                 pass
 
-    def _new_group(self, request_id: str, token_ids: list[int], params) -> SequenceGroup:
+    def _new_group(self, request_id: str, token_ids: list[int], params, stream: bool = False) -> SequenceGroup:
         beam = None
         if isinstance(params, BeamSearchParams):
             beam = BeamSearch(params, self.config.eos_token_id)
@@ -107,6 +109,8 @@ class LLMEngine:
         seq = group.first
         if not isinstance(params, BeamSearchParams) and params.constraint is not None:
             seq.grammar = self.grammars.compile(*params.constraint).state()
+        if beam is None and self.tokenizer is not None and (stream or params.stop):
+            seq.detokenizer = Detokenizer(self.tokenizer, params.stop)
         limit = self.config.max_model_len
         seq.max_num_tokens = limit if params.max_tokens is None else min(len(token_ids) + params.max_tokens, limit)
         if beam is not None:
@@ -406,18 +410,16 @@ class LLMEngine:
     def _finish_reason(self, seq: Sequence, token_id: int, num_tokens: int) -> str | None:
         """Why `seq` ends with `token_id` as its token number `num_tokens`, or None if it goes on."""
         p = seq.params
-        if num_tokens - seq.num_prompt_tokens >= p.min_tokens:  # before min_tokens only the length ends it
+        past_min = num_tokens - seq.num_prompt_tokens >= p.min_tokens  # before min_tokens only the length ends it
+        if past_min:
             if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.config.eos_token_id):
                 return "stop"
             if seq.grammar is not None and seq.grammar.done:  # a whole match that nothing may extend
                 return "stop"
-            if p.stop and self.tokenizer is not None:
-                completion = seq.completion_token_ids[: num_tokens - seq.num_prompt_tokens]
-                text = self.tokenizer.decode(completion, skip_special_tokens=True)
-                found = [i for i in (text.find(s) for s in p.stop) if i >= 0]
-                if found:
-                    seq.stop_text_len = min(found)
-                    return "stop"
+        # the text of a request that needs it as it comes, stop strings found in the same pass
+        if seq.detokenizer is not None and seq.detokenizer.update(
+                seq.completion_token_ids, num_tokens - seq.num_prompt_tokens, past_min):
+            return "stop"
         if num_tokens >= seq.max_num_tokens:
             return "length"
         return None

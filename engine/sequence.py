@@ -41,7 +41,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.finish_reason: str | None = None
         self.error: str | None = None  # set when the request failed on its own data
-        self.stop_text_len: int | None = None  # text is cut here when a stop string matched
+        self.detokenizer = None        # engine.detokenizer.Detokenizer of a request that needs its text as it comes
         self.logprobs: list[dict] = []
         self.cumulative_logprob = 0.0  # the sum of its completion tokens' logprobs
         self.beam_score = 0.0          # beam search: the running beam's summed logprob, as float32
@@ -124,6 +124,7 @@ class Sequence:
         child.num_reported_tokens = 0
         child.pending_index = -1
         child.grammar = self.grammar.fork() if self.grammar is not None else None  # a matcher of its own
+        child.detokenizer = self.detokenizer.fork() if self.detokenizer is not None else None
         return child
 
 
