@@ -11,7 +11,7 @@ import torch
 
 from engine.attention import BACKENDS as ATTENTION_BACKENDS
 from engine.builtin import BUILTIN_MODELS, TINY_MODEL_DIR
-from engine.images import MAX_IMAGE_BYTES, MAX_IMAGES_PER_PROMPT, MAX_PIXELS_PER_PROMPT
+from engine.options import EngineOptions
 
 log = logging.getLogger("redline.engine")
 
@@ -31,35 +31,9 @@ CPU_ONE_THREAD_MAX_HIDDEN_SIZE = 1024
 
 
 @dataclass
-class EngineConfig:
-    model: str
-    load_format: str = "auto"
-    dtype: str = "auto"
-    device: str = "auto"
-    tensor_parallel_size: int = 1
-    max_num_seqs: int | None = None
-    # the most of max_num_seqs one request (n, best_of, beam_width) may hold, so that one request never takes
-    # every slot from the others for as long as it runs; default max_num_seqs // 2
-    max_seqs_per_request: int | None = None
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    gpu_memory_utilization: float = 0.9
-    kvcache_block_size: int | None = None
-    num_kvcache_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False
-    attention_backend: str = "auto"
-    kv_cache_dtype: str = "auto"
-    async_scheduling: bool | None = None  # default: on for GPUs (CPU work overlaps the GPU's)
-    seed: int = 0
-    # False: the layers' norms, activations and projections run as plain PyTorch ops (no torch.compile, none
-    # of the engine's Triton layer kernels; attention keeps its backend), to debug
-    fused_layers: bool = True
-    tp_all_reduce: str = "engine"  # TP_ALL_REDUCES: "nccl" keeps every tensor-parallel all-reduce in NCCL
-    # vision-language models: at most this many images in one prompt, each at most this many bytes encoded
-    max_images_per_prompt: int = MAX_IMAGES_PER_PROMPT
-    max_image_bytes: int = MAX_IMAGE_BYTES
-    max_pixels_per_prompt: int = MAX_PIXELS_PER_PROMPT  # all of one prompt's images together (width x height)
+class EngineConfig(EngineOptions):
+    """The options (engine/options.py: defaults and help) checked, and resolved against the model's config.json."""
+
     # resolved in __post_init__
     model_dir: str = field(init=False)
     hf_config: object = field(init=False, repr=False)

@@ -119,6 +119,17 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
 
+    @classmethod
+    def from_checked(cls, values: dict) -> "SamplingParams":
+        """SamplingParams of values that these same checks have passed already (the worker's parse of the wire's
+        `Sampling`, which runs them): built without running them again. Unchecked values must not come here."""
+        params = cls.__new__(cls)
+        for name, f in FIELDS.items():
+            setattr(params, name, values.get(name, f.default))
+        params.stop = list(params.stop or [])
+        params.stop_token_ids = list(params.stop_token_ids or [])
+        return params
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 from redis.asyncio.cluster import ClusterPipeline as AsyncClusterPipeline
 from redis.cluster import ClusterPipeline as SyncClusterPipeline
 
-from .protocol import GROUP, TOKENS_TTL_S
+from .protocol import GROUP, TOKENS_TTL_S, Keys
 
 # the Lua helpers every script starts with, the worker's (worker.scripts) too
 COMMON = """
@@ -43,6 +43,14 @@ local function finish(job, tokens, done, results, job_id, status, result_json, e
   redis.call('XADD', results, 'MAXLEN', '~', maxlen, '*', 'job_id', job_id, 'status', status)
 end
 """ % (GROUP, TOKENS_TTL_S)
+
+
+
+def finish_keys(keys: Keys, job_id: str, *more: str) -> list[str]:
+    """The KEYS of a script that ends a job with the Lua `finish` helper (FINISH, START, DEAD_LETTER, CANCEL):
+    the four that helper writes (job hash, token stream, done list, results feed), then the script's `more`."""
+    return [keys.job(job_id), keys.tokens(job_id), keys.done(job_id), keys.results, *more]
+
 
 # KEYS: the job streams of every priority, then one job hash per job. ARGV: per job, its index into
 # KEYS for the stream, its id and its JSON. Returns per job 1 if enqueued, 0 if the id already exists.

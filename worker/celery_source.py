@@ -29,6 +29,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import Protocol
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from producer import protocol as p
@@ -46,6 +47,29 @@ RESTORE_EVERY_S = 1.0  # how often an idle thread has kombu look for dead worker
 # kombu, so the thread waits one out before it says it reads no more (it delays a worker's exit this long).
 BRPOP_TIMEOUT_S = 0.1
 BACKEND_RETRIES = 10  # Celery retries a failed result store this often (with backoff); then the task is requeued
+
+
+class JobSink(Protocol):
+    """What a source of jobs needs of the worker (`Worker` implements it): room in the engine, the count of
+    jobs in flight, a way into the engine, cancels, and whether the worker stops."""
+
+    stopping: threading.Event  # set: hand over no more jobs
+    closed: threading.Event  # set: every result is written; the source may end
+
+    def take_room(self, n: int) -> int:
+        """Room in the engine for up to `n` jobs; returns how many got it."""
+
+    def hold(self, job: Job) -> bool:
+        """Count the job in flight (cancels reach it from now on); False if a job of its id is in flight."""
+
+    def release(self, job_id: str) -> None:
+        """Stop counting a held job that never reached the engine."""
+
+    def start_job(self, job: Job) -> None:
+        """Hand a held job, its room taken, to the engine."""
+
+    def cancel(self, job_id: str) -> None:
+        """Cancel a job held here: aborted in the engine if it runs, ended as cancelled if it has not started."""
 
 
 class JobFailed(Exception):
@@ -151,11 +175,11 @@ class CelerySource:
 
     name = "celery"  # the `source` label of the job metrics
 
-    def __init__(self, worker) -> None:
-        s = worker.settings
+    def __init__(self, settings, metrics, sink: JobSink) -> None:
+        s = settings
         if not s.redis_url:
             raise ValueError("--celery-queue needs the Redis URL its producers use (--redis-url)")
-        self.worker, self.settings, self.metrics = worker, s, worker.metrics
+        self.sink, self.settings, self.metrics = sink, s, metrics
         self.app = celery_app(with_password(s.redis_url, s.redis_password), s)
         self.queue = self.app.amqp.queues[s.celery_queue]  # declared as Celery's producers declare it
         self.hostname = f"redline@{s.worker_name}"  # this worker's name on Celery's control mailbox
@@ -188,7 +212,7 @@ class CelerySource:
         # leaving the connection put back what is still unacked: results not stored in time run elsewhere
 
     def _serve(self, conn, consumer) -> None:
-        w, credit = self.worker, None
+        w, credit = self.sink, None
         while not (w.closed.is_set() and self.reading_done.is_set()):
             try:
                 self._settle_messages()
@@ -221,11 +245,11 @@ class CelerySource:
             job = self._held[0]
             if job.expires is not None and job.expires <= datetime.now(timezone.utc):
                 self._held.pop(0)
-                self.worker.in_flight.pop(job.job_id)
+                self.sink.release(job.job_id)
                 self._settle_now(job.message, job.task_id, p.EXPIRED,
                                  f"expired at {job.expires.isoformat()} before it started")
-            elif self.worker.capacity.take(1):
-                self.worker.hand_to_engine(self._held.pop(0))
+            elif self.sink.take_room(1):
+                self.sink.start_job(self._held.pop(0))
             else:
                 return
 
@@ -234,7 +258,7 @@ class CelerySource:
         consumer.cancel()
         self._reads_end = time.monotonic() + BRPOP_TIMEOUT_S + 2 * POLL_S
         for job in self._held:
-            self.worker.in_flight.pop(job.job_id)
+            self.sink.release(job.job_id)
             self._settle.put((job.message, False))
         self._held = []
 
@@ -247,7 +271,7 @@ class CelerySource:
                 message, ack = self._settle.get_nowait()
             except queue.Empty:
                 break
-            if not ack and self.worker.stopping.is_set() and not self.reading_done.is_set():
+            if not ack and self.sink.stopping.is_set() and not self.reading_done.is_set():
                 later.append((message, ack))
                 continue
             try:
@@ -297,7 +321,6 @@ class CelerySource:
         """Settle a task that cannot run; line the others up for the engine."""
         from celery import states
 
-        w = self.worker
         if headers.get("task") != TASK_NAME:
             from celery.exceptions import NotRegistered
 
@@ -320,13 +343,12 @@ class CelerySource:
         job = CeleryTask(JOB_ID_PREFIX + task_id, self.queue.name, message.delivery_tag, spec,
                          attempt=2 if redelivered else 1, source=self, task_id=task_id, message=message,
                          expires=_time(headers.get("expires")))
-        if w.in_flight.get(job.job_id) is not None:
+        if not self.sink.hold(job):
             log.info("Celery task %s was sent again while it runs here; this copy is acked without running", task_id)
             self._settle.put((message, True))
             return
-        w.in_flight.add(job)
         if job.abort_reason == "cancel":  # revoked before it came
-            w.in_flight.pop(job.job_id)
+            self.sink.release(job.job_id)
             self._settle_now(message, task_id, p.CANCELLED, "revoked before it started")
             return
         self._held.append(job)
@@ -372,10 +394,10 @@ class CelerySource:
             job_id = JOB_ID_PREFIX + str(tid)
             held = next((job for job in self._held if job.job_id == job_id), None)
             if held is None:
-                self.worker.cancel(job_id)
+                self.sink.cancel(job_id)
                 continue
             self._held.remove(held)
-            self.worker.in_flight.pop(job_id)
+            self.sink.release(job_id)
             self._settle_now(held.message, held.task_id, p.CANCELLED, "revoked before it started")
         return {"ok": f"tasks {', '.join(map(str, task_ids))} flagged as revoked"}
 

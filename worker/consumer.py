@@ -16,6 +16,7 @@ import redis
 
 from producer import protocol as p
 from producer.connection import UNAVAILABLE
+from producer.scripts import finish_keys
 
 from .scripts import WorkerScripts
 
@@ -38,7 +39,7 @@ class Job:
     entry_gone: bool = False  # its entry vanished with Redis's data: its result is still written, nothing acked
     source: object | None = None  # None: a stream entry; else the job source that stores its states (celery_source)
     prompt: object | None = None  # chat with images: the prompt prepared before the engine took it (prepare.py)
-    prompt_error: str | None = None  # or why it could not be
+    start_error: str | None = None  # why it cannot start, found while it was prepared (prepare.py)
 
 
 @dataclass
@@ -256,8 +257,7 @@ class Consumer:
                 self._finish_call(pipe, job_id, entry, p.FAILED, error)
                 starts.append(None)
                 continue
-            ks = [self.keys.job(job_id), self.keys.tokens(job_id), self.keys.done(job_id), self.keys.results,
-                  entry.stream]
+            ks = finish_keys(self.keys, job_id, entry.stream)
             cancelled, cancelled_end = p.final_args(job_id, p.CANCELLED, "cancelled before it started")
             expired, expired_end = p.final_args(
                 job_id, p.EXPIRED, f"the deadline of {spec.deadline_s:g} s after enqueue passed before it started"
@@ -288,10 +288,8 @@ class Consumer:
 
     def _finish_call(self, pipe, job_id: str, entry: Entry, status: str, error: str) -> None:
         result, end = p.final_args(job_id, status, error)
-        ks = [self.keys.job(job_id), self.keys.tokens(job_id), self.keys.done(job_id), self.keys.results,
-              entry.stream]
-        self.scripts.finish(keys=ks, args=[job_id, entry.entry_id, status, result, end,
-                                           self.settings.result_ttl, p.RESULTS_FEED_MAXLEN], client=pipe)
+        self.scripts.finish_job(self.keys, job_id, entry.stream, entry.entry_id, status, result, end,
+                                self.settings.result_ttl, client=pipe)
 
     def _dead_letter(self, entry: Entry, job_id: str) -> None:
         last_error = self.redis.hget(self.keys.job(job_id), "last_error")
@@ -300,8 +298,7 @@ class Consumer:
         if last_error:
             error += f"; last error: {p.decode(last_error)}"
         result, end = p.final_args(job_id, p.FAILED, error)
-        ks = [self.keys.job(job_id), self.keys.tokens(job_id), self.keys.done(job_id), self.keys.results,
-              entry.stream, self.keys.dead]
+        ks = finish_keys(self.keys, job_id, entry.stream, self.keys.dead)
         moved = self.scripts.dead_letter(keys=ks, args=[job_id, entry.entry_id, entry.deliveries, error, result,
                                                         end, self.settings.result_ttl, p.RESULTS_FEED_MAXLEN])
         if moved:

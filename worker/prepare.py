@@ -71,8 +71,9 @@ class Preparation:
             try:
                 if job.abort_reason is None:  # a job cancelled while it waited needs nothing prepared
                     self._prepare(job)
-            except Exception:  # noqa: BLE001 - a job can fail only itself: add_request reports what is wrong
+            except Exception as e:  # noqa: BLE001 - a job can fail only itself
                 log.exception("preparing job %s failed", job.job_id)
+                job.start_error = job.start_error or f"could not start: {type(e).__name__}: {e}"
             finally:
                 with self._lock:
                     mine = self._jobs.pop(id(job), None) is job
@@ -84,23 +85,25 @@ class Preparation:
             try:
                 job.prompt = self.engine.encode_chat([m.model_dump() for m in job.spec.messages])
             except ValueError as e:
-                job.prompt_error = str(e)
+                job.start_error = str(e)
             except Exception as e:  # noqa: BLE001 - a template or image processor error is the job's problem
                 log.exception("the images of job %s could not be prepared", job.job_id)
-                job.prompt_error = f"could not start: {type(e).__name__}: {e}"
-        if self._compiles(job):
-            # the compile check the readers left out (cached for add_request), then the compile, each within
-            # its budget; an error is add_request's to report
+                job.start_error = f"could not start: {type(e).__name__}: {e}"
+        if self._compiles(job) and job.start_error is None:
+            # the compile check the readers left out (the job's sampling is checked whole once it passes), then
+            # the compile into the engine's cache, each within its budget
             name, value = constraint(job.spec.sampling)
             try:
                 check_field(name, value)
-            except ValueError:
+            except ValueError as e:
+                job.start_error = str(e)
                 return
-            self.engine.compile_grammar(job.spec.sampling)
+            compile_grammar = getattr(self.engine, "compile_grammar", None)
+            if compile_grammar is not None:
+                compile_grammar(job.spec.sampling)
 
     def _compiles(self, job: Job) -> bool:
-        return (job.spec is not None and hasattr(self.engine, "compile_grammar")
-                and constraint(job.spec.sampling) is not None)
+        return job.spec is not None and constraint(job.spec.sampling) is not None
 
     def _has_images(self, job: Job) -> bool:
         spec = job.spec

@@ -6,7 +6,8 @@ helpers (`COMMON`) and the registration (`ScriptSet`) are the producer's, shared
 """
 from __future__ import annotations
 
-from producer.scripts import COMMON, ScriptSet
+from producer.protocol import RESULTS_FEED_MAXLEN, Keys
+from producer.scripts import COMMON, ScriptSet, finish_keys
 
 # KEYS: job, tokens, done, results, stream. ARGV: job_id, entry_id, worker, deadline_s ('' = none),
 # ttl, maxlen, cancelled_result, cancelled_end, expired_result, expired_end.
@@ -109,3 +110,9 @@ class WorkerScripts(ScriptSet):
 
     SOURCES = {"start": START, "finish": FINISH, "heartbeat": HEARTBEAT, "append_deltas": APPEND_DELTAS,
                "handback": HANDBACK, "dead_letter": DEAD_LETTER}
+
+    def finish_job(self, keys: Keys, job_id: str, stream: str, entry_id: str, status: str, result: str, end: str,
+                   ttl: int, client=None):
+        """FINISH one job (every caller's one way to): returns 1 if this wrote its result."""
+        return self.finish(keys=finish_keys(keys, job_id, stream),
+                           args=[job_id, entry_id, status, result, end, ttl, RESULTS_FEED_MAXLEN], client=client)

@@ -8,23 +8,15 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+from dataclasses import fields
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal, get_args, get_type_hints
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, create_model
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from engine import images
+from engine.options import EngineOptions
 from producer import protocol
-
-# Fields passed to LLMEngine as keyword arguments when set; unset ones keep the engine's defaults.
-ENGINE_FIELDS = ("load_format", "dtype", "device", "tensor_parallel_size", "max_num_seqs",
-                 "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization", "kvcache_block_size",
-                 "num_kvcache_blocks", "enable_prefix_caching", "enforce_eager", "attention_backend",
-                 "kv_cache_dtype", "async_scheduling", "fused_layers", "tp_all_reduce", "seed",
-                 "max_images_per_prompt", "max_image_bytes", "max_pixels_per_prompt",
-                 "max_seqs_per_request")
-
 
 def default_redis_data_dir() -> str:
     """Where an embedded redis-server keeps its data: this user's XDG data folder."""
@@ -32,7 +24,9 @@ def default_redis_data_dir() -> str:
     return os.path.join(base, "redline", "redis")
 
 
-class WorkerSettings(BaseSettings):
+class _WorkerSettings(BaseSettings):
+    """The worker's own settings; the engine's options join them below."""
+
     model_config = SettingsConfigDict(env_prefix="REDLINE_", extra="ignore", protected_namespaces=())
 
     model: str | None = Field(None, description="HF hub id or local model directory (required)")
@@ -64,38 +58,28 @@ class WorkerSettings(BaseSettings):
     celery_visibility_timeout: float = Field(60.0, gt=0, description="a Celery task whose worker has not been heard "
                                                                      "from this long goes back to its queue")
 
-    load_format: str | None = Field(None, description="auto | safetensors | dummy (random weights)")
-    dtype: str | None = Field(None, description="auto | bfloat16 | float16 | float32")
-    device: str | None = Field(None, description="auto | cuda | cpu")
-    tensor_parallel_size: int | None = Field(None, description="GPUs the model is split across")
-    max_num_seqs: int | None = Field(None, description="sequences in one batch")
-    max_seqs_per_request: int | None = Field(None, description="most of max_num_seqs one job (n, best_of) may "
-                                                               "hold [max_num_seqs // 2]")
-    max_num_batched_tokens: int | None = Field(None, description="tokens in one engine step")
-    max_model_len: int | None = Field(None, description="prompt plus completion tokens")
-    gpu_memory_utilization: float | None = Field(None, description="share of GPU memory to use")
-    kvcache_block_size: int | None = Field(None, description="tokens per KV block")
-    num_kvcache_blocks: int | None = Field(None, description="fix the KV cache size")
-    enable_prefix_caching: bool | None = Field(None, description="reuse KV blocks of shared prefixes")
-    enforce_eager: bool | None = Field(None, description="no CUDA graphs")
-    attention_backend: str | None = Field(None, description="auto | triton | flash | torch")
-    kv_cache_dtype: str | None = Field(None, description="auto (the model's dtype) | fp8 (one byte an element, lossy)")
-    async_scheduling: bool | None = Field(None, description="prepare the next step while the GPU runs this one "
-                                                            "(default: on for GPUs)")
-    fused_layers: bool | None = Field(None, description="False: the layers as plain PyTorch ops (debugging)")
-    tp_all_reduce: str | None = Field(None, description="engine (the engine's all-reduce kernels on GPUs) | nccl")
-    seed: int | None = Field(None, description="seed of dummy weights and of unseeded sampling")
-    max_images_per_prompt: int | None = Field(None, description="vision-language models: most images in one job "
-                                                                f"[{images.MAX_IMAGES_PER_PROMPT}]")
-    max_image_bytes: int | None = Field(None, description="vision-language models: most bytes of one encoded "
-                                                          f"image [{images.MAX_IMAGE_BYTES}]")
-    max_pixels_per_prompt: int | None = Field(None, description="vision-language models: most pixels (width x "
-                                                                f"height) of one job's images together "
-                                                                f"[{images.MAX_PIXELS_PER_PROMPT}]")
-
     @property
     def engine_kwargs(self) -> dict:
+        """The engine options given (a flag or REDLINE_<NAME>); the others keep the engine's defaults."""
         return {k: getattr(self, k) for k in ENGINE_FIELDS if getattr(self, k) is not None}
+
+
+def _engine_fields() -> dict:
+    """Each option of engine/options.py as an optional setting (unset: the engine's default), with its help
+    and default."""
+    hints = get_type_hints(EngineOptions)
+    out = {}
+    for f in fields(EngineOptions):
+        if f.name in ENGINE_FIELDS:
+            default = "" if f.default is None else f" [{f.default}]"
+            out[f.name] = (hints[f.name] | None, Field(None, description=f.metadata["help"] + default))
+    return out
+
+
+# the engine options, each a setting: passed to the engine as keyword arguments when set
+ENGINE_FIELDS = tuple(f.name for f in fields(EngineOptions) if f.name != "model")
+WorkerSettings = create_model("WorkerSettings", __base__=_WorkerSettings, __module__=__name__, **_engine_fields())
+WorkerSettings.__doc__ = "The worker's settings and the engine's options: flags, then REDLINE_<NAME>, then defaults."
 
 
 def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
