@@ -7,7 +7,7 @@ from typing import Any, AsyncIterator, Iterable
 import redis.asyncio as aredis
 
 from . import protocol as p
-from .client import (build_job, cancel_call, default_url, delta_from_result, job_kwargs, parse_dead,
+from .client import (build_job, cancel_call, default_url, deltas_from_result, job_kwargs, parse_dead,
                      parse_delta, parse_status, remaining, requeue_call, submit_call)
 from .connection import connect
 from .scripts import ClientScripts
@@ -72,7 +72,8 @@ class AsyncClient:
         if after == "0-0" and not await self.redis.exists(key):
             raw = await self.redis.hget(self.keys.job(job_id), "result")
             if raw:
-                yield delta_from_result(p.JobResult.model_validate_json(raw))
+                for delta in deltas_from_result(p.JobResult.model_validate_json(raw)):
+                    yield delta
                 return
         while True:
             left = remaining(deadline)

@@ -133,11 +133,14 @@ def parse_delta(entry_id, fields: dict) -> p.TokenDelta:
     return delta
 
 
-def delta_from_result(result: p.JobResult) -> p.TokenDelta:
-    """The one delta a reader gets when the token stream has expired but the result has not."""
-    return p.TokenDelta(token_ids=result.token_ids, text=result.text, attempt=max(result.attempts, 1),
-                        finished=True, status=result.status, finish_reason=result.finish_reason,
-                        error=result.error)
+def deltas_from_result(result: p.JobResult) -> list[p.TokenDelta]:
+    """What a reader gets when the token stream has expired but the result has not: each completion whole
+    (as `outputs` has them, when n > 1), the first last with the final status."""
+    attempt = max(result.attempts, 1)
+    others = [p.TokenDelta(token_ids=c.token_ids, text=c.text, completion=c.index, attempt=attempt)
+              for c in (result.outputs or [])[1:]]
+    return others + [p.TokenDelta(token_ids=result.token_ids, text=result.text, attempt=attempt, finished=True,
+                                  status=result.status, finish_reason=result.finish_reason, error=result.error)]
 
 
 def parse_dead(entry_id, fields: dict) -> p.DeadLetter:
@@ -219,15 +222,17 @@ class Client:
     def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> Iterator[p.TokenDelta]:
         """Yield token deltas as they are generated, ending with the `finished` one.
 
+        A job with n > 1 yields every completion's deltas as they come, interleaved: `delta.completion` says
+        whose (its index in the result's `outputs`), `delta.index` where its tokens go in that completion.
         Resume after a disconnect with `after=<the .id of the last delta you saw>`. A delta with
-        `restart` set means the job started over on another worker: drop what you have.
+        `restart` set means the job started over on another worker: drop what you have (every completion's).
         """
         key = self.keys.tokens(job_id)
         deadline = None if timeout is None else time.monotonic() + timeout
         if after == "0-0" and not self.redis.exists(key):
             raw = self.redis.hget(self.keys.job(job_id), "result")
             if raw:  # finished long ago: the token stream expired before the result did
-                yield delta_from_result(p.JobResult.model_validate_json(raw))
+                yield from deltas_from_result(p.JobResult.model_validate_json(raw))
                 return
         while True:
             left = remaining(deadline)

@@ -256,7 +256,10 @@ class JobStatus(BaseModel):
 
 
 class TokenDelta(BaseModel):
-    """One entry of a job's token stream. `index` is the position of the first token in this delta.
+    """One entry of a job's token stream: new tokens and text of completion `completion` (0 to n - 1, as
+    the result's `outputs`); `index` is the position of its first token in that completion. A job with
+    n > 1 streams its completions' deltas interleaved: concatenate each completion's own. With best_of,
+    each chosen completion comes whole once the job ends.
 
     A delta with `restart` true means a new attempt began after a worker died: discard what you have.
     The last delta of a stream has `finished` true and carries the final status.
@@ -265,6 +268,7 @@ class TokenDelta(BaseModel):
     index: int = 0
     token_ids: list[int] = Field(default_factory=list)
     text: str = ""
+    completion: int = 0
     attempt: int = 1
     restart: bool = False
     finished: bool = False

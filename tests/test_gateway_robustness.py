@@ -216,19 +216,24 @@ def test_without_max_tokens_a_completion_runs_to_the_end_of_the_context(client):
 
 # -- streams of n completions, and the gateway's metrics ---------------------------------------------------
 
-def test_a_stream_of_n_completions_carries_each_with_its_index(client):
-    params = dict(n=3, seed=5, temperature=0.8, max_tokens=6)
-    [expected] = LLM(TINY_MODEL_DIR, load_format="dummy", device="cpu").chat([HI], SamplingParams(**params),
-                                                                                use_tqdm=False)
-    chunks = list(client.chat.completions.create(model="any", messages=HI, stream=True,
+def test_a_stream_of_n_completions_carries_each_live_with_its_index(client):
+    params = dict(n=3, seed=5, temperature=0.8, max_tokens=24)
+    [expected] = LLM(TINY_MODEL_DIR, load_format="dummy", device="cpu").chat(
+        [HI], SamplingParams(**params, ignore_eos=True), use_tqdm=False)
+    chunks = list(client.chat.completions.create(model="any", messages=HI, stream=True, extra_body={"ignore_eos": True},
                                                  stream_options={"include_usage": True}, **params))
-    texts, reasons = ["", "", ""], [None, None, None]
+    texts, reasons, content_order = ["", "", ""], [None, None, None], []
     for chunk in chunks:
         for choice in chunk.choices:
             assert len(chunk.choices) == 1
             texts[choice.index] += choice.delta.content or ""
             reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+            if choice.delta.content:
+                content_order.append(choice.index)
     assert texts == [c.text for c in expected.outputs]
+    # every choice streams as it is generated: several chunks each, interleaved with the others'
+    assert all(content_order.count(i) >= 2 for i in range(3))
+    assert content_order.index(2) < len(content_order) - 1 - content_order[::-1].index(0)
     assert reasons == [c.finish_reason for c in expected.outputs]
     assert {c.choices[0].delta.role for c in chunks if c.choices} >= {"assistant"}
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == sum(

@@ -2,6 +2,8 @@
 CPU) behind a real redis-server; the job's result carries every completion."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from engine import SamplingParams
@@ -46,11 +48,10 @@ def test_a_job_with_n_2_returns_both_completions_as_the_engine_does(url, referen
         assert res.token_ids == res.outputs[0].token_ids and res.text == res.outputs[0].text
         assert res.cumulative_logprob == pytest.approx(res.outputs[0].cumulative_logprob)
         assert res.usage.completion_tokens == sum(len(c.token_ids) for c in res.outputs)
-    # with best_of the streamed completion may lose: the stream ends with the text of the best one
-    text = ""
-    for d in deltas:
-        text = d.text if d.restart else text + d.text
-    assert deltas[-1].finished and text == results[1].text
+    # with best_of which completions win is known at the end: each comes whole then, under its index
+    assert deltas[-1].finished and not any(d.restart for d in deltas)
+    assert [(d.completion, d.text, d.token_ids) for d in deltas] == [
+        (c.index, c.text, c.token_ids) for c in results[1].outputs[1:] + results[1].outputs[:1]]
 
 
 def test_max_tokens_null_and_string_bias_keys_survive_the_wire(url):
@@ -61,3 +62,37 @@ def test_max_tokens_null_and_string_bias_keys_survive_the_wire(url):
         res = client.result(job, timeout=60)
     assert res.status == "succeeded" and res.finish_reason == "length"
     assert res.token_ids == [9] * (48 - 3) and res.outputs is None
+
+
+def test_a_streamed_job_with_n_3_streams_every_completion_live(url, reference):
+    sampling = {"n": 3, "temperature": 0.9, "seed": 8, "max_tokens": 40, "ignore_eos": True}
+    with Client(url, new_queue()) as client, worker_thread(url, client.keys.queue, tiny_engine(max_num_seqs=8)):
+        job_id = client.submit("héllo wörld 世界 🙂", sampling=sampling, stream=True)
+        deltas = list(client.stream(job_id, timeout=60))
+        result = client.result(job_id, timeout=60)
+    [expected] = reference.generate(["héllo wörld 世界 🙂"], SamplingParams(**sampling), use_tqdm=False)
+    assert [c.text for c in result.outputs] == [c.text for c in expected.outputs]
+    for c in result.outputs:
+        mine = [d for d in deltas if d.completion == c.index]
+        assert "".join(d.text for d in mine) == c.text and [t for d in mine for t in d.token_ids] == c.token_ids
+        assert [d.index for d in mine] == [sum(len(d.token_ids) for d in mine[:i]) for i in range(len(mine))]
+        assert len(mine) >= 2  # several pieces, not one at the end
+    order = [d.completion for d in deltas]
+    assert order.index(1) < len(order) - 1 - order[::-1].index(0)  # completion 1 began before 0 ended
+    assert deltas[-1].finished and deltas[-1].completion == 0 and not any(d.finished for d in deltas[:-1])
+
+
+def test_the_worker_decodes_no_token_itself(url):
+    """Every decode of a streamed job's tokens runs on the engine's thread, in the engine's detokenizer."""
+    engine = tiny_engine()
+    step_threads, decode_threads = set(), set()
+    step, decode = engine.step, engine.tokenizer.decode
+    engine.step = lambda *a, **k: (step_threads.add(threading.get_ident()), step(*a, **k))[1]
+    engine.tokenizer.decode = lambda *a, **k: (decode_threads.add(threading.get_ident()), decode(*a, **k))[1]
+    sampling = {"temperature": 0.9, "seed": 2, "max_tokens": 20, "logprobs": 2, "stop": ["zzz"]}
+    with Client(url, new_queue()) as client, worker_thread(url, client.keys.queue, engine):
+        job_id = client.submit("héllo 世界", sampling=sampling, stream=True)
+        text = "".join(d.text for d in client.stream(job_id, timeout=60))
+        result = client.result(job_id, timeout=60)
+    assert result.status == "succeeded" and text == result.text and result.logprobs[0]["token"]
+    assert decode_threads and decode_threads <= step_threads

@@ -58,7 +58,7 @@ class Worker:
         self._cancels = BlockingConnection(client, self.keys.cancels)
         self.consumer = Consumer(client, self.keys, self.scripts, settings, self.metrics, self._reading)
         self.writer = ResultWriter(client, self.keys, self.scripts, self.consumer, self.in_flight, settings,
-                                   self.metrics, getattr(engine, "tokenizer", None), self._abort_lost)
+                                   self.metrics, self._abort_lost)
         self.preparation = Preparation(engine, lambda job: self.engine_loop.inbox.put(RunJob(job)))
         self.reader = Reader(self.consumer, self._reading, self.capacity, self.in_flight, settings, self.metrics,
                              self.stopping, self.start_job, self._abort_lost)

@@ -1,8 +1,9 @@
 """The writer thread: token deltas, results and heartbeats go to Redis here, never on the engine thread.
 
-The engine thread puts whole steps' outputs in `outbox` and moves on. This thread coalesces each job's
-new tokens into one delta per `stream_interval`, writes every finished job's result and acks its entry
-in one script call (first writer wins), and keeps this worker's in-flight entries fresh.
+The engine thread puts whole steps' outputs in `outbox` and moves on. This thread coalesces each
+completion's new tokens and text (the engine's, never decoded here) into one delta per `stream_interval`,
+writes every finished job's result and acks its entry in one script call (first writer wins), and keeps
+this worker's in-flight entries fresh.
 """
 from __future__ import annotations
 
@@ -27,40 +28,6 @@ STOP = object()  # put in the outbox after the engine's last output
 MAX_DELTA_DUTY = 0.05  # share of the writer's time that token deltas may take (it shares the GIL)
 
 
-class IncrementalText:
-    """Decodes a growing list of token ids into text pieces whose concatenation is the decoded whole.
-
-    Only the last few tokens are re-decoded each time, so the cost per piece stays flat. A piece is held
-    back while it ends in an incomplete UTF-8 sequence, and `holdback` characters are kept back so a stop
-    string that the engine will cut off is never sent.
-    """
-
-    def __init__(self, tokenizer, holdback: int = 0) -> None:
-        self.tokenizer = tokenizer
-        self.holdback = holdback
-        self.ids: list[int] = []
-        self.prefix = 0  # ids[prefix:read] were decoded last time, as context for the next piece
-        self.read = 0
-        self.ready = ""  # decoded but not yet sent (held back)
-        self.sent = ""
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def push(self, new_ids: list[int]) -> str:
-        self.ids += new_ids
-        if self.tokenizer is None:
-            return ""
-        before = self._decode(self.ids[self.prefix:self.read])
-        now = self._decode(self.ids[self.prefix:])
-        if len(now) > len(before) and not now.endswith("\ufffd"):
-            self.ready += now[len(before):]
-            self.prefix, self.read = self.read, len(self.ids)
-        cut = max(len(self.ready) - self.holdback, 0)
-        piece, self.ready = self.ready[:cut], self.ready[cut:]
-        self.sent += piece
-        return piece
-
 
 @dataclass
 class _Op:
@@ -72,22 +39,22 @@ class _Op:
 
 @dataclass
 class _Stream:
-    """What the writer knows of one job's token stream."""
+    """What the writer knows of one completion's part of a job's token stream."""
 
-    text: IncrementalText
-    index: int = 0  # tokens already written to the stream
-    pending: list[int] = field(default_factory=list)
+    index: int = 0  # its tokens already written to the stream
+    token_ids: list[int] = field(default_factory=list)  # not written yet
+    text: str = ""  # the engine's text of token_ids, not written yet
 
 
 class ResultWriter:
     def __init__(self, client: redis.Redis, keys: p.Keys, scripts: WorkerScripts, consumer: Consumer,
-                 in_flight: InFlight, settings, metrics, tokenizer, on_lost: Callable[[list[str]], None]) -> None:
+                 in_flight: InFlight, settings, metrics, on_lost: Callable[[list[str]], None]) -> None:
         self.redis, self.keys, self.scripts, self.consumer = client, keys, scripts, consumer
-        self.in_flight, self.settings, self.metrics = in_flight, settings, metrics
-        self.tokenizer, self.on_lost = tokenizer, on_lost
+        self.in_flight, self.settings, self.metrics, self.on_lost = in_flight, settings, metrics, on_lost
         self.give_up_at: float | None = None  # set when the worker stops: no retrying writes past it
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.streams: dict[str, _Stream] = {}
+        self.streams: dict[str, dict[int, _Stream]] = {}  # job id -> completion index -> its stream
+        self.ending: set[str] = set()  # jobs whose last pieces are pending: written with their results
         self.heartbeat_every = max(settings.claim_timeout / 4, 0.05)
 
     # ---- the thread ----
@@ -98,7 +65,7 @@ class ResultWriter:
         while not stopping:
             now = time.monotonic()
             wait = next_heartbeat - now
-            if any(s.pending for s in self.streams.values()):
+            if any(s.token_ids or s.text for streams in self.streams.values() for s in streams.values()):
                 wait = min(wait, next_flush - now)
             items = self._take(max(wait, 0))
             stopping = STOP in items
@@ -131,44 +98,49 @@ class ResultWriter:
         if not isinstance(item, StepOutputs):
             return True
         for out in item.outputs:
-            if out.finished:
-                continue
             job = self.in_flight.get(out.request_id)
-            if job is None or not job.spec.stream or not out.new_token_ids:
-                continue
-            stream = self.streams.get(job.job_id)
-            if stream is None:
-                stop = job.spec.sampling.stop or []
-                holdback = max((len(s) for s in stop), default=1) - 1
-                stream = self.streams[job.job_id] = _Stream(IncrementalText(self.tokenizer, holdback))
-            stream.pending += out.new_token_ids
+            # a job of another source has no token stream; a job not streamed gets its completions whole
+            if job is not None and job.source is None and (job.spec.stream or out.finished):
+                self._pend(job.job_id, out, whole=not job.spec.stream)
         return any(out.finished for out in item.outputs)
+
+    def _pend(self, job_id: str, out, whole: bool) -> None:
+        """Add each completion's new tokens and text (whole: all of them, for a job not streamed) to what
+        its stream has pending."""
+        streams = self.streams.setdefault(job_id, {})
+        for c in out.outputs:
+            token_ids, text = (c.token_ids, c.text or "") if whole else (c.new_token_ids, c.new_text)
+            if token_ids or text:
+                stream = streams.get(c.index) or streams.setdefault(c.index, _Stream())
+                stream.token_ids += token_ids
+                stream.text += text
+        if out.finished:
+            self.ending.add(job_id)
 
     # ---- writing ----
 
     def _flush(self, finished_items: list, deltas: bool) -> None:
-        """One pipelined round trip: pending deltas (if due), then every finished job."""
+        """One pipelined round trip: pending deltas (if due, and always those of jobs ending now but
+        completion 0's, which ends the stream with the result), then every finished job."""
         ops: list[_Op] = []
-        pending = [(job_id, s) for job_id, s in self.streams.items() if s.pending] if deltas else []
+        pending = [(job_id, c, s) for job_id, streams in self.streams.items() if deltas or job_id in self.ending
+                   for c, s in streams.items() if (s.token_ids or s.text) and not (c == 0 and job_id in self.ending)]
+        self.ending.clear()
         if pending:  # every delta in one script call: one command to send, not one per job
-            keys, data = zip(*(self._delta(job_id, stream) for job_id, stream in pending))
+            keys, data = zip(*(self._delta(job_id, c, stream) for job_id, c, stream in pending))
             ops.append(_Op(lambda pipe: self.scripts.append_deltas(keys=keys, args=data, client=pipe)))
         for item in finished_items:
             ops += self._finish_ops(item)
         if ops:
             self._execute(ops)
 
-    def _delta(self, job_id: str, stream: _Stream) -> tuple[str, str]:
-        """(token stream key, JSON of the delta) for the job's pending tokens."""
+    def _delta(self, job_id: str, completion: int, stream: _Stream, **final) -> tuple[str, str]:
+        """(token stream key, JSON of the delta) for a completion's pending tokens and text."""
         job = self.in_flight.get(job_id)
-        ids, stream.pending = stream.pending, []
-        try:
-            text = stream.text.push(ids)
-        except Exception as e:  # noqa: BLE001 - this job's tokens could not be decoded: the delta goes without text
-            log.warning("job %s: token text could not be decoded (%s)", job_id, e)
-            text = ""
-        delta = p.TokenDelta(index=stream.index, token_ids=ids, text=text, attempt=job.attempt if job else 1)
-        stream.index += len(ids)
+        delta = p.TokenDelta(index=stream.index, token_ids=stream.token_ids, text=stream.text, completion=completion,
+                             attempt=job.attempt if job else 1, **final)
+        stream.index += len(stream.token_ids)
+        stream.token_ids, stream.text = [], ""
         return self.keys.tokens(job_id), delta.model_dump_json()
 
     def _finish_ops(self, item) -> list:
@@ -196,7 +168,7 @@ class ResultWriter:
 
     def _engine_finish_op(self, job: Job, out):
         self.metrics.observe_finished(out)
-        stream = self.streams.pop(job.job_id, None)
+        first = self.streams.pop(job.job_id, {}).get(0, _Stream())  # completion 0's last piece ends the stream
         if out.finish_reason == "abort" and job.abort_reason in ("lost", "handback"):
             if job.abort_reason == "handback":
                 return self._hand_back_op(job)
@@ -207,17 +179,8 @@ class ResultWriter:
             status, error = p.CANCELLED, "cancelled while running"
         else:
             status, error = p.SUCCEEDED, None
-        text = out.text or ""
-        index = stream.index if stream else 0
-        sent = stream.text.sent if stream else ""
-        # with best_of the first completion may not be the one streamed (the deltas follow completion 0)
-        streamed_ids = stream.text.ids[:index] if stream else []
-        if text.startswith(sent) and out.token_ids[:index] == streamed_ids:
-            end = p.TokenDelta(index=index, token_ids=out.token_ids[index:], text=text[len(sent):])
-        else:  # the streamed text and the final decode disagree: resend it all
-            end = p.TokenDelta(index=0, token_ids=out.token_ids, text=text, restart=True)
-        end.attempt, end.finished, end.status = job.attempt, True, status
-        end.finish_reason, end.error = out.finish_reason, error
+        _, end = self._delta(job.job_id, 0, first, finished=True, status=status, finish_reason=out.finish_reason,
+                             error=error)
         handed = job.handed_at or job.admitted_at
         queue_s = job.queue_s + max(handed - job.admitted_at, 0)
         timings = p.Timings(
@@ -228,31 +191,18 @@ class ResultWriter:
         outputs = None
         if len(completions) > 1:
             outputs = [p.Completion(index=c.index, text=c.text or "", token_ids=c.token_ids,
-                                    finish_reason=c.finish_reason, logprobs=self._logprobs(c.logprobs),
+                                    finish_reason=c.finish_reason, logprobs=c.logprobs,
                                     cumulative_logprob=c.cumulative_logprob) for c in completions]
         num_generated = sum(len(c.token_ids) for c in completions) or len(out.token_ids)
         result = p.JobResult(
-            job_id=job.job_id, status=status, text=text, token_ids=out.token_ids, finish_reason=out.finish_reason,
+            job_id=job.job_id, status=status, text=out.text or "",
+            token_ids=out.token_ids, finish_reason=out.finish_reason,
             error=error, usage=p.Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=num_generated,
                                        cached_tokens=out.num_cached_tokens),
-            timings=timings, logprobs=self._logprobs(out.logprobs),
+            timings=timings, logprobs=out.logprobs,
             cumulative_logprob=getattr(out, "cumulative_logprob", None), outputs=outputs,
             attempts=job.attempt, worker=self.settings.worker_name)
-        return self._finish_op(job, status, result.model_dump_json(), end.model_dump_json())
-
-    def _logprobs(self, entries: list[dict] | None) -> list[dict] | None:
-        """The engine's per-token logprobs with each token's text beside its id (what OpenAI's shapes need):
-        token, and top_logprobs as [{token_id, token, logprob}], best first."""
-        if entries is None or self.tokenizer is None:
-            return entries
-        text = self._token_text
-        return [{**e, "token": text(e["token_id"]),
-                 "top_logprobs": [{"token_id": t, "token": text(t), "logprob": lp}
-                                  for t, lp in sorted(e["top"].items(), key=lambda kv: -kv[1])]}
-                for e in entries]
-
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        return self._finish_op(job, status, result.model_dump_json(), end)
 
     def _hand_back_op(self, job: Job):
         if job.source is not None:

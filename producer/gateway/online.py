@@ -7,7 +7,8 @@ goes away, or a request with no result within the timeout, cancels its job. The 
 validated (a schema's grammar compiled) on the gateway's Offload threads, never on the event loop.
 
 A stream of n > 1 completions carries each as OpenAI does, `choices[0].index` naming it: the worker streams
-completion 0's tokens as they come, and the others arrive whole from the result when the job ends.
+every completion's text as it comes (each token delta names its completion), so the chunks of the choices
+interleave; their finish reasons come from the result when the job ends.
 """
 from __future__ import annotations
 
@@ -88,17 +89,20 @@ class Online:
         try:
             for index in range(n):
                 yield chunks.event(chunks.choice(index, role=True))
-            sent = text = ""  # what the client has, and the text of the job's current attempt
+            sent, texts = [""] * n, [""] * n  # each completion's: what the client has, its current attempt's text
             delta = first
             while True:
-                text = delta.text if delta.restart else text + delta.text
-                if not (text.startswith(sent) or sent.startswith(text)):
+                if delta.restart:
+                    texts = [""] * n
+                i = delta.completion if 0 <= delta.completion < n else 0
+                texts[i] += delta.text
+                if not (texts[i].startswith(sent[i]) or sent[i].startswith(texts[i])):
                     yield _error_event(500, "the request restarted on another worker and its new text differs "
                                             "from what was sent; send it again")
                     return
-                if len(text) > len(sent):
-                    yield chunks.event(chunks.choice(0, content=text[len(sent):]))
-                    sent = text
+                if len(texts[i]) > len(sent[i]):
+                    yield chunks.event(chunks.choice(i, content=texts[i][len(sent[i]):]))
+                    sent[i] = texts[i]
                 if delta.finished:
                     finished = True
                     async for event in self._ending(job_id, delta, chunks, n):
@@ -115,16 +119,14 @@ class Online:
 
 
     async def _ending(self, job_id: str, last: p.TokenDelta, chunks: "Chunks", n: int) -> AsyncIterator[str]:
-        """The events after the job's last delta: an error event; or completion 0's finish, each other
-        completion whole from the result, the usage when asked for, and [DONE]."""
+        """The events after the job's last delta: an error event; or each completion's finish (the others'
+        from the result), the usage when asked for, and [DONE]."""
         if last.status != p.SUCCEEDED:
             yield _error_event(RESULT_STATUS[last.status], f"the request {last.status}: {last.error}")
             return
         yield chunks.event(chunks.choice(0, finish_reason=last.finish_reason))
         result = await self.client.result(job_id, timeout=10) if n > 1 or chunks.include_usage else None
         for c in (result.outputs or [])[1:] if n > 1 else []:
-            if c.text:
-                yield chunks.event(chunks.choice(c.index, content=c.text))
             yield chunks.event(chunks.choice(c.index, finish_reason=c.finish_reason))
         if chunks.include_usage:
             yield chunks.event(usage=usage_body(result))
