@@ -21,12 +21,13 @@ from .scripts import ClientScripts, finish_keys
 
 
 LOCAL_URL = "redis://localhost:6379/0"
+URL_VARIABLES = ("REDLINE_REDIS_URL", "REDIS_URL")  # where a Redis URL is looked for, in this order
 
 
 def find_url(given: str | None = None) -> str | None:
     """The Redis every command uses: `given` (--redis-url), else REDLINE_REDIS_URL, else REDIS_URL, else
     the embedded redis-server a worker on this machine published; None if there is none of them."""
-    return given or os.environ.get("REDLINE_REDIS_URL") or os.environ.get("REDIS_URL") or published_url()
+    return given or next((os.environ[v] for v in URL_VARIABLES if os.environ.get(v)), None) or published_url()
 
 
 def default_url(given: str | None = None) -> str:

@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.options import EngineOptions
 from producer import protocol
+from producer.client import URL_VARIABLES
 
 def default_redis_data_dir() -> str:
     """Where an embedded redis-server keeps its data: this user's XDG data folder."""
@@ -30,7 +31,7 @@ class _WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="REDLINE_", extra="ignore", protected_namespaces=())
 
     model: str | None = Field(None, description="HF hub id or local model directory (required)")
-    redis_url: str | None = Field(None, validation_alias=AliasChoices("redis_url", "REDLINE_REDIS_URL", "REDIS_URL"),
+    redis_url: str | None = Field(None, validation_alias=AliasChoices("redis_url", *URL_VARIABLES),
                                   description="Redis to serve: redis://HOST:PORT/DB, or redis+cluster://HOST:PORT"
                                               "[,HOST:PORT...] for a Redis Cluster; unset: start an embedded "
                                               "redis-server")
