@@ -6,13 +6,15 @@ from typing import Annotated, Literal
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from producer.client import URL_VARIABLES
+
 MiB = 1024 * 1024
 
 
 class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="REDLINE_", extra="ignore", protected_namespaces=())
 
-    redis_url: str | None = Field(None, validation_alias=AliasChoices("redis_url", "REDLINE_REDIS_URL", "REDIS_URL"),
+    redis_url: str | None = Field(None, validation_alias=AliasChoices("redis_url", *URL_VARIABLES),
                                   description="the queue's Redis; unset: as `redline submit` finds it")
     redis_password: str | None = Field(None, description="Redis password when the URL has none")
     queue: str = Field("default", description="queue the gateway submits to")
