@@ -85,7 +85,7 @@ def request_output(group: "SequenceGroup", tokenizer) -> RequestOutput:
     if group.beam is not None:
         completions = _beam_completions(group, with_text)
     else:
-        completions = [_completion(seq, with_text) for seq in group.seqs]
+        completions = [_completion(seq, with_text, group.error is None) for seq in group.seqs]
         if group.params.best_of is not None:
             completions = _best_of(completions, group.params.n, with_text is not None)
     top, first = completions[0], group.first
@@ -98,16 +98,16 @@ def request_output(group: "SequenceGroup", tokenizer) -> RequestOutput:
         finished_time=group.finished_time)
 
 
-def _completion(seq: "Sequence", tokenizer) -> CompletionOutput:
-    """One sequence's completion with its tokens and text not reported before; its whole text where a
-    tokenizer is given."""
+def _completion(seq: "Sequence", tokenizer, with_new_text: bool) -> CompletionOutput:
+    """One sequence's completion with its tokens (and text, with_new_text) not reported before; its whole
+    text where a tokenizer is given."""
     completion = seq.completion_token_ids
     resolved = seq.num_resolved_completion_tokens
     if resolved < len(completion):  # a placeholder is in flight: hand out the known part only
         completion = completion[:resolved]
     new = completion[seq.num_reported_tokens:]
     seq.num_reported_tokens = resolved
-    text, new_text = _text(seq, completion, tokenizer)
+    text, new_text = _text(seq, completion, tokenizer) if with_new_text else (None, "")
     logprobs = None
     if seq.params.logprobs is not None:
         logprobs = list(seq.logprobs) if tokenizer is None else _with_token_texts(seq.logprobs, tokenizer)
