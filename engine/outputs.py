@@ -167,10 +167,10 @@ def _beam_completions(group: "SequenceGroup", tokenizer) -> list[CompletionOutpu
 def _with_token_texts(entries: list[dict], tokenizer) -> list[dict]:
     """Logprob entries with each token's text beside its id, as OpenAI's shapes need: "token", and
     "top_logprobs" as [{token_id, token, logprob}], best first."""
-    def text(token_id: int) -> str:
-        return tokenizer.decode([token_id])
-    return [{**e, "token": text(e["token_id"]),
-             "top_logprobs": [{"token_id": t, "token": text(t), "logprob": lp}
+    ids = sorted({e["token_id"] for e in entries}.union(*(e["top"] for e in entries)))
+    text = dict(zip(ids, tokenizer.batch_decode([[t] for t in ids])))  # one call for all of them
+    return [{**e, "token": text[e["token_id"]],
+             "top_logprobs": [{"token_id": t, "token": text[t], "logprob": lp}
                               for t, lp in sorted(e["top"].items(), key=lambda kv: -kv[1])]}
             for e in entries]
 
