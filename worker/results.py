@@ -28,7 +28,6 @@ STOP = object()  # put in the outbox after the engine's last output
 MAX_DELTA_DUTY = 0.05  # share of the writer's time that token deltas may take (it shares the GIL)
 
 
-
 @dataclass
 class _Op:
     """One write: `command(pipe)` queues one command (or none); `after(reply)` runs once it is done."""
