@@ -112,7 +112,7 @@ def run_steps(llm, prompts, params, trace: dict | None = None, decode: list | No
             "steps_by_kind": dict(steps)}
 
 
-HOST_PHASES = (("scheduler", "schedule"), ("runner", "prepare_inputs"), ("runner", "launch"))
+HOST_PHASES = (("scheduler", "schedule"), ("steps", "build"), ("runner", "execute_model"), ("runner", "sample_tokens"))
 
 
 def annotate_host(llm) -> None:

@@ -85,25 +85,27 @@ def main(argv=None) -> int:
     llm = bench.build_llm(args)
     bench.warm_up(llm, args)
     host = {"seconds": 0.0, "steps": 0, "rows": 0, "masks": 0.0, "wait": 0.0}
-    start, finish = llm.sampler.start_grammar_masks, llm.sampler.finish_grammar_masks
-    filler = llm.sampler.mask_filler
+    start, finish = llm.masks.start, llm.masks.finish
+    filler = llm.masks.filler
 
     span: dict = {}  # this step's masks: when the first call began, when the last one ended
 
-    def start_timed(st, seqs):  # the grammar's work on the engine's thread: follow the tokens, start the masks
+    def start_timed(seqs, index):  # the grammar's work on the engine's thread: follow the tokens, start the masks
         began = time.perf_counter()
         span.clear()
-        start(st, seqs)
+        pending = start(seqs, index)
         host["seconds"] += time.perf_counter() - began
         host["steps"] += 1
-        host["rows"] += len(st.grammar.index)
+        host["rows"] += len(index)
+        return pending
 
-    def finish_timed(st):  # and the wait for the masks, where their computation outlasts the work beside it
+    def finish_timed(pending):  # and the wait for the masks, where their computation outlasts the work beside it
         began = time.perf_counter()
-        finish(st)
+        masks = finish(pending)
         host["wait"] += time.perf_counter() - began
         if span:
             host["masks"] += span["end"] - span["begin"]
+        return masks
 
     def filler_timed(rows, *args):  # llguidance's masks, on threads of their own
         span.setdefault("begin", time.perf_counter())
@@ -115,7 +117,7 @@ def main(argv=None) -> int:
         return future
 
     filler_start = filler.start
-    llm.sampler.start_grammar_masks, llm.sampler.finish_grammar_masks = start_timed, finish_timed
+    llm.masks.start, llm.masks.finish = start_timed, finish_timed
     filler.start = filler_timed
     constrained = [SamplingParams(temperature=args.temperature, max_tokens=p.max_tokens, json_schema=SCHEMA)
                    for p in params]

@@ -42,9 +42,9 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig, set_tensor_parallel_gpu_environment
 from engine.layers.parallel import rank_group
-from engine.model_runner import ModelRunner, StepInputs
-from engine.sampler import SampledTokens, SamplingTensors
-from engine.scheduler import ScheduledBatch
+from engine.model_runner import Executed, ModelRunner
+from engine.runner import GrammarMasks, StepInputs
+from engine.sampler import SampledTokens
 
 HOST = "127.0.0.1"
 # Backstops only: a dead or failed rank is noticed through its process and pipe within a second.
@@ -63,8 +63,8 @@ class RankFailedError(RuntimeError):
 
 
 class TPDriver:
-    """Rank 0 of a tensor-parallel engine, with ModelRunner's surface: prepare_inputs, launch, sampler,
-    num_kvcache_blocks, device; shutdown() ends the other ranks."""
+    """Rank 0 of a tensor-parallel engine, a Runner (engine/runner.py) as ModelRunner is: execute_model,
+    sample_tokens, device, num_kvcache_blocks, uses_mrope; shutdown() ends the other ranks."""
 
     def __init__(self, config: EngineConfig):
         size = config.tensor_parallel_size
@@ -101,31 +101,36 @@ class TPDriver:
         self.num_kvcache_blocks = self.runner.num_kvcache_blocks
         self.ctx = self.runner.ctx
         self.sampler = self.runner.sampler
+        self.uses_mrope = self.runner.uses_mrope
 
     @property
     def worker_pids(self) -> list[int]:
         """Process ids of ranks 1..N-1."""
         return [w.process.pid for w in self._workers.workers]
 
-    def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
-        return self.runner.prepare_inputs(batch)
-
-    def launch(self, inputs: StepInputs, st: SamplingTensors | None, num_logprobs: int,
-               before_sampling=None) -> "TPStep":
-        """Send the step to every rank and queue rank 0's forward and sampling without waiting for the
-        other ranks; the returned handle's result() collects their acknowledgements, then the tokens.
-        before_sampling: as ModelRunner.launch's (rank 0 alone samples a step that has one)."""
+    def execute_model(self, inputs: StepInputs) -> Executed:
+        """Send the step to every rank and queue rank 0's forward pass (and a sharded sampling) without
+        waiting for the other ranks."""
         workers = self._workers
         workers.check_running()
         try:
+            st = self.sampler.tensors(inputs)
             # the other ranks join the sampling's collectives only when rank 0 samples (plan is not None)
-            plan = self.sampler.plan(st, num_logprobs, self.runner.tp.size)
+            plan = self.sampler.plan(st, self.runner.tp.size)
             workers.send(("execute", _to_wire(inputs), plan))
-            step = workers.num_sent
-            tokens = self.runner.launch(inputs, st, num_logprobs, plan, before_sampling)
+            return self.runner.execute(inputs, st, plan)
         except BaseException as e:
             workers.fail(e, "during a step")
-        return TPStep(workers, step, tokens)
+
+    def sample_tokens(self, handle: Executed, masks: GrammarMasks | None) -> "TPStep":
+        """Queue rank 0's sampling of the step (the other ranks took their part in execute_model); the
+        returned handle's result() collects every rank's acknowledgement, then the tokens."""
+        workers = self._workers
+        try:
+            tokens = self.runner.sample_tokens(handle, masks)
+        except BaseException as e:
+            workers.fail(e, "during a step")
+        return TPStep(workers, workers.num_sent, tokens)
 
     def trace_ranks(self, path: str | None) -> None:
         """Measurements: ranks 1..N-1 start a torch.profiler trace of their GPU (path: a file name with
@@ -609,12 +614,17 @@ def _config_kwargs(config: EngineConfig) -> dict:
     return kwargs
 
 
+# what only rank 0 reads: the sampling (the other ranks get the plan) and the sampled sequences' ends
+_RANK0_ONLY = {"sampling", "suppressed", "finished_seq_ids"}
+
+
 def _to_wire(inputs: StepInputs) -> dict:
     # numpy arrays pickle as plain bytes; CPU tensors would go through torch's shared-memory reducer
     wire = {}
     for f in fields(StepInputs):
-        value = getattr(inputs, f.name)
-        wire[f.name] = value.numpy() if isinstance(value, torch.Tensor) else value
+        if f.name not in _RANK0_ONLY:
+            value = getattr(inputs, f.name)
+            wire[f.name] = value.numpy() if isinstance(value, torch.Tensor) else value
     return wire
 
 

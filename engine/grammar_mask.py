@@ -1,6 +1,7 @@
-"""Structured output on the device: a batch's constrained rows and their allowed-token bitmask, filled on
-the host (engine/grammar.py), copied in one transfer and applied to the logits before sampling, after the
-adjustments of engine/penalties.py. engine/sampler.py owns sampling and calls these; nothing else does.
+"""Structured output's allowed-token bitmask: filled on the host by the engine (MaskBuilder, with
+engine/grammar.py's matchers) while the device runs the step's forward pass, then on the runner's side
+copied in one transfer and applied to the logits before sampling, after the adjustments of
+engine/penalties.py (engine/sampler.py calls these).
 
 A batch without a constrained row has no GrammarRows, and its step runs as it would without this module.
 """
@@ -15,71 +16,88 @@ import torch
 from engine import penalties
 from engine.grammar import MaskFiller
 from engine.pinned import PinnedRing
+from engine.runner import GrammarMasks
 
 
 @dataclass
 class GrammarRows:
-    """A batch's constrained rows: `index` of them in the batch's sampled rows (on the host and the
-    device); `bitmask` [R, ceil(V / 32)] int32, this step's on the device, set by finish()."""
+    """A batch's constrained rows on the runner's side: `index` of them in the batch's sampled rows (on the
+    host and the device); `bitmask` [R, ceil(V / 32)] int32, this step's on the device, set by upload()."""
     index: list[int]
     rows: torch.Tensor
     bitmask: torch.Tensor | None = None
-    host: torch.Tensor | None = None   # this step's masks on the host, and their slot of the ring
-    slot: int = 0
-    pending: list[Future] = field(default_factory=list)  # the masks' computations, until finish()
 
 
-def grammar_rows(seqs: list, device: torch.device) -> GrammarRows | None:
-    """The constrained rows of a batch whose sampled sequences are `seqs`, or None if there is none."""
-    index = [i for i, s in enumerate(seqs) if s.grammar is not None]
+def grammar_rows(index: list[int], device: torch.device) -> GrammarRows | None:
+    """The constrained rows of a batch (their indices in its sampled rows), or None if there is none."""
     if not index:
         return None
     return GrammarRows(index, penalties.on_device(index, torch.int64, device))
 
 
-def start(g: GrammarRows, seqs: list, vocab_size: int, filler: MaskFiller, buffers: PinnedRing) -> None:
-    """Begin this step's masks, every sampled token before it resolved: each live row's grammar follows
-    its completion, then llguidance computes the masks into a host buffer (in MaskFiller.CALLS calls, each
-    for a part of the rows, begun before the next part follows) on threads of their own while the caller
-    goes on; finish() takes them to the device. A row finished meanwhile (its token will be dropped),
-    or whose grammar refused its last token (its request fails as the token is processed), allows every token."""
-    words = (vocab_size + 31) // 32
-    g.slot, g.host = buffers.take((len(g.index), words), torch.int32)
-    g.pending = []
-    # one part per call the filler keeps in flight, the first's masks computed while the next follows; by
-    # start matcher, so that the calls never wait on each other's matchers' locks
-    parts = [[] for _ in range(filler.CALLS)]
-    for row, i in enumerate(g.index):
-        parts[seqs[i].grammar.template % filler.CALLS].append(row)
-    for rows in parts:
-        live = []
-        for row in rows:
-            seq = seqs[g.index[row]]
-            if not seq.is_finished:
-                try:
-                    seq.grammar.follow(seq.completion_token_ids)
-                except ValueError:
-                    pass  # follow() raises again where the step's tokens are processed, and fails the request
-                else:
-                    if not seq.grammar.done:
-                        live.append((seq.grammar, row))
-                        continue
-            g.host[row].fill_(-1)
-        future = filler.start(live, g.host.data_ptr(), words * 4, len(g.index))
-        if future is not None:
-            g.pending.append(future)
-
-
-def finish(g: GrammarRows, buffers: PinnedRing) -> None:
-    """Wait for the masks start() began, and queue their copy to the device (one copy)."""
-    for future in g.pending:
-        future.result()
-    g.pending = []
-    if buffers.device.type == "cuda":
-        g.bitmask = g.host.to(buffers.device, non_blocking=True)
-        buffers.copied(g.slot)
+def upload(g: GrammarRows, masks: GrammarMasks) -> None:
+    """Queue the copy of the step's masks to the device (one copy)."""
+    if masks.ring.device.type == "cuda":
+        g.bitmask = masks.bitmask.to(masks.ring.device, non_blocking=True)
+        masks.ring.copied(masks.slot)
     else:
-        g.bitmask = g.host
+        g.bitmask = masks.bitmask
+
+
+class MaskBuilder:
+    """The engine's side: a step's masks computed on the host, into buffers on their way to the device."""
+
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.filler = MaskFiller()
+        self.ring = PinnedRing(device)  # the masks' host buffers, each reused once its copy is done
+
+    def start(self, seqs: list, index: list[int]) -> _PendingMasks:
+        """Begin the masks of the constrained rows `index` of the sampled sequences `seqs`, once every
+        token before them has resolved: each live row's grammar follows its completion, then llguidance
+        computes the masks into a host buffer (in MaskFiller.CALLS calls, each for a part of the rows, begun
+        before the next part follows) on threads of their own while the caller goes on. A row finished
+        meanwhile (its token will be dropped), or whose grammar refused its last token (its request fails
+        as the token is processed), allows every token."""
+        words = (self.vocab_size + 31) // 32
+        slot, host = self.ring.take((len(index), words), torch.int32)
+        pending = []
+        # one part per call the filler keeps in flight, the first's masks computed while the next follows; by
+        # start matcher, so that the calls never wait on each other's matchers' locks
+        parts = [[] for _ in range(self.filler.CALLS)]
+        for row, i in enumerate(index):
+            parts[seqs[i].grammar.template % self.filler.CALLS].append(row)
+        for rows in parts:
+            live = []
+            for row in rows:
+                seq = seqs[index[row]]
+                if not seq.is_finished:
+                    try:
+                        seq.grammar.follow(seq.completion_token_ids)
+                    except ValueError:
+                        pass  # follow() raises again where the step's tokens are processed, and fails the request
+                    else:
+                        if not seq.grammar.done:
+                            live.append((seq.grammar, row))
+                            continue
+                host[row].fill_(-1)
+            future = self.filler.start(live, host.data_ptr(), words * 4, len(index))
+            if future is not None:
+                pending.append(future)
+        return _PendingMasks(GrammarMasks(host, self.ring, slot), pending)
+
+    @staticmethod
+    def finish(pending: _PendingMasks) -> GrammarMasks:
+        """Wait for the masks start() began."""
+        for future in pending.futures:
+            future.result()
+        return pending.masks
+
+
+@dataclass
+class _PendingMasks:
+    masks: GrammarMasks
+    futures: list[Future] = field(default_factory=list)
 
 
 def apply(logits: torch.Tensor, g: GrammarRows) -> None:

@@ -11,12 +11,15 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
 from engine.grammar import GrammarCache
+from engine.grammar_mask import MaskBuilder
 from engine.model_runner import ModelRunner
 from engine.multimodal import ImagePrompts, MultimodalPrompt, chat_parts
 from engine.outputs import RequestOutput, StepResult, StepStats, request_output
+from engine.runner import GrammarMasks, Runner, StepInputs
 from engine.sampling_params import BeamSearchParams, SamplingParams, constraint
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceGroup
+from engine.step_builder import StepBuilder
 from engine.tokenizer import load_tokenizer
 
 
@@ -27,8 +30,7 @@ class LLMEngine:
         """`model`: an HF hub id, a local directory or a built-in name, with the EngineConfig options as
         keyword arguments; or an EngineConfig already built."""
         self.config = config = model if isinstance(model, EngineConfig) else EngineConfig(model, **kwargs)
-        self.runner = self._make_runner(config)
-        self.sampler = self.runner.sampler
+        self.runner: Runner = self._make_runner(config)
         self.tokenizer = load_tokenizer(config.model_dir)
         # a vision-language model's image preprocessing (None for text models)
         self.images = None
@@ -37,6 +39,9 @@ class LLMEngine:
                                        config.max_image_bytes, config.max_pixels_per_prompt)
         self.vocab_size = config.text_config.vocab_size
         self.grammars = GrammarCache(self.tokenizer, self.vocab_size, config.eos_token_id)
+        self.masks = MaskBuilder(self.vocab_size, self.runner.device)  # structured output's, on the host
+        self.steps = StepBuilder(config.kvcache_block_size, self.runner.uses_mrope, self.vocab_size,
+                                 config.eos_token_id)
         self.block_manager = BlockManager(self.runner.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -48,7 +53,7 @@ class LLMEngine:
         self._inflight: _InFlight | None = None
         self._shut_down = False
 
-    def _make_runner(self, config: EngineConfig):
+    def _make_runner(self, config: EngineConfig) -> Runner:
         if config.tensor_parallel_size > 1:
             from engine.distributed import TPDriver
             return TPDriver(config)
@@ -106,6 +111,10 @@ class LLMEngine:
             raise ValueError(f"{name}={group.width} needs {group.width} sequences at once; max_num_seqs is "
                              f"{self.config.max_num_seqs}, of which one request may hold {cap} "
                              f"(max_seqs_per_request): ask for at most {cap}")
+        bad = next((t for t in (params.logit_bias or ()) if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary "
+                             f"(ids must be in [0, {self.vocab_size}))")
         seq = group.first
         if not isinstance(params, BeamSearchParams) and params.constraint is not None:
             seq.grammar = self.grammars.compile(*params.constraint).state()
@@ -116,8 +125,6 @@ class LLMEngine:
         if beam is not None:
             beam.max_tokens = seq.max_num_tokens - len(token_ids)
             beam.beams = [seq]
-        # its sampling row and random stream: an error here is the request's own
-        self.sampler.add_request(seq, self.config.eos_token_id, beam.num_candidates if beam is not None else -1)
         return group
 
     def prepare_prompt(self, prompt) -> list[int] | MultimodalPrompt:
@@ -200,7 +207,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str | None, now: float) -> None:
         self.scheduler.finish(seq, reason)
-        self.sampler.forget(seq)
+        self.steps.finished(seq)  # the runner frees its state with the next step
         seq.finished_time = now
 
     def has_unfinished(self) -> bool:
@@ -235,29 +242,13 @@ class LLMEngine:
         stats = StepStats()
         launched = None
         if batch:
-            now = time.monotonic()
-            for seq in batch.seqs:
-                first = seq.group.first
-                first.first_scheduled_time = first.first_scheduled_time or now
-                if seq.grammar is not None and seq.num_computed_tokens == 0:  # (re)computed from its start
-                    seq.grammar.restart()
-            for children in batch.forks.values():
-                for child in children:
-                    self.sampler.add_request(child, self.config.eos_token_id)
+            self._mark_scheduled(batch)
             to_sample = batch.sampled()
             stats.num_decode_tokens = sum(1 for s, n in zip(batch.seqs, batch.num_tokens)
                                           if n == 1 and s.num_completion_tokens > 0 and s.num_uncomputed_tokens == 1)
             stats.num_prefill_tokens = batch.total_tokens - stats.num_decode_tokens
-            inputs = self.runner.prepare_inputs(batch)
-            st, num_logprobs = self.sampler.batch_tensors(to_sample)
-            before_sampling = None
-            if st is not None and st.grammar is not None:
-                def before_sampling():
-                    def start_masks():
-                        self.sampler.start_grammar_masks(st, to_sample)
-                    outputs.extend(self._resolve_for_masks(finished_only, start_masks))
-                    self.sampler.finish_grammar_masks(st)
-            launched = self._launch(batch, to_sample, inputs, st, num_logprobs, before_sampling)
+            inputs = self.steps.build(batch, to_sample)
+            launched = self._launch(batch, to_sample, inputs, finished_only, outputs)
             if not self.async_scheduling:  # a synchronous step is a launch collected at once
                 outputs += self._collect(launched, finished_only)
                 launched = None
@@ -273,11 +264,21 @@ class LLMEngine:
         stats.step_seconds = time.perf_counter() - start
         return StepResult(outputs, stats)
 
-    def _launch(self, batch: ScheduledBatch, sampled: list[Sequence], inputs, st, num_logprobs,
-                before_sampling=None) -> "_InFlight":
+    def _mark_scheduled(self, batch: ScheduledBatch) -> None:
+        now = time.monotonic()
+        for seq in batch.seqs:
+            first = seq.group.first
+            first.first_scheduled_time = first.first_scheduled_time or now
+            if seq.grammar is not None and seq.num_computed_tokens == 0:  # (re)computed from its start
+                seq.grammar.restart()
+
+    def _launch(self, batch: ScheduledBatch, sampled: list[Sequence], inputs: StepInputs, finished_only: bool,
+                collected: list[RequestOutput]) -> "_InFlight":
         """Queue the step on the device and advance the sequences as if it were done; each sampled
         sequence gets a -1 placeholder, filled when the step is collected (the next step's inputs take
-        it from the device meanwhile). before_sampling: see _resolve_for_masks."""
+        it from the device meanwhile). The runner executes the model, then (a step with constrained rows)
+        the engine computes their masks (_masks, which may collect the launch in flight into `collected`),
+        then the runner samples."""
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
         positions = []
@@ -286,20 +287,30 @@ class LLMEngine:
             if seq.group.beam is None:  # a beam's next token is chosen once every beam's step is in
                 seq.pending_index = i
                 seq.append_token(-1)
-        tokens = self.runner.launch(inputs, st, num_logprobs, before_sampling=before_sampling)
+        executed = self.runner.execute_model(inputs)
+        masks = None
+        if inputs.sampling is not None and inputs.sampling.grammar_rows:
+            masks = self._masks(sampled, inputs.sampling.grammar_rows, finished_only, collected)
+        tokens = self.runner.sample_tokens(executed, masks)
         return _InFlight(batch, sampled, positions, tokens)
 
-    def _resolve_for_masks(self, finished_only: bool, start_masks) -> list[RequestOutput]:
-        """A step with constrained rows: their masks depend on the tokens the launch in flight is still
-        sampling. Its forward pass queued, the step collects that launch now (what the end of step()
-        would do) and calls start_masks() once its tokens are in place, so that the masks are computed
-        on the host while the device runs the forward pass and the rest of the collecting goes on; the
-        step's sampling follows them."""
+    def _masks(self, sampled: list[Sequence], index: list[int], finished_only: bool,
+               collected: list[RequestOutput]) -> GrammarMasks:
+        """The allowed-token masks of the constrained rows `index` of `sampled`. They depend on the tokens
+        the launch in flight is still sampling: the step's forward pass queued, the step collects that
+        launch now (what the end of step() would do) and starts the masks once its tokens are in place,
+        so that they are computed on the host while the device runs the forward pass and the rest of the
+        collecting goes on; the step's sampling follows them."""
+        started = []
+
+        def start() -> None:
+            started.append(self.masks.start(sampled, index))
         if self._inflight is None:
-            start_masks()
-            return []
-        step, self._inflight = self._inflight, None
-        return self._collect(step, finished_only, start_masks)
+            start()
+        else:
+            step, self._inflight = self._inflight, None
+            collected += self._collect(step, finished_only, start)
+        return self.masks.finish(started[0])
 
     def _collect(self, step: "_InFlight", finished_only: bool, tokens_placed=None) -> list[RequestOutput]:
         token_ids, logprobs = step.tokens.result()
@@ -377,7 +388,6 @@ class LLMEngine:
             parent = ext.parent
             if parent.seq_id in kept:
                 child = self.scheduler.fork(parent, [len(next_beams)], parent.num_computed_tokens)[0]
-                self.sampler.add_request(child, self.config.eos_token_id, k)
             else:
                 child = parent
                 kept.add(parent.seq_id)

@@ -1,11 +1,11 @@
-"""Turns a scheduled batch into tensors, runs the model on one device (one tensor-parallel rank), samples."""
+"""Runs a step (engine/runner.py's StepInputs) on one device (one tensor-parallel rank): the forward pass,
+the vision tower's images, the sampling. Implements the Runner protocol; reads no Sequence."""
 from __future__ import annotations
 
 import gc
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -16,42 +16,10 @@ from engine.layers.fusion import PlainTorch
 from engine.layers.parallel import TPGroup
 from engine.loader import load_weights
 from engine.models import model_class
+from engine.runner import GrammarMasks, ImageSlice, StepInputs
 from engine.sampler import SampledTokens, Sampler, SamplingTensors, StepSampling
-from engine.scheduler import ScheduledBatch
 
 CPU_KV_CACHE_BYTES = 2 << 30
-
-
-@dataclass
-class StepInputs:
-    """Everything a forward pass needs, as CPU tensors (what rank 0 sends to the other ranks)."""
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    cu_seqlens_q: torch.Tensor
-    seqlens_k: torch.Tensor
-    block_tables: torch.Tensor
-    max_seqlen_q: int
-    max_seqlen_k: int
-    logits_indices: torch.Tensor  # rows of the hidden states to sample from
-    # input rows whose token is still being sampled by the previous launch, and where it will be
-    pending_rows: torch.Tensor | None = None
-    pending_src: torch.Tensor | None = None
-    block_copies: torch.Tensor | None = None  # [2, C]: KV blocks copied (source row 0 to destination row 1) first
-    # a step with image tokens (vision-language models): M-RoPE's three position streams [3, T], and the
-    # images' embeddings (on the device) that replace the token embeddings of input rows image_rows
-    mrope_positions: torch.Tensor | None = None
-    image_embeds: torch.Tensor | None = None
-    image_rows: torch.Tensor | None = None
-
-    @property
-    def is_decode(self) -> bool:
-        return self.max_seqlen_q == 1
-
-    @property
-    def samples_every_row(self) -> bool:
-        """One sampled row per input row, in order (what the decode graph's sampler takes)."""
-        return len(self.logits_indices) == len(self.input_ids)
 
 
 class ModelRunner:
@@ -79,6 +47,8 @@ class ModelRunner:
         self.graphs = None  # decode CUDA graphs, captured once the KV cache exists
         self.prefill_graphs = None  # one sequence's prefill steps, on one GPU
         hf = config.hf_config
+        # images' vision-tower outputs by ImageSlice.key, from the first step that needs them to their last token
+        self.image_embeds: dict[tuple[str, int], torch.Tensor] = {}
         with torch.device(self.device):
             self.model = model_class(hf.architectures)(hf, tp, self.ctx).to(self.dtype)
         self.model.eval()
@@ -119,6 +89,7 @@ class ModelRunner:
             layer.k_cache = layer.v_cache = torch.tensor([])
         self.attn_layers = []
         self.kv_cache = self.model = None
+        self.image_embeds = {}
         self.sampler.release()
         gc.collect()  # the modules are in cycles (each parameter's weight_loader is bound to its module)
         if release:
@@ -197,125 +168,41 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------------
 
-    def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
-        inputs = self._prepare(batch)
-        if batch.block_copies:
-            inputs.block_copies = torch.tensor(batch.block_copies, dtype=torch.int64).T.contiguous()
-        return inputs
+    def _image_embeds(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The embeddings of the step's image tokens, in input row order. The vision tower runs once on
+        each image the runner holds none for; an image's embeddings stay until the step that passes its
+        last token, or its request ends."""
+        todo = {s.key: s for s in inputs.images if s.key not in self.image_embeds}
+        if todo:
+            self._encode_images(list(todo.values()))
+        embeds = torch.cat([self.image_embeds[s.key][s.offset:s.offset + s.length] for s in inputs.images])
+        for s in inputs.images:
+            if s.is_last:
+                self.image_embeds.pop(s.key, None)
+        return embeds
 
-    def _prepare(self, batch: ScheduledBatch) -> StepInputs:
-        if (not batch.forks and all(n == 1 for n in batch.num_tokens)
-                and all(s.num_uncomputed_tokens == 1 for s in batch.seqs)):
-            return self._prepare_decode(batch)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu_q, lens_k, logits_indices = [0], [], []
-        bs = self.block_size
-        pending_rows, pending_src = [], []
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            start = seq.num_computed_tokens
-            end = start + n
-            if end == seq.num_tokens and seq.token_ids[-1] < 0:
-                pending_rows.append(len(input_ids) + n - 1)
-                pending_src.append(seq.pending_index)
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            cu_q.append(cu_q[-1] + n)
-            lens_k.append(end)
-            if end == seq.num_tokens:  # sampled, once for it and once for each sequence forked from it
-                logits_indices += [cu_q[-1] - 1] * (1 + len(batch.forks.get(seq.seq_id, ())))
-        width = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in batch.seqs]
-        inputs = StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64),
-            positions=torch.tensor(positions, dtype=torch.int64),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32),
-            seqlens_k=torch.tensor(lens_k, dtype=torch.int32),
-            block_tables=torch.tensor(tables, dtype=torch.int32),
-            max_seqlen_q=max(batch.num_tokens), max_seqlen_k=max(lens_k),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
-            **_pending(pending_rows, pending_src))
-        if self.uses_mrope and any(s.multimodal is not None for s in batch.seqs):
-            self._place_images(batch, inputs)
-        return inputs
-
-    def _place_images(self, batch: ScheduledBatch, inputs: StepInputs) -> None:
-        """The positions of sequences with images (their M-RoPE streams; one row where the step has no image
-        token, since text's three streams are equal) and, for image tokens, their images' embeddings: the
-        vision tower runs on an image when a chunk first reaches its tokens and its output stays on the
-        sequence until the chunk that passes its last token."""
-        pos3 = np.broadcast_to(inputs.positions.numpy(), (3, len(inputs.positions))).copy()
-        row, pieces = 0, []  # (sequence, image, first step row, first image token, tokens)
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            mm, start = seq.multimodal, seq.num_computed_tokens
-            if mm is not None:
-                pos3[:, row:row + n] = mm.positions(start, start + n)
-                for i in mm.images_in(start, start + n):
-                    first, length = mm.vision_placeholders[i]
-                    a, b = max(start, first), min(start + n, first + length)
-                    pieces.append((seq, i, row + a - start, a - first, b - a))
-            row += n
-        inputs.positions = torch.from_numpy(pos3[0].copy())
-        if not pieces:
-            return
-        self._encode_images([(seq.multimodal, i) for seq, i, *_ in pieces])
-        inputs.mrope_positions = torch.from_numpy(pos3)
-        inputs.image_embeds = torch.cat([seq.multimodal.image_embeds[i][off:off + n] for seq, i, _, off, n in pieces])
-        inputs.image_rows = torch.cat([torch.arange(r, r + n) for _, _, r, _, n in pieces])
-        for seq, i, _, off, n in pieces:
-            if off + n == seq.multimodal.vision_placeholders[i][1]:  # its last token is in this step
-                seq.multimodal.image_embeds[i] = None
+    def _forget_images(self, request_ids: list[str]) -> None:
+        """These requests ended: drop their images' embeddings (those whose last token never ran)."""
+        ended = set(request_ids)
+        for key in [k for k in self.image_embeds if k[0] in ended]:
+            del self.image_embeds[key]
 
     @torch.inference_mode()
-    def _encode_images(self, wanted) -> None:
-        """Run the vision tower once over every wanted image (MultimodalInputs, index) not encoded yet."""
-        todo, seen = [], set()
-        for mm, i in wanted:
-            if mm.image_embeds[i] is None and (id(mm), i) not in seen:
-                seen.add((id(mm), i))
-                todo.append((mm, i))
-        if not todo:
-            return
-        pixels = torch.cat([mm.pixel_values[mm.patch_offsets[i]:mm.patch_offsets[i + 1]] for mm, i in todo])
-        grids = [mm.image_grid_thw[i] for mm, i in todo]
+    def _encode_images(self, images: list[ImageSlice]) -> None:
+        """Run the vision tower once over these images, keeping each one's embeddings by its key."""
+        pixels = torch.cat([torch.from_numpy(s.pixel_values) for s in images])
         with self.layer_mode:
-            embeds = self.model.encode_images(self._to_device(pixels), grids)
-        sizes = [mm.vision_placeholders[i][1] for mm, i in todo]
-        for (mm, i), e in zip(todo, embeds.split(sizes)):
-            mm.image_embeds[i] = e
-
-    def _prepare_decode(self, batch: ScheduledBatch) -> StepInputs:
-        """prepare_inputs for one new token per sequence: the hot path of long generations."""
-        seqs, bs = batch.seqs, self.block_size
-        lens = [s.num_tokens for s in seqs]
-        slots = [s.block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(seqs, lens)]
-        width = max(len(s.block_table) for s in seqs)
-        tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs]
-        i64 = torch.int64
-        pending_rows = [i for i, s in enumerate(seqs) if s.token_ids[-1] < 0]
-        if self.uses_mrope:
-            positions = torch.tensor([n - 1 + s.mrope_position_delta for s, n in zip(seqs, lens)], dtype=i64)
-        else:
-            positions = torch.tensor([n - 1 for n in lens], dtype=i64)
-        return StepInputs(
-            input_ids=torch.tensor([s.token_ids[-1] for s in seqs], dtype=i64),
-            positions=positions,
-            slot_mapping=torch.tensor(slots, dtype=i64),
-            cu_seqlens_q=torch.arange(len(seqs) + 1, dtype=torch.int32),
-            seqlens_k=torch.tensor(lens, dtype=torch.int32),
-            block_tables=torch.tensor(tables, dtype=torch.int32),
-            max_seqlen_q=1, max_seqlen_k=max(lens),
-            logits_indices=torch.arange(len(seqs), dtype=i64),
-            **_pending(pending_rows, [seqs[i].pending_index for i in pending_rows]))
+            embeds = self.model.encode_images(self._to_device(pixels), [s.grid for s in images])
+        for s, e in zip(images, embeds.split([s.num_tokens for s in images])):
+            self.image_embeds[s.key] = e
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states of every scheduled token."""
         self.copy_blocks(inputs)
+        if inputs.finished_request_ids:
+            self._forget_images(inputs.finished_request_ids)
+        image_embeds = self._image_embeds(inputs) if inputs.images else None
         to = self._to_device
         input_ids = to(inputs.input_ids)
         if inputs.pending_rows is not None:  # tokens the previous launch sampled on the device
@@ -333,7 +220,7 @@ class ModelRunner:
         try:
             with self.layer_mode:
                 if inputs.mrope_positions is not None:  # a step with image tokens
-                    return self.model(input_ids, to(inputs.positions), image_embeds=inputs.image_embeds,
+                    return self.model(input_ids, to(inputs.positions), image_embeds=image_embeds,
                                       image_rows=to(inputs.image_rows), mrope_positions=to(inputs.mrope_positions))
                 return self.model(input_ids, to(inputs.positions))
         finally:
@@ -373,29 +260,39 @@ class ModelRunner:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t.to(self.device)
 
+    def execute_model(self, inputs: StepInputs) -> "Executed":
+        """Queue the step's forward pass and, where the decode graph's sampler takes its rows, the
+        sampling; the handle for sample_tokens. Never waits for the device."""
+        return self.execute(inputs, self.sampler.tensors(inputs))
+
     @torch.inference_mode()
-    def launch(self, inputs: StepInputs, st: SamplingTensors | None, num_logprobs: int,
-               plan: StepSampling | None = None, before_sampling=None) -> SampledTokens:
-        """Queue forward and sampling on the device; the returned handle waits for the tokens.
-        plan: under tensor parallelism, the step's Sampler.plan, as the other ranks were sent it.
-        before_sampling: called once the logits are queued, before the sampling (which may then depend on
-        what it did on the host: structured output's masks)."""
+    def execute(self, inputs: StepInputs, st: SamplingTensors | None, plan: StepSampling | None = None) -> "Executed":
+        """execute_model with the step's sampling tensors (Sampler.tensors) and, under tensor parallelism,
+        its plan (Sampler.plan), as the other ranks were sent it: a sharded step samples here."""
         graphs = self.graphs
         if (st is not None and graphs is not None and graphs.samples and inputs.is_decode
                 and inputs.samples_every_row and graphs.fits(inputs)):
             self.copy_blocks(inputs)
-            return self.sampler.replay_graph(graphs, inputs, st, num_logprobs, before_sampling)
+            if inputs.finished_request_ids:
+                self._forget_images(inputs.finished_request_ids)
+            tokens, logits = self.sampler.replay_graph(graphs, inputs, st)
+            return Executed(st, tokens, logits)
         hidden = self.forward(inputs)
         if st is None:
-            return SampledTokens([])
+            return Executed(None, SampledTokens([]))
         if plan is not None and plan.sharded:
-            return self.sampler.sample_shards(self.local_logits(hidden, inputs), self.tp, plan, st.temperatures,
-                                              self.model.lm_head.vocab_start)
-        logits = self.compute_logits(hidden, inputs)
-        if before_sampling is not None:
-            before_sampling()
+            return Executed(st, self.sampler.sample_shards(self.local_logits(hidden, inputs), self.tp, plan,
+                                                           st.temperatures, self.model.lm_head.vocab_start))
+        return Executed(st, None, self.compute_logits(hidden, inputs))
+
+    @torch.inference_mode()
+    def sample_tokens(self, handle: "Executed", masks: GrammarMasks | None) -> SampledTokens:
+        """Queue the sampling of an executed step, the masks applied to its constrained rows; its tokens
+        (those the graph sampled, if it did)."""
+        if handle.tokens is not None:
+            return handle.tokens
         with self.layer_mode:
-            return self.sampler.sample(logits, st, num_logprobs)
+            return self.sampler.sample(handle.logits, handle.sampling, masks)
 
     @torch.inference_mode()
     def join_sampling(self, hidden: torch.Tensor, inputs: StepInputs, plan: StepSampling) -> None:
@@ -412,10 +309,13 @@ class ModelRunner:
             return self.model.lm_head.local_logits(self._sampled_rows(hidden, inputs))
 
 
-def _pending(rows: list[int], src: list[int]) -> dict:
-    if not rows:
-        return {}
-    return {"pending_rows": torch.tensor(rows, dtype=torch.int64), "pending_src": torch.tensor(src, dtype=torch.int64)}
+@dataclass
+class Executed:
+    """A step whose forward pass is queued: its tokens' handle where they were sampled with it, else the
+    logits of its sampled rows, waiting for sample_tokens."""
+    sampling: SamplingTensors | None
+    tokens: SampledTokens | None
+    logits: torch.Tensor | None = None
 
 
 def prefill_inputs(tokens: list[list[int]], block_size: int, blocks_per_seq: int) -> StepInputs:

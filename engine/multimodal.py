@@ -3,8 +3,9 @@
 Seed 003's lifecycle: a request that has images gets its multimodal data (`MultimodalInputs`: the
 preprocessed `pixel_values`, each image's `image_grid_thw` and `vision_placeholders`) before its sequence
 waits. All of it is made here, on the caller's thread (add_request, or the worker's reader thread), never
-inside a step. The model runner runs the vision tower on `pixel_values` when a prefill chunk first reaches an
-image's placeholder tokens and splices the embeddings in their place (engine/model_runner.py).
+inside a step. A step whose prefill chunk reaches an image's placeholder tokens carries its pixels
+(engine/step_builder.py); the model runner runs the vision tower on them and splices the embeddings in
+their place, keeping them until the image's last token (engine/model_runner.py).
 
 Positions (Qwen2-VL's M-RoPE): three streams (temporal, height, width). Text tokens advance all three
 together; an image's tokens, a grid of h x w merged patches, take (start, start + row, start + column)
@@ -15,7 +16,7 @@ which is plain rotary at that position, so decode steps run the text model's ker
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -38,12 +39,6 @@ class MultimodalInputs:
     mrope_positions: np.ndarray                  # [3, prompt tokens] positions of the three streams
     mrope_position_delta: int
     patch_offsets: list[int]                     # each image's first row in pixel_values, then the total
-    # each image's vision-tower output on the device, from the first prefill chunk that needs it until the
-    # chunk that passes its last placeholder token
-    image_embeds: list = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.image_embeds = [None] * len(self.image_grid_thw)
 
     @property
     def num_images(self) -> int:

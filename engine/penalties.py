@@ -28,7 +28,7 @@ class LogitAdjustments:
     bias_rows: torch.Tensor | None     # [B] (row, token, bias) triples
     bias_tokens: torch.Tensor | None
     bias_values: torch.Tensor | None
-    min_tokens_rows: list[int]         # rows whose request has min_tokens (the host checks them every step)
+    has_min_tokens: bool               # a row's request has min_tokens (the engine checks it every step)
     suppressed: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's (rows, tokens) masked to -inf
 
 
@@ -42,17 +42,17 @@ class TokenCounts:
         self.slot_of: dict[int, int] = {}  # seq_id -> row
         self.free_slots: list[int] = []
 
-    def slot(self, seq) -> int:
-        """`seq`'s row, taken (and cleared, its prompt entered) the first time it is asked for."""
-        slot = self.slot_of.get(seq.seq_id)
+    def slot(self, seq_id: int, prompt_token_ids: list[int]) -> int:
+        """Sequence `seq_id`'s row, taken (and cleared, its prompt entered) the first time it is asked for."""
+        slot = self.slot_of.get(seq_id)
         if slot is not None:
             return slot
         if not self.free_slots:
             self._grow()
-        slot = self.slot_of[seq.seq_id] = self.free_slots.pop()
+        slot = self.slot_of[seq_id] = self.free_slots.pop()
         self.counts[slot].zero_()
         self.in_prompt[slot].zero_()
-        self.in_prompt[slot, on_device(seq.prompt_token_ids, torch.int64, self.device)] = True
+        self.in_prompt[slot, on_device(prompt_token_ids, torch.int64, self.device)] = True
         return slot
 
     def release(self, seq_id: int) -> None:
@@ -83,36 +83,28 @@ def on_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
-def adjustments(seqs: list, counts: TokenCounts, device: torch.device) -> LogitAdjustments:
-    """The adjustments of a batch whose sampled sequences are `seqs` (at least one asks for one)."""
+def adjustments(rows, counts: TokenCounts, device: torch.device) -> LogitAdjustments:
+    """The adjustments of a batch whose sampled rows are `rows` (engine.runner.SamplingRows; at least one
+    asks for one)."""
     def tensor(values, dtype):
         return on_device(values, dtype, device)
 
-    penalised = [(i, s) for i, s in enumerate(seqs) if penalises(s.params)]
-    rows = slots = repetition = frequency = presence = None
-    if penalised:
-        rows = tensor([i for i, _ in penalised], torch.int64)
-        slots = tensor([counts.slot(s) for _, s in penalised], torch.int64)
-        repetition, frequency, presence = (
-            tensor([[getattr(s.params, name)] for _, s in penalised], torch.float32)
-            for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
-    biases = [(i, t, b) for i, s in enumerate(seqs) for t, b in (s.params.logit_bias or {}).items()]
+    index = slots = repetition = frequency = presence = None
+    if rows.penalties:
+        index = tensor([p[0] for p in rows.penalties], torch.int64)
+        slots = tensor([counts.slot(rows.row_ids[p[0]], prompt) for p, prompt in zip(rows.penalties, rows.prompts)],
+                       torch.int64)
+        repetition, frequency, presence = (tensor([[p[k]] for p in rows.penalties], torch.float32) for k in (1, 2, 3))
     bias_rows = bias_tokens = bias_values = None
-    if biases:
-        r, t, b = zip(*biases)
+    if rows.biases:
+        r, t, b = zip(*rows.biases)
         bias_rows, bias_tokens, bias_values = tensor(r, torch.int64), tensor(t, torch.int64), tensor(b, torch.float32)
-    return LogitAdjustments(rows, slots, repetition, frequency, presence, bias_rows, bias_tokens, bias_values,
-                            [i for i, s in enumerate(seqs) if s.params.min_tokens > 0])
+    return LogitAdjustments(index, slots, repetition, frequency, presence, bias_rows, bias_tokens, bias_values,
+                            rows.has_min_tokens)
 
 
-def penalises(params) -> bool:
-    return params.repetition_penalty != 1 or params.presence_penalty != 0 or params.frequency_penalty != 0
-
-
-def suppress_until_min_tokens(adj: LogitAdjustments, seqs: list, device: torch.device) -> None:
-    """This step's stop tokens to mask: those of each row still short of its min_tokens."""
-    pairs = [(i, t) for i in adj.min_tokens_rows if seqs[i].num_completion_tokens < seqs[i].params.min_tokens
-             for t in seqs[i].min_tokens_stop_ids]
+def suppress(adj: LogitAdjustments, pairs: list[tuple[int, int]], device: torch.device) -> None:
+    """This step's stop tokens to mask, (row, token) pairs: those of each row still short of its min_tokens."""
     if not pairs:
         adj.suppressed = None
         return

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 
 from engine import grammar_mask, penalties
-from engine.grammar import MaskFiller
 from engine.layers.fusion import fused
 from engine.pinned import PinnedRing
 
@@ -30,8 +29,15 @@ class SamplingTensors:
     generators: list             # [S] torch.Generator or None (None: the engine's shared stream)
     all_greedy: bool
     needs_filter: bool
+    num_logprobs: int = -1       # the most top logprobs a row needs, or -1
     adjust: penalties.LogitAdjustments | None = None  # penalties, biases, min_tokens of the batch's rows
     grammar: grammar_mask.GrammarRows | None = None   # constrained rows (structured output)
+
+    @property
+    def in_graph(self) -> bool:
+        """Whether the decode graph's sampler can take these rows: no top logprobs, adjusted logits or
+        constrained rows, and every token the argmax of its own scaled, noised logits."""
+        return self.num_logprobs <= 0 and self.adjust is None and self.grammar is None and samples_by_argmax(self)
 
 
 @dataclass(frozen=True)
@@ -48,7 +54,8 @@ class StepSampling:
 
 
 class Sampler:
-    """One per model runner (rank): the engine's random streams, the batch's tensors, a step's sampling."""
+    """One per model runner (rank): the engine's random streams, each sampled sequence's state on the
+    device (its random stream, its token counts) by sequence id, the batch's tensors, a step's sampling."""
 
     def __init__(self, device: torch.device, seed: int, vocab_size: int):
         self.device, self.vocab_size = device, vocab_size
@@ -56,126 +63,101 @@ class Sampler:
         self.seed_generator = torch.Generator().manual_seed(seed)  # host-side seeds for the Gumbel kernel
         self.last_tokens = torch.empty(0, dtype=torch.int64, device=device)  # the last step's, on the device
         self.token_counts = penalties.TokenCounts(device, vocab_size)  # penalised sequences' tokens
-        self.mask_filler = MaskFiller()
-        self.host_masks = PinnedRing(device)   # structured output's masks on their way to the device
+        self.generators: dict[int, torch.Generator] = {}  # seeded sequences' random streams, by sequence id
         self.host_tokens = PinnedRing(device)  # the decode graph's tokens on their way to the host
-        self._batch_ids: list[int] = []
-        self._batch = None
+        self._rows = None  # the SamplingRows the cached tensors were built from
+        self._tensors: SamplingTensors | None = None
 
     def release(self) -> None:
         """Drop the device tensors kept between steps (the engine shuts down)."""
         self.last_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
         self.token_counts = penalties.TokenCounts(self.device, self.vocab_size)
-        self._batch_ids, self._batch = [], None
+        self.generators = {}
+        self._rows = self._tensors = None
 
-    def add_request(self, seq, eos_token_ids: list[int] = (), num_top_logprobs: int = -1) -> None:
-        """What of a sequence's sampling reaches a device tensor, built when it is added, where an error is
-        its request's own: its row of the batch tensors and, seeded, its own random stream (completion i of
-        a seeded request draws from a stream of its own, derived from the seed and i).
-        num_top_logprobs: top logprobs it needs beyond those its params ask for (beam search's candidates)."""
-        params = seq.params
-        bad = next((t for t in (params.logit_bias or ()) if t >= self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary "
-                             f"(ids must be in [0, {self.vocab_size}))")
-        top_k = min(params.top_k, self.vocab_size) if params.top_k > 0 else self.vocab_size
-        seq.sampling_row = (params.temperature, top_k, params.top_p, params.min_p)
-        seq.generator = None
-        if params.seed is not None and not params.greedy:
-            seq.generator = torch.Generator(device=self.device).manual_seed(stream_seed(params.seed, seq.index))
-        seq.num_top_logprobs = max(num_top_logprobs, -1 if params.logprobs is None else params.logprobs)
-        stops = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
-        seq.min_tokens_stop_ids = sorted({t for t in stops if t < self.vocab_size}) if params.min_tokens else []
+    def forget(self, seq_ids: list[int]) -> None:
+        """These sequences ended: their rows of the token counts are free again (a step still in flight
+        that counts into one runs first on the device), their random streams are dropped."""
+        for seq_id in seq_ids:
+            self.token_counts.release(seq_id)
+            self.generators.pop(seq_id, None)
 
-    def forget(self, seq) -> None:
-        """`seq` is finished: its row of the token counts is free again (a step still in flight that
-        counts into it runs first on the device)."""
-        self.token_counts.release(seq.seq_id)
+    def tensors(self, inputs) -> SamplingTensors | None:
+        """The tensors of the step's sampled rows (None: nothing is sampled); the same tensors again for
+        the same rows (most decode steps). Frees first what the step says ended."""
+        if inputs.finished_seq_ids:
+            self.forget(inputs.finished_seq_ids)
+        rows = inputs.sampling
+        if rows is None:
+            return None
+        if rows is not self._rows:
+            self._rows, self._tensors = rows, self._build(rows)
+        st = self._tensors
+        if rows.has_min_tokens:
+            penalties.suppress(st.adjust, inputs.suppressed, self.device)
+        return st
 
-    def batch_tensors(self, seqs: list) -> tuple[SamplingTensors | None, int]:
-        """(The tensors of the sequences sampled this step, the most top logprobs any needs or -1); the
-        same tensors again for the same sequences (most decode steps)."""
-        if not seqs:
-            return None, -1
-        ids = [s.seq_id for s in seqs]
-        if ids == self._batch_ids:
-            st, num_logprobs = self._batch
-        else:
-            st, num_logprobs = self._build(seqs)
-            self._batch_ids, self._batch = ids, (st, num_logprobs)
-        if st.adjust is not None and st.adjust.min_tokens_rows:
-            penalties.suppress_until_min_tokens(st.adjust, seqs, self.device)
-        return st, num_logprobs
-
-    def _build(self, seqs: list) -> tuple[SamplingTensors, int]:
+    def _build(self, rows) -> SamplingTensors:
         device = self.device
-        ps = [s.params for s in seqs]
-        temperatures, top_ks, top_ps, min_ps = zip(*(s.sampling_row for s in seqs))
-        st = SamplingTensors(
-            temperatures=penalties.on_device(temperatures, torch.float32, device),
-            top_ks=penalties.on_device(top_ks, torch.int64, device),
-            top_ps=penalties.on_device(top_ps, torch.float32, device),
-            min_ps=penalties.on_device(min_ps, torch.float32, device),
-            generators=[s.generator for s in seqs],
-            all_greedy=all(p.greedy for p in ps),
-            needs_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in ps),
-            adjust=penalties.adjustments(seqs, self.token_counts, device) if any(p.adjusts_logits for p in ps)
-            else None,
-            grammar=grammar_mask.grammar_rows(seqs, device))
-        return st, max(s.num_top_logprobs for s in seqs)
+        return SamplingTensors(
+            temperatures=penalties.on_device(rows.temperatures, torch.float32, device),
+            top_ks=penalties.on_device(rows.top_ks, torch.int64, device),
+            top_ps=penalties.on_device(rows.top_ps, torch.float32, device),
+            min_ps=penalties.on_device(rows.min_ps, torch.float32, device),
+            generators=[None if seed is None else self._stream(seq_id, seed)
+                        for seq_id, seed in zip(rows.row_ids, rows.seeds)],
+            all_greedy=rows.all_greedy, needs_filter=rows.needs_filter, num_logprobs=rows.num_logprobs,
+            adjust=penalties.adjustments(rows, self.token_counts, device) if rows.adjusts_logits else None,
+            grammar=grammar_mask.grammar_rows(rows.grammar_rows, device))
 
-    def start_grammar_masks(self, st: SamplingTensors, seqs: list) -> None:
-        """Begin this step's allowed-token masks of the constrained rows of `seqs` (the sequences
-        batch_tensors was given), once every token before them has resolved; computed beside the caller."""
-        grammar_mask.start(st.grammar, seqs, self.vocab_size, self.mask_filler, self.host_masks)
+    def _stream(self, seq_id: int, seed: int) -> torch.Generator:
+        """A seeded sequence's random stream, made the first time it is sampled and kept until it ends."""
+        gen = self.generators.get(seq_id)
+        if gen is None:
+            gen = self.generators[seq_id] = torch.Generator(device=self.device).manual_seed(seed)
+        return gen
 
-    def finish_grammar_masks(self, st: SamplingTensors) -> None:
-        """Wait for the masks start_grammar_masks began; on their way to the device when it returns."""
-        grammar_mask.finish(st.grammar, self.host_masks)
-
-    def plan(self, st: SamplingTensors | None, num_logprobs: int, tp_size: int) -> StepSampling | None:
+    def plan(self, st: SamplingTensors | None, tp_size: int) -> StepSampling | None:
         """Rank 0: how every rank takes part in this step's sampling (None: nothing is sampled). Sharded
         where each token is the argmax of its own (scaled, noised) logits and nothing else needs whole
         rows (no top logprobs, no adjustments: the sampled tokens' own logprobs are sharded too); the seed
         comes from the host generator, as on the unsharded path."""
         if st is None:
             return None
-        if (tp_size == 1 or num_logprobs > 0 or st.adjust is not None or st.grammar is not None
-                or not samples_by_argmax(st)):
+        if tp_size == 1 or not st.in_graph:
             return StepSampling(sharded=False)
         if st.all_greedy:
             return StepSampling(sharded=True, greedy=True)
         return StepSampling(sharded=True, seed=draw_seed(self.seed_generator))
 
-    def replay_graph(self, graphs, inputs, st: SamplingTensors, num_logprobs: int,
-                     before_sampling=None) -> "SampledTokens":
-        """A decode step as one replay of a graph that holds the LM head and the sampler. Steps the graph's
-        sampler cannot take (top logprobs, top-k/p, min-p, seeded requests, adjusted logits, constrained
-        rows) sample from its logits, after before_sampling() where given."""
-        in_graph = num_logprobs <= 0 and st.adjust is None and st.grammar is None and samples_by_argmax(st)
+    def replay_graph(self, graphs, inputs, st: SamplingTensors) -> tuple["SampledTokens | None", torch.Tensor]:
+        """A decode step as one replay of a graph that holds the LM head and the sampler: (its tokens'
+        handle, None), or, for rows the graph's sampler cannot take (SamplingTensors.in_graph), (None,
+        the logits) for sample()."""
+        in_graph = st.in_graph
         seed = draw_seed(self.seed_generator) if in_graph and not st.all_greedy else 0  # as sample() draws
         tokens, logits = graphs.replay_sampled(inputs, st.temperatures if in_graph else None, seed,
                                                self.last_tokens)
         if not in_graph:
-            if before_sampling is not None:
-                before_sampling()
-            return self.sample(logits, st, num_logprobs)
+            return None, logits
         self.last_tokens = tokens
-        return SampledTokens.of_graph(graphs.sampled, len(tokens), self.host_tokens)
+        return SampledTokens.of_graph(graphs.sampled, len(tokens), self.host_tokens), None
 
-    def sample(self, logits: torch.Tensor, st: SamplingTensors, num_logprobs: int) -> "SampledTokens":
-        """The step's tokens and their logprobs (and the top logprobs) from whole rows of logits [S, V]."""
+    def sample(self, logits: torch.Tensor, st: SamplingTensors, masks=None) -> "SampledTokens":
+        """The step's tokens and their logprobs (and the top logprobs) from whole rows of logits [S, V];
+        masks: the engine's GrammarMasks of the constrained rows (st.grammar)."""
         if st.adjust is not None or (st.grammar is not None and not grammar_mask.in_place(logits)):
             logits = logits.to(torch.float32, copy=True)  # the step's own copy to adjust
         if st.adjust is not None:
             penalties.apply(logits, st.adjust, self.token_counts)
         if st.grammar is not None:  # where in_place, into the logits as they came (a graph's buffer, refilled next step)
+            grammar_mask.upload(st.grammar, masks)
             grammar_mask.apply(logits, st.grammar)
         token_ids = sample(logits, st, self.generator, self.seed_generator)
         self.last_tokens = token_ids
         if st.adjust is not None:
             self.token_counts.add(st.adjust, token_ids)
-        parts = [t for t in compute_logprobs(logits, token_ids, num_logprobs) if t is not None]
+        parts = [t for t in compute_logprobs(logits, token_ids, st.num_logprobs) if t is not None]
         return SampledTokens([token_ids] + parts)
 
     def sample_shards(self, logits: torch.Tensor, tp, plan: StepSampling, temperatures: torch.Tensor | None,

@@ -30,7 +30,9 @@ def greedy(**kwargs) -> SamplingParams:
 def assert_no_leaks(llm) -> None:
     bm = llm.block_manager
     assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
-    assert not llm.sampler.token_counts.slot_of  # every penalised sequence gave its counts row back
+    llm.generate([[1]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # the runner frees with the next step
+    sampler = llm.runner.sampler
+    assert not sampler.token_counts.slot_of and not sampler.generators  # every sequence gave its state back
 
 
 # ---- penalties and biases ----------------------------------------------------------------------------

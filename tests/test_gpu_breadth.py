@@ -48,8 +48,8 @@ def test_a_plain_batch_samples_inside_the_decode_graph(gpu_checkpoint, monkeypat
     takes the graph's logits to the sampler."""
     llm = LLM(str(gpu_checkpoint), device="cuda", dtype="bfloat16", max_model_len=512, max_num_seqs=4)
     calls = []
-    sample = llm.sampler.sample
-    monkeypatch.setattr(llm.sampler, "sample", lambda *a, **k: calls.append(1) or sample(*a, **k))
+    sample = llm.runner.sampler.sample
+    monkeypatch.setattr(llm.runner.sampler, "sample", lambda *a, **k: calls.append(1) or sample(*a, **k))
     llm.generate(PROMPTS, SamplingParams(temperature=0.8, max_tokens=MAX_NEW, n=2), use_tqdm=False)
     plain = len(calls)
     llm.generate(PROMPTS, SamplingParams(temperature=0.8, max_tokens=MAX_NEW, presence_penalty=1.0), use_tqdm=False)

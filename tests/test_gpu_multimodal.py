@@ -73,7 +73,7 @@ def test_prompt_logits_with_images_match_transformers_bf16(checkpoint, hf_model,
     for text, images in _cases():
         llm.add_request({"prompt": text, "images": images}, SamplingParams(max_tokens=1))
         batch = llm.scheduler.schedule()
-        inputs = runner.prepare_inputs(batch)
+        inputs = llm.steps.build(batch, batch.sampled())
         n = len(inputs.input_ids)
         inputs.logits_indices = torch.arange(n)
         with torch.inference_mode():

@@ -112,7 +112,7 @@ def test_chunked_prefill_across_image_tokens_keeps_tokens(vl):
     model_dir, cases, expected = vl
     llm = _llm(model_dir, max_num_batched_tokens=7)
     split_images, image_steps, text_steps = [], [], []
-    schedule, prepare = llm.scheduler.schedule, llm.runner.prepare_inputs
+    schedule, build = llm.scheduler.schedule, llm.steps.build
 
     def spy_schedule():
         batch = schedule()
@@ -122,16 +122,16 @@ def test_chunked_prefill_across_image_tokens_keeps_tokens(vl):
                 split_images.append(seq.seq_id)
         return batch
 
-    def spy_prepare(batch):
-        inputs = prepare(batch)
-        (image_steps if inputs.mrope_positions is not None else text_steps).append(inputs.image_embeds)
+    def spy_build(batch, sampled):
+        inputs = build(batch, sampled)
+        (image_steps if inputs.mrope_positions is not None else text_steps).append(inputs.images)
         return inputs
 
-    llm.scheduler.schedule, llm.runner.prepare_inputs = spy_schedule, spy_prepare
+    llm.scheduler.schedule, llm.steps.build = spy_schedule, spy_build
     outs = llm.generate(_requests(cases), GREEDY, use_tqdm=False)
     assert split_images, "no chunk ended inside an image's tokens"
     assert [o.token_ids for o in outs] == [toks for _, toks in expected]
-    assert image_steps and all(e is not None for e in image_steps) and text_steps
+    assert image_steps and all(image_steps) and text_steps
 
 
 def test_cache_preemption_chunking_and_async_scheduling_together(vl):
@@ -144,25 +144,50 @@ def test_cache_preemption_chunking_and_async_scheduling_together(vl):
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
+def test_the_runner_keeps_an_images_embeddings_until_its_last_token_or_its_request_ends(vl):
+    """The vision tower's output lives in the runner, by (request, image), never on the sequence: an image
+    split across prefill chunks is encoded once and dropped with its last token; an image whose request is
+    aborted part-way is dropped with the next step."""
+    model_dir, cases, expected = vl
+    llm = _llm(model_dir, max_num_batched_tokens=7, enable_prefix_caching=False)  # cases[3]: image at 14-25
+    encoded = []
+    encode = llm.runner._encode_images
+    llm.runner._encode_images = lambda images: encoded.extend(s.key for s in images) or encode(images)
+    outs = llm.generate(_requests(cases[3:4]), GREEDY, use_tqdm=False)
+    assert outs[0].token_ids == expected[3][1]
+    assert encoded == [(outs[0].request_id, 0)] and llm.runner.image_embeds == {}
+    aborted = llm.add_request(_requests(cases[3:4])[0], GREEDY)
+    kept = llm.add_request(_requests(cases[1:2])[0], GREEDY)
+    for _ in range(3):  # three chunks of 7 tokens reach the image, and its last token is still ahead
+        llm.step()
+    assert (aborted, 0) in llm.runner.image_embeds
+    llm.abort(aborted)
+    outs = {}
+    while llm.has_unfinished():
+        outs.update((o.request_id, o) for o in llm.step().finished)
+    assert outs[kept].token_ids == expected[1][1] and outs[aborted].finish_reason == "abort"
+    assert llm.runner.image_embeds == {}
+
+
 def test_text_only_steps_on_a_vl_model_run_the_text_path(vl):
     """Steps without image tokens carry no M-RoPE streams nor embeddings (the text decoder's inputs);
     decode positions continue at index + mrope_position_delta."""
     model_dir, cases, expected = vl
     llm = _llm(model_dir)
     steps = []
-    prepare = llm.runner.prepare_inputs
+    build = llm.steps.build
 
-    def spy(batch):
-        inputs = prepare(batch)
-        steps.append((inputs.is_decode, inputs.mrope_positions, inputs.image_embeds,
+    def spy(batch, sampled):
+        inputs = build(batch, sampled)
+        steps.append((inputs.is_decode, inputs.mrope_positions, inputs.images,
                       [(s.num_tokens - 1 + s.mrope_position_delta) for s in batch.seqs], inputs.positions.tolist()))
         return inputs
 
-    llm.runner.prepare_inputs = spy
+    llm.steps.build = spy
     outs = llm.generate(_requests(cases[:2]), GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == [toks for _, toks in expected[:2]]
     decodes = [s for s in steps if s[0]]
-    assert decodes and all(m is None and e is None and want == got for _, m, e, want, got in decodes)
+    assert decodes and all(m is None and not e and want == got for _, m, e, want, got in decodes)
     assert sum(m is not None for _, m, _, _, _ in steps) == 1  # the one prefill step with the image's tokens
 
 

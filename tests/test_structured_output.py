@@ -228,11 +228,9 @@ def test_a_batch_without_constraints_never_touches_the_grammar_path(tiny, monkey
     def refuse(*args, **kwargs):
         raise AssertionError("a free batch filled grammar masks")
 
-    monkeypatch.setattr(tiny.sampler, "start_grammar_masks", refuse)
+    monkeypatch.setattr(tiny.masks, "start", refuse)
     outs = tiny.generate(["a", "b"], SamplingParams(max_tokens=8, temperature=0.8), use_tqdm=False)
     assert all(len(o.token_ids) == 8 for o in outs)
-    st, _ = tiny.sampler.batch_tensors([])
-    assert st is None
 
 
 def test_grammars_are_compiled_once_per_constraint_and_the_cache_is_bounded(tiny):

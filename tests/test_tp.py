@@ -138,7 +138,7 @@ def test_killed_rank_with_async_scheduling_makes_generate_raise_and_leaves_no_pr
     start = time.monotonic()
     pids = llm.runner.worker_pids
     steps = 0
-    launch = llm.runner.launch
+    launch = llm.runner.execute_model
 
     def launch_then_kill(*args, **kwargs):
         nonlocal steps
@@ -147,7 +147,7 @@ def test_killed_rank_with_async_scheduling_makes_generate_raise_and_leaves_no_pr
             os.kill(pids[0], signal.SIGKILL)
         return launch(*args, **kwargs)
 
-    llm.runner.launch = launch_then_kill
+    llm.runner.execute_model = launch_then_kill
     with pytest.raises(RankFailedError, match=r"rank 1 \(pid \d+\) was killed by signal SIGKILL"):
         generate_ids(llm, tp_prompts(), SamplingParams(temperature=0, max_tokens=MAX_NEW))
     assert steps <= 5
@@ -163,7 +163,7 @@ def test_killed_rank_makes_generate_raise_and_leaves_no_process(qwen3_checkpoint
     llm = LLM(str(qwen3_checkpoint), device="cpu", tensor_parallel_size=2, kvcache_block_size=8)
     pids = llm.runner.worker_pids
     steps = 0
-    launch = llm.runner.launch
+    launch = llm.runner.execute_model
 
     def launch_then_kill(*args, **kwargs):
         nonlocal steps
@@ -172,7 +172,7 @@ def test_killed_rank_makes_generate_raise_and_leaves_no_process(qwen3_checkpoint
             os.kill(pids[0], signal.SIGKILL)
         return launch(*args, **kwargs)
 
-    llm.runner.launch = launch_then_kill
+    llm.runner.execute_model = launch_then_kill
     with pytest.raises(RankFailedError, match=r"rank 1 \(pid \d+\) was killed by signal SIGKILL"):
         generate_ids(llm, tp_prompts(), SamplingParams(temperature=0, max_tokens=MAX_NEW))
     assert steps == 4
@@ -265,14 +265,14 @@ from engine.distributed import RankFailedError
 from tests.conftest import make_checkpoint
 llm = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=256, gpu_memory_utilization=0.3,
           tp_all_reduce=sys.argv[3])
-pid, steps, launch, killed = llm.runner.worker_pids[0], [0], llm.runner.launch, []
+pid, steps, launch, killed = llm.runner.worker_pids[0], [0], llm.runner.execute_model, []
 def launch_then_kill(*args, **kwargs):
     steps[0] += 1
     if steps[0] == 20:  # decode steps replay CUDA graphs by now
         killed.append(time.monotonic())
         os.kill(pid, signal.SIGKILL)
     return launch(*args, **kwargs)
-llm.runner.launch = launch_then_kill
+llm.runner.execute_model = launch_then_kill
 result = {}
 try:
     llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=200, ignore_eos=True), use_tqdm=False)

@@ -1,0 +1,188 @@
+"""Turns a scheduled batch of sequences into the runner's plain StepInputs (engine/runner.py): the
+forward pass's tensors, the image tokens' sources, the sampled rows' settings and what ended since the
+last step. Everything a step reads of a Sequence is read here, on the engine's side of the boundary."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.runner import ImageSlice, SamplingRows, StepInputs
+from engine.sampler import stream_seed
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
+
+
+class StepBuilder:
+    """One per engine: builds each step's StepInputs, keeping the sampled rows' settings while the
+    rows are the same sequences."""
+
+    def __init__(self, block_size: int, uses_mrope: bool, vocab_size: int, eos_token_ids: list[int]):
+        self.block_size, self.uses_mrope = block_size, uses_mrope
+        self.vocab_size, self.eos_token_ids = vocab_size, list(eos_token_ids)
+        self._row_ids: list[int] = []
+        self._rows: SamplingRows | None = None
+        self.finished_seq_ids: list[int] = []      # ended since the last step, told to the runner with the next
+        self.finished_request_ids: list[str] = []  # the same for requests with images
+
+    def finished(self, seq: Sequence) -> None:
+        """`seq` ended: the next step tells the runner to free what it holds for it."""
+        self.finished_seq_ids.append(seq.seq_id)
+        if seq.multimodal is not None:
+            self.finished_request_ids.append(seq.request_id)
+
+    def build(self, batch: ScheduledBatch, sampled: list[Sequence]) -> StepInputs:
+        """The step's inputs, before the engine advances its sequences."""
+        inputs = self._forward_inputs(batch)
+        if batch.block_copies:
+            inputs.block_copies = torch.tensor(batch.block_copies, dtype=torch.int64).T.contiguous()
+        if sampled:
+            inputs.sampling = self._sampling_rows(sampled)
+            if inputs.sampling.has_min_tokens:
+                inputs.suppressed = self._suppressed(sampled)
+        if self.finished_seq_ids:
+            inputs.finished_seq_ids, self.finished_seq_ids = self.finished_seq_ids, []
+        if self.finished_request_ids:
+            inputs.finished_request_ids, self.finished_request_ids = sorted(set(self.finished_request_ids)), []
+        return inputs
+
+    # ---- the forward pass -------------------------------------------------------------------------
+
+    def _forward_inputs(self, batch: ScheduledBatch) -> StepInputs:
+        if (not batch.forks and all(n == 1 for n in batch.num_tokens)
+                and all(s.num_uncomputed_tokens == 1 for s in batch.seqs)):
+            return self._decode_inputs(batch)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu_q, lens_k, logits_indices = [0], [], []
+        bs = self.block_size
+        pending_rows, pending_src = [], []
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            start = seq.num_computed_tokens
+            end = start + n
+            if end == seq.num_tokens and seq.token_ids[-1] < 0:
+                pending_rows.append(len(input_ids) + n - 1)
+                pending_src.append(seq.pending_index)
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            cu_q.append(cu_q[-1] + n)
+            lens_k.append(end)
+            if end == seq.num_tokens:  # sampled, once for it and once for each sequence forked from it
+                logits_indices += [cu_q[-1] - 1] * (1 + len(batch.forks.get(seq.seq_id, ())))
+        width = max(len(s.block_table) for s in batch.seqs)
+        tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in batch.seqs]
+        inputs = StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32),
+            seqlens_k=torch.tensor(lens_k, dtype=torch.int32),
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            max_seqlen_q=max(batch.num_tokens), max_seqlen_k=max(lens_k),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+            **_pending(pending_rows, pending_src))
+        if self.uses_mrope and any(s.multimodal is not None for s in batch.seqs):
+            _place_images(batch, inputs)
+        return inputs
+
+    def _decode_inputs(self, batch: ScheduledBatch) -> StepInputs:
+        """The inputs of one new token per sequence: the hot path of long generations."""
+        seqs, bs = batch.seqs, self.block_size
+        lens = [s.num_tokens for s in seqs]
+        slots = [s.block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(seqs, lens)]
+        width = max(len(s.block_table) for s in seqs)
+        tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs]
+        i64 = torch.int64
+        pending_rows = [i for i, s in enumerate(seqs) if s.token_ids[-1] < 0]
+        if self.uses_mrope:
+            positions = torch.tensor([n - 1 + s.mrope_position_delta for s, n in zip(seqs, lens)], dtype=i64)
+        else:
+            positions = torch.tensor([n - 1 for n in lens], dtype=i64)
+        return StepInputs(
+            input_ids=torch.tensor([s.token_ids[-1] for s in seqs], dtype=i64),
+            positions=positions,
+            slot_mapping=torch.tensor(slots, dtype=i64),
+            cu_seqlens_q=torch.arange(len(seqs) + 1, dtype=torch.int32),
+            seqlens_k=torch.tensor(lens, dtype=torch.int32),
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            max_seqlen_q=1, max_seqlen_k=max(lens),
+            logits_indices=torch.arange(len(seqs), dtype=i64),
+            **_pending(pending_rows, [seqs[i].pending_index for i in pending_rows]))
+
+    # ---- sampling ---------------------------------------------------------------------------------
+
+    def _sampling_rows(self, seqs: list[Sequence]) -> SamplingRows:
+        ids = [s.seq_id for s in seqs]
+        if ids != self._row_ids:
+            self._row_ids, self._rows = ids, sampling_rows(seqs, self.vocab_size)
+        return self._rows
+
+    def _suppressed(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """This step's (row, stop token) pairs to mask: those of each row still short of its min_tokens."""
+        pairs = []
+        for i, s in enumerate(seqs):
+            p = s.params
+            if s.num_completion_tokens < p.min_tokens:
+                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+                pairs += [(i, t) for t in sorted(stops) if t < self.vocab_size]
+        return pairs
+
+
+def sampling_rows(seqs: list[Sequence], vocab_size: int) -> SamplingRows:
+    """The sampling settings of sampled rows `seqs`, from their params (beam search: the candidates'
+    top logprobs too)."""
+    ps = [s.params for s in seqs]
+    top_ks = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in ps]
+    seeds = [stream_seed(p.seed, s.index) if p.seed is not None and not p.greedy else None
+             for s, p in zip(seqs, ps)]
+    num_top = [max(s.group.beam.num_candidates if s.group is not None and s.group.beam is not None else -1,
+                   -1 if p.logprobs is None else p.logprobs) for s, p in zip(seqs, ps)]
+    penalised = [(i, s) for i, s in enumerate(seqs) if _penalises(s.params)]
+    return SamplingRows(
+        row_ids=[s.seq_id for s in seqs], temperatures=[p.temperature for p in ps], top_ks=top_ks,
+        top_ps=[p.top_p for p in ps], min_ps=[p.min_p for p in ps], seeds=seeds, num_logprobs=max(num_top),
+        all_greedy=all(p.greedy for p in ps),
+        needs_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in ps),
+        penalties=[(i, s.params.repetition_penalty, s.params.frequency_penalty, s.params.presence_penalty)
+                   for i, s in penalised],
+        prompts=[s.prompt_token_ids for _, s in penalised],
+        biases=[(i, t, b) for i, p in enumerate(ps) for t, b in (p.logit_bias or {}).items()],
+        has_min_tokens=any(p.min_tokens > 0 for p in ps),
+        grammar_rows=[i for i, s in enumerate(seqs) if s.grammar is not None])
+
+
+def _penalises(params) -> bool:
+    return params.repetition_penalty != 1 or params.presence_penalty != 0 or params.frequency_penalty != 0
+
+
+def _pending(rows: list[int], src: list[int]) -> dict:
+    if not rows:
+        return {}
+    return {"pending_rows": torch.tensor(rows, dtype=torch.int64), "pending_src": torch.tensor(src, dtype=torch.int64)}
+
+
+def _place_images(batch: ScheduledBatch, inputs: StepInputs) -> None:
+    """The positions of sequences with images (their M-RoPE streams; one row where the step has no image
+    token, since text's three streams are equal) and, for image tokens, where their embeddings come from
+    (ImageSlice: the runner runs the vision tower on an image when a chunk first reaches its tokens)."""
+    pos3 = np.broadcast_to(inputs.positions.numpy(), (3, len(inputs.positions))).copy()
+    row, images = 0, []
+    for seq, n in zip(batch.seqs, batch.num_tokens):
+        mm, start = seq.multimodal, seq.num_computed_tokens
+        if mm is not None:
+            pos3[:, row:row + n] = mm.positions(start, start + n)
+            for i in mm.images_in(start, start + n):
+                first, length = mm.vision_placeholders[i]
+                a, b = max(start, first), min(start + n, first + length)
+                pixels = mm.pixel_values[mm.patch_offsets[i]:mm.patch_offsets[i + 1]].numpy()
+                images.append(ImageSlice((seq.request_id, i), pixels, mm.image_grid_thw[i], length,
+                                         row + a - start, a - first, b - a))
+        row += n
+    inputs.positions = torch.from_numpy(pos3[0].copy())
+    if not images:
+        return
+    inputs.mrope_positions = torch.from_numpy(pos3)
+    inputs.images = images
+    inputs.image_rows = torch.cat([torch.arange(s.row, s.row + s.length) for s in images])
