@@ -46,3 +46,16 @@ def test_no_runner_module_imports_the_engine_loop_even_inside_a_function():
                 continue
             found += [f"{path.relative_to(REPO_ROOT)}:{node.lineno} {n}" for n in names if n in LOOP_MODULES]
     assert found == []
+
+
+def test_the_model_runner_and_the_tensor_parallel_driver_take_a_step_alike():
+    import inspect
+
+    from engine.distributed import TPDriver
+    from engine.model_runner import ModelRunner
+    from engine.runner import Runner
+
+    for method in ("execute_model", "sample_tokens"):
+        want = list(inspect.signature(getattr(Runner, method)).parameters)
+        assert [list(inspect.signature(getattr(cls, method)).parameters) for cls in (ModelRunner, TPDriver)] == \
+            [want, want], method
