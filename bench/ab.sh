@@ -27,7 +27,9 @@ run() {  # run TREE NAME WORKLOAD ARGS...: one engine process; its JSON record g
   count=$((count + 1))
   local log="$OUT/run$count.log" record
   echo "== $workload, $name ($log)"
-  (cd "$tree" && timeout "${BENCH_TIMEOUT:-300}" python3 -m engine.bench "$@" ${BENCH_ARGS:-}) > "$log" 2>&1 || status=1
+  local module=worker.bench_engine
+  [ -f "$tree/worker/bench_engine.py" ] || module=engine.bench  # a base tree from before the bench left engine/
+  (cd "$tree" && timeout "${BENCH_TIMEOUT:-300}" python3 -m $module "$@" ${BENCH_ARGS:-}) > "$log" 2>&1 || status=1
   record=$(grep '^{' "$log" | tail -n 1)
   if [ -n "$record" ]; then
     echo "{\"tree\": \"$name\", \"workload\": \"$workload\", \"record\": $record}" >> "$OUT/ab.jsonl"

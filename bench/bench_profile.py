@@ -1,6 +1,6 @@
 """Reproduces docs/performance.md's split of nano-bench: each decode step's wall time booked by its rows against
 that range's floor, and (--profile) the GPU time by kernel kind.
-    python3 bench/bench_profile.py [--profile] [--trace 30-30,500-500] [--out DIR] [engine.bench's options]
+    python3 bench/bench_profile.py [--profile] [--trace 30-30,500-500] [--out DIR] [worker.bench_engine's options]
 
 Runs nano-vllm's workload once after the bench's warm-up, stepping the engine by hand. Each step's wall
 time is booked to "prefill" when the step scheduled prompt tokens, else to "decode". With async
@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tree this script is in
 
-from engine import bench  # noqa: E402
+from worker import bench_engine as bench  # noqa: E402
 
 KINDS = (  # first match wins; kernel names are lower-cased
     ("all-reduce", ("all_reduce", "allreduce", "nccl", "one_shot", "pushed_sum")),

@@ -3,7 +3,7 @@
             sharing its KV blocks), against the same prompts sent 4 times as separate requests;
   penalties nano-bench's workload with repetition 1.1, presence 0.5 and frequency 0.5 penalties on every
             request, against the same workload without them.
-    python3 bench/breadth.py [--num-seqs 64] [engine.bench's options]      (prints one JSON line)
+    python3 bench/breadth.py [--num-seqs 64] [worker.bench_engine's options]      (prints one JSON line)
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tree this script is in
 
-from engine import bench  # noqa: E402
+from worker import bench_engine as bench  # noqa: E402
 
 
 def timed(llm, prompts, params) -> tuple[float, int]:

@@ -2,7 +2,7 @@
 on the batches nano-bench's decode steps hold, against reading their K/V once at the rate this GPU reads memory.
     python3 bench/decode_attention.py [--every 50] [--model qwen3-0.6b] [--kv-cache-dtype fp8]     (one GPU)
 
-The workload is engine.bench's (seed 0, 256 sequences). At every --every-th decode step the batch is the
+The workload is worker.bench_engine's (seed 0, 256 sequences). At every --every-th decode step the batch is the
 sequences still generating, each with its prompt and tokens so far in a paged cache of 256-position pages
 drawn in random order. One layer's attention runs as the engine's decode graphs run it (the Attention layer
 over the triton backend: q/k norm, rotary, the new token's K/V stored, split-KV attention and the merge in
@@ -24,13 +24,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tree this script is in
 
-from engine import bench  # noqa: E402
 from engine.attention import AttentionMetadata, ForwardContext, get_backend  # noqa: E402
 from engine.config import KV_CACHE_DTYPES, load_hf_config  # noqa: E402
 from engine.layers.attention import Attention  # noqa: E402
 from engine.layers.fusion import takes_gemv  # noqa: E402
 from engine.layers.norm import RMSNorm  # noqa: E402
 from engine.layers.rotary import RotaryEmbedding, rope_settings  # noqa: E402
+from worker import bench_engine as bench  # noqa: E402
 
 PAGE = 256  # the engine's KV block on a GPU
 

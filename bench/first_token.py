@@ -1,6 +1,6 @@
 """Reproduces docs/performance.md's time to a lone prompt's first token: the wall time of a one-token generate, the
 host time of its prefill forward (Python and launches) and its device time; --enforce-eager for the eager prefill.
-    python3 bench/first_token.py [--lengths 16,128,512,2048] [--repeats 5] [--enforce-eager] [engine.bench's options]
+    python3 bench/first_token.py [--lengths 16,128,512,2048] [--repeats 5] [--enforce-eager] [worker.bench_engine's options]
 
 Each repeat uses a fresh prompt (no prefix-cache hit). Prints one JSON line of medians in ms by length.
 """
@@ -18,8 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tree this script is in
 
-from engine import bench  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.sampling.params import SamplingParams  # noqa: E402
+from worker import bench_engine as bench  # noqa: E402
 
 
 def main() -> None:

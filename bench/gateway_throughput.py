@@ -28,9 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine import bench as engine_bench  # noqa: E402
 from producer.embedded import RedisServer, free_port  # noqa: E402
 from producer.protocol import JobResult, Usage  # noqa: E402
+from worker import bench_engine as engine_bench  # noqa: E402
 from worker.bench import forget_prefix_cache, in_own_process, sampling_dict, through_queue  # noqa: E402
 
 GATEWAY_START_S = 60  # the longest wait for `redline serve` to answer

@@ -15,10 +15,10 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" || status=1
 fi
 # each run its own process; the first engine process on a fresh machine runs a few percent slower
-timeout "${BENCH_TIMEOUT:-300}" python3 -m engine.bench ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || status=1
-timeout "${BENCH_TIMEOUT:-300}" python3 -m engine.bench --num-seqs 1 --min-input-len 512 --max-input-len 512 \
+timeout "${BENCH_TIMEOUT:-300}" python3 -m worker.bench_engine ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || status=1
+timeout "${BENCH_TIMEOUT:-300}" python3 -m worker.bench_engine --num-seqs 1 --min-input-len 512 --max-input-len 512 \
   --min-output-len 512 --max-output-len 512 ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_batch1.log" || status=1
-timeout "${BENCH_TIMEOUT:-300}" python3 -m engine.bench --kv-cache-dtype fp8 ${BENCH_ARGS:-} 2>&1 \
+timeout "${BENCH_TIMEOUT:-300}" python3 -m worker.bench_engine --kv-cache-dtype fp8 ${BENCH_ARGS:-} 2>&1 \
   | tee "$OUT/bench_fp8.log" || status=1
 echo "== summary"; grep -h '^{' "$OUT"/bench*.log; tail -n 1 "$OUT/gpu_tests.log" 2>/dev/null
 exit $status

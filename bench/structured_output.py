@@ -4,7 +4,7 @@ prompts unconstrained with the same output lengths, on one engine, alternating (
 run (reported apart: the grammar's lexer states are built as masks first need them); and the host time
 a step takes on the engine's thread for the grammar (following the sampled tokens, waiting for masks) and the
 masks' own time beside it.
-    python3 bench/structured_output.py [--workdir DIR] [engine.bench's options]
+    python3 bench/structured_output.py [--workdir DIR] [worker.bench_engine's options]
 
 The shipped shapes have no tokenizer and a mask's cost grows with the vocabulary, so the first run trains a
 byte-level BPE tokenizer of Qwen3's vocabulary size on the Python standard library's sources (the
@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tree this script is in
 
-from engine import bench  # noqa: E402
+from worker import bench_engine as bench  # noqa: E402
 
 SCHEMA = {
     "type": "array", "minItems": 20, "maxItems": 300,
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", default="out/structured-output", help="where the model with a tokenizer is kept")
     parser.add_argument("--vocab-size", type=int, default=151643, help="tokens of the trained tokenizer")
     args = parser.parse_args(argv)
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
 
     args.model = str(model_with_tokenizer(args.model, Path(args.workdir), args.vocab_size))
     bench.check_arguments(args)

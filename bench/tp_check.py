@@ -1,9 +1,9 @@
 """Reproduces docs/performance.md's TP=2 / TP=1 figure on a 2-GPU machine (Qwen3-8B shape, dummy weights), with
 TP=2 against TP=1 greedy agreement and the failed-rank check of docs/tensor-parallel.md.
-    python3 bench/tp_check.py --out DIR           (--skip-bench, --skip-failure-check, engine.bench's options)
+    python3 bench/tp_check.py --out DIR           (--skip-bench, --skip-failure-check, worker.bench_engine's options)
 
 One engine per tensor-parallel size, one after the other, each freed before the next. On each: greedy
-completions of --num-prompts random prompts (ignore_eos, --max-new tokens), then engine.bench's workload
+completions of --num-prompts random prompts (ignore_eos, --max-new tokens), then worker.bench_engine's workload
 timed after its warm-up. Prints one JSON line per bench run, then a JSON line with the throughput ratio
 and the greedy agreement (bf16 TP sums in another order, so a few late divergences are expected).
 Then the failure path on the small Qwen3 shape: rank 1 is killed mid-generation, generate must raise
@@ -23,8 +23,8 @@ import signal
 import sys
 import threading
 import time
-from contextlib import contextmanager
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 # NVLink multicast stays off on shared hosts; spawned ranks inherit these
@@ -67,7 +67,7 @@ def log(*parts) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from engine import bench
+    from worker import bench_engine as bench
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     bench.add_arguments(parser)
@@ -123,8 +123,8 @@ def greedy_tokens(llm, prompts: list[list[int]], max_new: int) -> list[dict]:
 
 
 def time_bench(llm, args: argparse.Namespace) -> dict:
-    """engine.bench's workload on an engine already built: warm up, time one generate, one record."""
-    from engine import bench
+    """worker.bench_engine's workload on an engine already built: warm up, time one generate, one record."""
+    from worker import bench_engine as bench
 
     prompts, params = bench.make_workload(args)
     bench.warm_up(llm, args)
@@ -150,7 +150,7 @@ def time_bench(llm, args: argparse.Namespace) -> dict:
 def run_size(tp: int, args: argparse.Namespace, prompts) -> dict:
     import torch
 
-    from engine import bench
+    from worker import bench_engine as bench
 
     args.tensor_parallel_size = tp
     result: dict = {"tensor_parallel_size": tp}
@@ -193,9 +193,8 @@ def failure_check(args: argparse.Namespace) -> dict:
     import torch
 
     from engine import LLM, SamplingParams
-    from engine.distributed import RankFailedError
-
-    from engine import bench
+    from engine.execution.distributed import RankFailedError
+    from worker import bench_engine as bench
 
     small = dict(load_format="dummy", tensor_parallel_size=2, max_num_seqs=64, max_model_len=4096,
                  gpu_memory_utilization=0.5, device=args.device)

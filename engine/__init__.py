@@ -1,13 +1,13 @@
 """redline's inference engine: LLM(model).generate(prompts, SamplingParams(...)), .chat(conversations, ...),
 .beam_search(prompts, BeamSearchParams(...)).
 
-The heavy parts (torch, the models) load on first use of LLM/LLMEngine, so `engine.sampling_params`
+The heavy parts (torch, the models) load on first use of LLM/LLMEngine, so `engine.sampling.params`
 is importable by producers that have no torch.
 """
-from engine.sampling_params import BeamSearchParams, SamplingParams
+from engine.sampling.params import BeamSearchParams, SamplingParams
 
-_LAZY = {"LLM": "engine.llm_engine", "LLMEngine": "engine.llm_engine", "RequestOutput": "engine.outputs",
-         "CompletionOutput": "engine.outputs", "StepResult": "engine.outputs", "StepStats": "engine.outputs"}
+_LAZY = {"LLM": "engine.core.llm_engine", "LLMEngine": "engine.core.llm_engine",
+         **dict.fromkeys(("RequestOutput", "CompletionOutput", "StepResult", "StepStats"), "engine.core.outputs")}
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
            "StepResult", "StepStats"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.images import MAX_IMAGE_BYTES, MAX_IMAGES_PER_PROMPT, MAX_PIXELS_PER_PROMPT
+from engine.inputs.images import MAX_IMAGE_BYTES, MAX_IMAGES_PER_PROMPT, MAX_PIXELS_PER_PROMPT
 
 
 def _option(default, help: str):

@@ -11,17 +11,17 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal, get_type_hints
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
-from engine import images, sampling_params
+from engine.inputs import images
+from engine.sampling import params as sampling_params
 
 GROUP = "workers"  # the consumer group every worker reads through
 PRIORITIES = (2, 1, 0)  # priority levels, read in this order: higher first; 0 is the default
 MAX_JOB_BYTES = 4 * 1024 * 1024  # default limit on one job's JSON; workers may lower or raise it
 RESULT_TTL_S = 24 * 3600  # a final job's hash and done list expire this long after it ends
 # A worker's readers check a job's constraint by its shape and size caps only: its compile check (up to
-# engine.grammar.COMPILE_BUDGET_S) runs on the worker's preparation threads, where it holds no other job back.
+# engine.sampling.grammar.COMPILE_BUDGET_S) runs on the worker's preparation threads, where it holds no other job back.
 DEFER_CONSTRAINT_CHECK = "defer_constraint_check"
 AT_WORKER = {DEFER_CONSTRAINT_CHECK: True}  # JobSpec.model_validate_json(raw, context=AT_WORKER)
 TOKENS_TTL_S = 3600  # its token stream sooner (at most this); stream() then replays the result instead

@@ -1,8 +1,8 @@
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.core.block_manager import BlockManager
+from engine.core.sequence import Sequence
+from engine.sampling.params import SamplingParams
 
 BS = 4
 
@@ -102,7 +102,8 @@ def test_touching_a_cached_prefix_makes_it_recent():
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_no_block_leaks_after_finish_and_abort(async_scheduling):
-    from engine import LLM, SamplingParams as SP
+    from engine import LLM
+    from engine import SamplingParams as SP
     from engine.builtin import TINY_MODEL_DIR
     llm = LLM(TINY_MODEL_DIR, load_format="dummy", device="cpu", kvcache_block_size=4, num_kvcache_blocks=64,
               max_model_len=128, async_scheduling=async_scheduling)

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
 from engine.builtin import TINY_MODEL_DIR
-from engine.detokenizer import Detokenizer
-from engine.tokenizer import load_tokenizer
+from engine.inputs.detokenizer import Detokenizer
+from engine.inputs.tokenizer import load_tokenizer
 
 TOKENIZER = load_tokenizer(TINY_MODEL_DIR)
 MULTIBYTE = "héllo wörld 世界 🙂🚀 ünïcödé ok"

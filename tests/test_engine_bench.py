@@ -1,4 +1,4 @@
-"""engine/bench.py: the workload is nano-vllm's, the shipped configs load, and run() reports a record."""
+"""worker/bench_engine.py: the workload is nano-vllm's, the shipped configs load, and run() reports a record."""
 from __future__ import annotations
 
 import argparse
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from engine import bench
 from engine.builtin import TINY_MODEL_DIR
+from worker import bench_engine as bench
 
 
 def parse(*argv: str) -> argparse.Namespace:

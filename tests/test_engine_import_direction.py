@@ -1,6 +1,7 @@
-"""Imports point down across the step's boundary: the runner side (engine/runner.py's protocol, the model
-runner, the tensor-parallel driver, the sampler and what they run) never loads the engine loop, the
-scheduler or the request's state, so it is called with plain step inputs and cannot call back."""
+"""Imports point down through the engine's rooms: kernels, then the model's layers and models, the inputs,
+the step's boundary (engine/runner.py), the configuration, sampling, execution on the device, and last the
+loop (engine/core/). Nothing imports a room above its own, even inside a function, so the runner is called
+with plain step inputs and cannot call back into the loop."""
 import ast
 import json
 import subprocess
@@ -8,12 +9,10 @@ import sys
 
 from queue_helpers import REPO_ROOT
 
-RUNNER_MODULES = ["engine.runner", "engine.model_runner", "engine.distributed", "engine.cuda_graphs",
-                  "engine.sampler", "engine.penalties", "engine.grammar_mask", "engine.pinned"]
-RUNNER_PACKAGES = ["layers", "attention", "kernels", "models"]  # what the runner executes
-LOOP_MODULES = {"engine.llm_engine", "engine.scheduler", "engine.sequence", "engine.block_manager",
-                "engine.step_builder", "engine.outputs", "engine.beam_search", "engine.detokenizer"}
-
+# lowest first: a module may import its own room and the rooms before it
+ROOMS = ["builtin", "kernels", "attention", "layers", "models", "inputs", "runner", "options", "config", "sampling",
+         "execution", "core"]
+ENGINE = REPO_ROOT / "engine"
 CHECK = """
 import importlib, json, sys
 for name in sys.argv[1:]:
@@ -22,37 +21,57 @@ print(json.dumps(sorted(m for m in sys.modules if m.startswith("engine."))))
 """
 
 
-def test_importing_the_runner_side_loads_no_module_of_the_engine_loop():
-    out = subprocess.run([sys.executable, "-c", CHECK, *RUNNER_MODULES], cwd=REPO_ROOT, capture_output=True,
-                         text=True, timeout=300)
+def room_of(module: str) -> str | None:
+    """`engine.execution.model_runner` -> "execution"; None for the package itself."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "engine" and len(parts) > 1 else None
+
+
+def imported_modules(tree: ast.AST):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield node.lineno, [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [f"{node.module}.{a.name}" for a in node.names] if node.module == "engine" else [node.module]
+            yield node.lineno, names
+
+
+def test_every_room_is_named_in_the_order():
+    rooms = {p.name for p in ENGINE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    rooms |= {p.stem for p in ENGINE.glob("*.py") if p.stem != "__init__"}
+    assert rooms == set(ROOMS)
+
+
+def test_no_engine_module_imports_a_room_above_its_own():
+    upward = []
+    for path in sorted(ENGINE.rglob("*.py")):
+        parts = path.relative_to(ENGINE).with_suffix("").parts
+        if parts == ("__init__",):
+            continue
+        rank = ROOMS.index(parts[0])
+        for line, names in imported_modules(ast.parse(path.read_text())):
+            for name in names:
+                target = room_of(name)
+                if target in ROOMS and ROOMS.index(target) > rank:
+                    upward.append(f"{path.relative_to(REPO_ROOT)}:{line} imports {name}")
+    assert upward == []
+
+
+def test_importing_execution_and_sampling_loads_nothing_of_the_loop():
+    modules = ["engine.execution.model_runner", "engine.execution.distributed", "engine.sampling.sampler",
+               "engine.sampling.grammar_mask"]
+    out = subprocess.run([sys.executable, "-c", CHECK, *modules], cwd=REPO_ROOT, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr
     loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
-    assert set(RUNNER_MODULES) <= loaded
-    assert loaded & LOOP_MODULES == set()
-
-
-def test_no_runner_module_imports_the_engine_loop_even_inside_a_function():
-    paths = [REPO_ROOT / (name.replace(".", "/") + ".py") for name in RUNNER_MODULES]
-    paths += [p for pkg in RUNNER_PACKAGES for p in sorted((REPO_ROOT / "engine" / pkg).rglob("*.py"))]
-    found = []
-    for path in paths:
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0:
-                module = node.module or ""
-                names = [module] + [f"{module}.{a.name}" for a in node.names]
-            else:
-                continue
-            found += [f"{path.relative_to(REPO_ROOT)}:{node.lineno} {n}" for n in names if n in LOOP_MODULES]
-    assert found == []
+    assert set(modules) <= loaded and not {m for m in loaded if room_of(m) == "core"}
 
 
 def test_the_model_runner_and_the_tensor_parallel_driver_take_a_step_alike():
     import inspect
 
-    from engine.distributed import TPDriver
-    from engine.model_runner import ModelRunner
+    from engine.execution.distributed import TPDriver
+    from engine.execution.model_runner import ModelRunner
     from engine.runner import Runner
 
     for method in ("execute_model", "sample_tokens"):

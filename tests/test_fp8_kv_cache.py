@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine import model_runner
-from engine.model_runner import prefill_inputs
+from engine.execution import model_runner
+from engine.execution.model_runner import prefill_inputs
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from queue_helpers import log_of, new_queue, redis_server, server_params, start_worker_process, stop_process
 
-from engine.sampling_params import FIELDS, INT64_MAX, INT64_MIN
+from engine.sampling.params import FIELDS, INT64_MAX, INT64_MIN
 from producer import Client
 from producer import protocol as p
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.model_runner import prefill_inputs
+from engine.execution.model_runner import prefill_inputs
 from tests.conftest import make_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -135,7 +135,7 @@ def test_graph_edges_opened_at_launch_keep_every_token(gpu_checkpoint, monkeypat
     compute: sampled (seeded) and greedy tokens equal those of the graphs as captured, and the graphs of
     batches past the GEMV's rows had edges moved (from the GEMMs; cuBLAS computes every projection here,
     none the TMA GEMM, whose kernels start their successors themselves)."""
-    from engine import graph_edges
+    from engine.execution import graph_edges
     from engine.kernels import gemv, tma_gemm
 
     monkeypatch.setattr(tma_gemm, "MAX_ROWS", 0)
@@ -157,7 +157,7 @@ def test_graph_edges_opened_at_launch_keep_every_token(gpu_checkpoint, monkeypat
 def test_graph_edges_past_the_rows_limit_keep_every_token(gpu_checkpoint, monkeypatch, free_gpu):
     """Past ALL_EDGES_MAX_ROWS (here 4) only the edges from the GEMMs into the norms and SiLU·mul open at
     launch: those graphs had edges moved, and the tokens equal those of the same graphs as captured."""
-    from engine import graph_edges
+    from engine.execution import graph_edges
     from engine.kernels import tma_gemm
 
     monkeypatch.setattr(tma_gemm, "MAX_ROWS", 0)
@@ -228,7 +228,7 @@ def test_prefill_graphs_give_the_logits_of_eager_prefills(gpu_checkpoint, free_g
     size. Its logits match the eager prefill's on the same engine (the padded projections may round
     differently: within bf16 noise), for whole prompts and for a prompt's tail over its cached prefix,
     and generations of one prompt at a time take the graphs."""
-    from engine.model_runner import StepInputs
+    from engine.execution.model_runner import StepInputs
 
     llm = LLM(str(gpu_checkpoint), device="cuda", dtype="bfloat16", max_model_len=1024, max_num_seqs=4)
     runner = llm.runner

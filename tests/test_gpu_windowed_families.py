@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.model_runner import prefill_inputs
+from engine.execution.model_runner import prefill_inputs
 from tests.conftest import make_checkpoint
 from tests.test_gpu_engine import assert_greedy_agrees_but_at_near_ties
 

@@ -2,8 +2,8 @@
 GPU: tests/test_gpu_engine.py)."""
 from __future__ import annotations
 
-from engine import graph_edges
-from engine.graph_edges import PORT_LAUNCH_ORDER, PORT_PROGRAMMATIC, PROGRAMMATIC, Edge
+from engine.execution import graph_edges
+from engine.execution.graph_edges import PORT_LAUNCH_ORDER, PORT_PROGRAMMATIC, PROGRAMMATIC, Edge
 
 
 def test_only_programmatic_edges_from_library_gemms_open_at_launch():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.images import ImageError
+from engine.inputs.images import ImageError
 from tests.multimodal_helpers import PLACEHOLDER as P
 from tests.multimodal_helpers import data_url, hf_vl_greedy, make_vl_checkpoint, noise_image, png_bytes
 

@@ -1,4 +1,4 @@
-"""One sequence's prefill replayed as a CUDA graph of a padded token count (engine/cuda_graphs.py).
+"""One sequence's prefill replayed as a CUDA graph of a padded token count (engine/execution/cuda_graphs.py).
 
 The graphs themselves need CUDA (tests/test_gpu_engine.py); what they rely on runs here: a prefill
 padded as fill_padded_prefill lays it out gives the real rows' hidden states of the unpadded prefill and
@@ -13,8 +13,13 @@ import torch
 
 from engine import LLM
 from engine.attention import AttentionMetadata
-from engine.cuda_graphs import PREFILL_GRAPH_TOKENS, fill_padded_prefill, prefill_graph_size, prefill_graph_sizes
-from engine.model_runner import StepInputs
+from engine.execution.cuda_graphs import (
+    PREFILL_GRAPH_TOKENS,
+    fill_padded_prefill,
+    prefill_graph_size,
+    prefill_graph_sizes,
+)
+from engine.execution.model_runner import StepInputs
 
 BLOCK = 8
 

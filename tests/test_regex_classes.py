@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.regex_classes import ascii_regex, ascii_schema
+from engine.sampling.regex_classes import ascii_regex, ascii_schema
 
 WORD, SPACE = "0-9A-Za-z_", "\\t\\n\\v\\f\\r "
 

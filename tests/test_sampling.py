@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampler import SamplingTensors, sample
+from engine.sampling.sampler import SamplingTensors, sample
 
 V = 50
 
@@ -111,8 +111,8 @@ def test_invalid_sampling_values_name_the_field(kwargs, field):
 def test_graph_tokens_and_logprobs_come_back_from_one_buffer():
     """The decode graph's ids and logprobs share one buffer ([B] int64, then [B] float32); a step reads back
     its first n of each, from host buffers a ring reuses, however many steps have been taken."""
-    from engine.pinned import PinnedRing
-    from engine.sampler import SampledTokens
+    from engine.sampling.pinned import PinnedRing
+    from engine.sampling.sampler import SampledTokens
 
     bs, ring = 8, PinnedRing(torch.device("cpu"))
     sampled = torch.zeros(bs * 12, dtype=torch.uint8)

@@ -9,11 +9,11 @@ import math
 import time
 
 import pytest
+from queue_helpers import tiny_engine
 
 from engine import SamplingParams
-from engine import sampling_params as sp
+from engine.sampling import params as sp
 from producer.client import build_job
-from queue_helpers import tiny_engine
 
 PROMPT = [5, 6, 7, 7, 7, 8]  # repeated tokens, so the penalties change logits
 ALL_BIASED = {t: -sp.MAX_BIAS for t in range(sp.MAX_LOGIT_BIAS)}

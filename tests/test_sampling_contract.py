@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import SamplingParams
-from engine.sampling_params import FIELDS, INT64_MAX, INT64_MIN
+from engine.sampling.params import FIELDS, INT64_MAX, INT64_MIN
 from producer import protocol as p
 from producer.client import build_job
 

@@ -15,8 +15,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from interpreter import run_under_interpreter  # noqa: E402
-from sampling_cases import (FUSED_GPU_LAYOUTS, GPU_LAYOUTS, distribution_case, fused_logprobs_case,  # noqa: E402
-                            greedy_case, layout_case, seed_case, token_logprobs_case)
+from sampling_cases import (  # noqa: E402
+    FUSED_GPU_LAYOUTS,
+    GPU_LAYOUTS,
+    distribution_case,
+    fused_logprobs_case,
+    greedy_case,
+    layout_case,
+    seed_case,
+    token_logprobs_case,
+)
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -126,7 +134,7 @@ def test_tokens_do_not_depend_on_split_count_or_tile_on_gpu():
 @needs_cuda
 def test_sample_on_cuda_seeds_the_kernel_from_the_host_generator():
     from engine.kernels.sampling import gumbel_argmax
-    from engine.sampler import SamplingTensors, sample
+    from engine.sampling.sampler import SamplingTensors, sample
 
     rows, vocab = 16, 1000
     logits = torch.randn(rows, vocab, device="cuda")

@@ -18,7 +18,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.builtin import TINY_MODEL_DIR
-from engine.grammar import MAX_CACHED_GRAMMARS, grammar_of
+from engine.sampling.grammar import MAX_CACHED_GRAMMARS, grammar_of
 from tests.breadth_helpers import load_hf
 
 SCHEMAS = {
@@ -180,7 +180,7 @@ def test_preempted_and_prefix_cached_constrained_sequences_resume_with_identical
 
 
 def test_the_device_mask_is_llguidances_bitmask_bit_for_bit():
-    from engine import grammar_mask
+    from engine.sampling import grammar_mask
 
     rng = np.random.default_rng(0)
     bitmask = rng.integers(-2**31, 2**31, size=(3, 16), dtype=np.int64).astype(np.int32)
@@ -295,7 +295,7 @@ def test_mask_kernel_equals_the_torch_mask_on_gpu():
 def test_a_constraints_sequences_copy_from_several_start_matchers(tiny):
     """Copies of one start matcher compute their masks one at a time (they share a lock), so the sequences
     of one constraint are spread over start matchers built apart, one compiled constraint for all."""
-    from engine.grammar import mask_threads
+    from engine.sampling.grammar import mask_threads
 
     compiled = tiny.grammars.compile("regex", "[a-c]{2}")
     states = [compiled.state() for _ in range(6)]
@@ -309,7 +309,7 @@ def test_a_constraints_sequences_copy_from_several_start_matchers(tiny):
 def test_masks_have_begun_when_start_returns_and_equal_each_matchers_own(tiny):
     """The mask computation runs on a thread of ours, which needs the GIL to begin it: start() hands it over
     and returns once the computation has begun, not when the engine's thread next blocks."""
-    from engine.grammar import MaskFiller
+    from engine.sampling.grammar import MaskFiller
 
     compiled = tiny.grammars.compile("regex", "[a-c]{2}x|y+")
     states = [compiled.state() for _ in range(5)]
@@ -371,7 +371,7 @@ def test_a_recursive_schema_with_an_end_is_accepted_and_followed(tiny):
 
 
 def test_a_check_past_its_budget_is_a_one_line_error(monkeypatch):
-    from engine import grammar
+    from engine.sampling import grammar
 
     monkeypatch.setattr(grammar, "COMPILE_BUDGET_S", 0.01)  # a{999999} takes a few tenths of a second
     try:
@@ -396,7 +396,7 @@ def gated(cache, kind: str, value):
 
 
 def test_a_compile_past_its_budget_fails_its_constraint_and_its_late_result_is_dropped(tiny):
-    from engine.grammar import GrammarCache
+    from engine.sampling.grammar import GrammarCache
 
     cache = GrammarCache(tiny.tokenizer, tiny.vocab_size, tiny.config.eos_token_id, budget_s=0.3)
     began, gate = gated(cache, "regex", "[a-c]{5}")

@@ -12,12 +12,16 @@ import uuid
 
 import jsonschema
 import pytest
+from queue_helpers import (
+    new_queue,
+    tiny_engine,
+    url,  # noqa: F401 - the fixture: a module's Redis, on each server
+    worker_thread,
+)
+from test_structured_output import UNFOLLOWABLE, gated
 
 from producer import Client
 from producer import protocol as p
-from queue_helpers import new_queue, tiny_engine, worker_thread
-from queue_helpers import url  # noqa: F401 - the fixture: a module's Redis, on each server
-from test_structured_output import UNFOLLOWABLE, gated
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"], "properties": {
     "name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -40,7 +44,7 @@ def client(url):
 
 def test_constrained_jobs_come_back_matching_with_grammars_compiled_off_the_engine_thread(url, client, engine,
                                                                                         monkeypatch):
-    from engine.grammar import GrammarCache
+    from engine.sampling.grammar import GrammarCache
 
     monkeypatch.setattr(engine, "grammars", GrammarCache(engine.tokenizer, engine.vocab_size,
                                                          engine.config.eos_token_id))  # nothing compiled yet
@@ -110,7 +114,7 @@ def test_a_bad_constraint_written_past_the_client_fails_alone_at_the_worker(url,
 def test_a_constraint_slow_to_check_holds_no_reader(url, client, engine, monkeypatch):
     """A job written past the client is checked at the worker; its constraint's compile check runs on a
     preparation thread, so while it takes its time the reader goes on reading other jobs."""
-    from engine import grammar
+    from engine.sampling import grammar
 
     slow = f"[f-h]{{4}}-{uuid.uuid4().hex[:8]}"  # new to the process: its check is not cached yet
     began, gate, check = threading.Event(), threading.Event(), grammar._check
@@ -142,7 +146,7 @@ def test_a_constraint_slow_to_check_holds_no_reader(url, client, engine, monkeyp
 def slow_grammars(request, engine, monkeypatch):
     """The engine's grammars from a fresh cache whose compile of SLOW waits for a gate; its budget is the
     test's parameter, else far past the test's waits."""
-    from engine.grammar import GrammarCache
+    from engine.sampling.grammar import GrammarCache
 
     budget = getattr(request, "param", 120.0)
     cache = GrammarCache(engine.tokenizer, engine.vocab_size, engine.config.eos_token_id, budget_s=budget)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.distributed import RankFailedError
+from engine.execution.distributed import RankFailedError
 from tests.conftest import make_checkpoint
 
 MAX_NEW = 20
@@ -261,7 +261,7 @@ _TP2_GPU_KILL = """
 import json, os, signal, sys, time
 import psutil
 from engine import LLM, SamplingParams
-from engine.distributed import RankFailedError
+from engine.execution.distributed import RankFailedError
 from tests.conftest import make_checkpoint
 llm = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=256, gpu_memory_utilization=0.3,
           tp_all_reduce=sys.argv[3])

@@ -16,11 +16,11 @@ import torch
 from engine import LLM, SamplingParams
 from engine.layers.embed_head import ParallelLMHead
 from engine.layers.parallel import TPGroup
-from engine.sampler import pick_token, shard_best
+from engine.sampling.sampler import pick_token, shard_best
 
 sys.path.insert(0, str(Path(__file__).parent))
 from interpreter import run_under_interpreter  # noqa: E402
-from test_tp import TIGHT_CACHE, assert_ranks_gone, tp_prompts, generate_ids  # noqa: E402
+from test_tp import TIGHT_CACHE, assert_ranks_gone, generate_ids, tp_prompts  # noqa: E402
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

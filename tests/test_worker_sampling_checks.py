@@ -6,11 +6,15 @@ from __future__ import annotations
 import threading
 
 import pytest
+from queue_helpers import (
+    new_queue,
+    tiny_engine,
+    url,  # noqa: F401 - the fixture: a module's Redis, on each server
+    worker_thread,
+)
 
-from engine import sampling_params
+from engine.sampling import params as sampling_params
 from producer import Client
-from queue_helpers import new_queue, tiny_engine, worker_thread
-from queue_helpers import url  # noqa: F401 - the fixture: a module's Redis, on each server
 from worker import prepare
 
 

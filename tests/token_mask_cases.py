@@ -9,8 +9,8 @@ def mask_case(device: str, vocab: int) -> dict:
     """Random bitmasks (bit 31 of words set and clear, a row allowing one token, one allowing none) on two of
     five rows of bf16 and fp32 logits with the stride of a wider buffer: the rows the kernel leaves must equal
     the reference's. Returns the mismatching elements per dtype (NaN-free: -inf compares equal)."""
-    from engine import grammar_mask
     from engine.kernels.token_mask import mask_logits
+    from engine.sampling import grammar_mask
 
     gen = torch.Generator().manual_seed(3)
     words = (vocab + 31) // 32

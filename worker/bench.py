@@ -1,4 +1,4 @@
-"""`redline bench`: the engine alone (engine.bench), or with `--through-queue` the same jobs end to end.
+"""`redline bench`: the engine alone (worker/bench_engine.py), or with `--through-queue` the same jobs end to end.
 
 Through the queue, one process holds one engine and runs, after a warm-up:
   raw    llm.generate(workload)                              (the engine alone)
@@ -23,7 +23,7 @@ CELERY_RESULT_TIMEOUT_S = 600  # --celery: the longest wait for one task's resul
 
 
 def register(subparsers) -> None:
-    # The real options come from engine.bench, which imports torch: parse them in the handler, so that
+    # The real options come from worker.bench_engine, which imports torch: parse them in the handler, so that
     # building the `redline` parser for other subcommands stays light. '+' prefix: every arg is kept.
     parser = subparsers.add_parser("bench", help="throughput: the engine alone, or --through-queue end to end",
                                    add_help=False, prefix_chars="+")
@@ -32,7 +32,7 @@ def register(subparsers) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine import bench as engine_bench
+    from worker import bench_engine as engine_bench
 
     from .cli import OneLineParser
 
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from engine import bench as engine_bench
+    from worker import bench_engine as engine_bench
 
     opts = build_parser().parse_args(args.args)
     args.debug = getattr(args, "debug", False) or opts.debug  # the top-level error handler reads it
@@ -98,7 +98,7 @@ def forget_prefix_cache(llm) -> None:
 
 
 def run_through_queue(opts: argparse.Namespace, url: str) -> dict:
-    from engine import bench as engine_bench
+    from worker import bench_engine as engine_bench
 
     prompts, params = engine_bench.make_workload(opts)
     llm = engine_bench.build_llm(opts)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from engine.sampling_params import SamplingParams
+
+from engine.sampling.params import SamplingParams
 from producer import protocol as p
 
 from .consumer import InFlight, Job

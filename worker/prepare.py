@@ -13,8 +13,8 @@ import queue
 import threading
 from typing import Callable
 
-from engine.images import has_images
-from engine.sampling_params import check_field, constraint
+from engine.inputs.images import has_images
+from engine.sampling.params import check_field, constraint
 
 from .consumer import Job
 

@@ -13,7 +13,7 @@ Vision tower, over an image's patches (temporal_patch x patch x patch pixels of 
         Linear, GELU, Linear to the decoder's width; the window order undone.
 
 Decoder: Qwen2's (qkv bias, SwiGLU, RMSNorm). M-RoPE splits each head's rotary frequencies into
-mrope_section parts rotated by the temporal, height and width position streams (engine/multimodal.py);
+mrope_section parts rotated by the temporal, height and width position streams (engine/inputs/multimodal.py);
 where the three are equal (text, and every token after the prompt) it is plain rotary at that position.
 So a step with no image token in it runs exactly the text decoder (positions + mrope_position_delta), and
 a step that has image tokens gets per-token cos/sin tables built for its rows.

@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="structured output: every completion follows this JSON schema and ends where its JSON "
                         "does (needs a model with a tokenizer; the shipped shapes have none)")
     w.add_argument("--caption-images", action="store_true",
-                   help="the captioning workload instead (engine/bench_vision.py): one image a request on a "
+                   help="the captioning workload instead (worker/bench_vision.py): one image a request on a "
                         "vision-language model (default: the qwen2.5-vl-3b shape); reports the vision tower's share")
     w.add_argument("--image-size", default="448x448", metavar="WxH", help="--caption-images: each image's pixels")
     w.add_argument("--bandwidth", type=float, default=None,
@@ -99,8 +99,8 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 def _json_schema(args: argparse.Namespace) -> dict:
     """The schema of --json-schema, checked as SamplingParams checks it; ValueError naming the flag."""
-    from engine.sampling_params import SamplingParams
-    from engine.tokenizer import TOKENIZER_FILES
+    from engine.inputs.tokenizer import TOKENIZER_FILES
+    from engine.sampling.params import SamplingParams
 
     path = args.json_schema
     try:
@@ -133,7 +133,7 @@ def _flag(name: str) -> str:
 
 def make_workload(args: argparse.Namespace):
     """(prompts as token-id lists, one SamplingParams each), drawn exactly as nano-vllm's bench draws them."""
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
 
     random.seed(args.seed)
     prompts = [[random.randint(0, args.max_token_id) for _ in range(random.randint(args.min_input_len, args.max_input_len))]
@@ -230,7 +230,7 @@ def warm_up(llm, args: argparse.Namespace) -> None:
     the batch shrink through every size range the timed run passes: outputs of 1..24 tokens, then 16
     prompts ending one step apart. Its prompts are not the workload's, so the prefix cache stays cold
     for it. The bench reports any kernel compiled inside the timed run all the same."""
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
 
     rng = random.Random(args.seed + 1)
     prompts = [[rng.randint(0, args.max_token_id) for _ in range(rng.randint(args.min_input_len, args.max_input_len))]
@@ -292,7 +292,7 @@ def watch_compiles():
 def run(args: argparse.Namespace) -> dict:
     """Warm up, time one generate of the workload, print a summary and one JSON line; return the record."""
     if getattr(args, "caption_images", False):
-        from engine import bench_vision
+        from worker import bench_vision
         return bench_vision.run(args)
     check_arguments(args)
     prompts, params = make_workload(args)
@@ -345,7 +345,7 @@ def register(subparsers) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m worker.bench_engine", description=__doc__.splitlines()[0])
     add_arguments(parser)
     run(parser.parse_args(argv))
     return 0

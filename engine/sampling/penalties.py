@@ -1,5 +1,5 @@
 """What a request may change in its logits before sampling: repetition, presence and frequency penalties,
-logit biases and min_tokens. engine/sampler.py owns sampling and calls these; nothing else does.
+logit biases and min_tokens. engine/sampling/sampler.py owns sampling and calls these; nothing else does.
 
 Each penalised sequence has a row in two device tables, kept for its life (preemption included): how
 often it generated each token, and which tokens its prompt holds. The step that samples its token adds

@@ -2,8 +2,8 @@
 the path a step's tokens take (the decode graph's sampler, the logits on the host's side of the graph, or
 sharded over tensor-parallel ranks). Greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs
 (every sampled token's, for cumulative logprobs, and the top ones asked for), the logit adjustments
-of engine/penalties.py (penalties, biases, min_tokens) and structured output's allowed-token masks
-(engine/grammar_mask.py), applied on the device before sampling.
+of engine/sampling/penalties.py (penalties, biases, min_tokens) and structured output's allowed-token masks
+(engine/sampling/grammar_mask.py), applied on the device before sampling.
 
 The Gumbel-max kernel (engine/kernels/sampling.py) draws where every row is the argmax of its own scaled,
 noised logits; the general path (filters, seeded requests) runs torch ops on the device.
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import grammar_mask, penalties
 from engine.layers.fusion import fused
-from engine.pinned import PinnedRing
+from engine.sampling import grammar_mask, penalties
+from engine.sampling.pinned import PinnedRing
 
 
 @dataclass
@@ -214,7 +214,7 @@ class SampledTokens:
         return lists[0], (lists[1], top[0], top[1])
 
 
-# ---- inside the decode graph (engine/cuda_graphs.py) ----------------------------------------------
+# ---- inside the decode graph (engine/execution/cuda_graphs.py) ----------------------------------------------
 
 def graph_sampling_available() -> bool:
     """Whether a decode graph can hold the sampler: the Gumbel kernels are there (Triton)."""

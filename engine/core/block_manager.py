@@ -18,7 +18,7 @@ from collections import OrderedDict
 import numpy as np
 import xxhash
 
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 
 def chain_hash(token_ids: list[int], prefix_hash: int, image_key: tuple[int, ...] | None = None) -> int:

@@ -1,5 +1,5 @@
 """Structured output on the host: a request's json_schema, regex or choice as a grammar, and each
-constrained sequence's place in it. engine/grammar_mask.py takes the masks to the device.
+constrained sequence's place in it. engine/sampling/grammar_mask.py takes the masks to the device.
 
 llguidance does the work: it takes JSON schemas, regexes and Lark grammars, builds its lexer lazily (so a
 compile is cheap), computes masks on the host in parallel, and has no Python dependencies, so producers
@@ -17,7 +17,7 @@ check constraints with it too (xgrammar, the other candidate, depends on torch).
   rebuilt from a fresh copy fed the completion's tokens when a sequence's recompute begins (preemption);
 - masked a step at a time (`MaskFiller`): the rows' masks on llguidance's threads, beside the engine's.
 
-In regexes and JSON-schema patterns, \\d \\w \\s (and \\D \\W \\S) are ASCII (engine/regex_classes.py).
+In regexes and JSON-schema patterns, \\d \\w \\s (and \\D \\W \\S) are ASCII (engine/sampling/regex_classes.py).
 The mask allows the tokens that keep the completion a prefix of a match, never a special token, and the
 end-of-sequence tokens only where the grammar may end; a completion ends ("stop") once its grammar is
 complete.
@@ -33,7 +33,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
 
-from engine.regex_classes import ascii_regex, ascii_schema
+from engine.sampling.regex_classes import ascii_regex, ascii_schema
 
 MAX_CACHED_GRAMMARS = 256  # distinct constraints kept compiled (each a few KB to a few MB of lexer state)
 # JSON as json.dumps writes it: one canonical spacing, and no whitespace runs for a model to wander into
@@ -51,7 +51,7 @@ _TOO_LARGE = ("too many", "items; max is", "fuel", "too large", "too complex")  
 
 def grammar_of(kind: str, value) -> str:
     """llguidance's grammar for a constraint: kind is "json_schema" (a dict), "regex" or "choice" (a list);
-    \\d \\w \\s as ASCII classes (engine/regex_classes.py)."""
+    \\d \\w \\s as ASCII classes (engine/sampling/regex_classes.py)."""
     from llguidance import LLMatcher
 
     if kind == "json_schema":

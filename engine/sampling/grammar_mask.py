@@ -1,7 +1,7 @@
 """Structured output's allowed-token bitmask: filled on the host by the engine (MaskBuilder, with
-engine/grammar.py's matchers) while the device runs the step's forward pass, then on the runner's side
+engine/sampling/grammar.py's matchers) while the device runs the step's forward pass, then on the runner's side
 copied in one transfer and applied to the logits before sampling, after the adjustments of
-engine/penalties.py (engine/sampler.py calls these).
+engine/sampling/penalties.py (engine/sampling/sampler.py calls these).
 
 A batch without a constrained row has no GrammarRows, and its step runs as it would without this module.
 """
@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine import penalties
-from engine.grammar import MaskFiller
-from engine.pinned import PinnedRing
 from engine.runner import GrammarMasks
+from engine.sampling import penalties
+from engine.sampling.grammar import MaskFiller
+from engine.sampling.pinned import PinnedRing
 
 
 @dataclass

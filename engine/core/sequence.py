@@ -2,7 +2,7 @@
 
 A request is a SequenceGroup. It starts as one sequence (the prompt); with n > 1 (or best_of) that
 sequence forks into the others when its prompt's last chunk is scheduled, and beam search forks and drops
-beams every step. Forked sequences share their parent's KV blocks (engine/block_manager.py).
+beams every step. Forked sequences share their parent's KV blocks (engine/core/block_manager.py).
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 from enum import Enum, auto
 from itertools import count
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 _seq_ids = count()
 

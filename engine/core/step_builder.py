@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine.core.scheduler import ScheduledBatch
+from engine.core.sequence import Sequence
 from engine.runner import ImageSlice, SamplingRows, StepInputs
-from engine.sampler import stream_seed
-from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
+from engine.sampling.sampler import stream_seed
 
 
 class StepBuilder:

@@ -41,10 +41,10 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig, set_tensor_parallel_gpu_environment
+from engine.execution.model_runner import Executed, ModelRunner
 from engine.layers.parallel import rank_group
-from engine.model_runner import Executed, ModelRunner
 from engine.runner import GrammarMasks, StepInputs
-from engine.sampler import SampledTokens
+from engine.sampling.sampler import SampledTokens
 
 HOST = "127.0.0.1"
 # Backstops only: a dead or failed rank is noticed through its process and pipe within a second.

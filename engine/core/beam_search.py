@@ -8,7 +8,7 @@ sum_logprobs / generated_length ** L (its last token counted) and joins the at m
 best first. The best W candidates that do not end become the next beams. The search stops once W
 hypotheses are finished, or when every candidate ends (max_tokens).
 
-The engine (engine/llm_engine.py) runs each beam as a Sequence sharing its parent's KV blocks: it
+The engine (engine/core/llm_engine.py) runs each beam as a Sequence sharing its parent's KV blocks: it
 reports each beam's top K logprobs once all beams of the step have them, and forks, extends and drops
 sequences as `select` says.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.sampling_params import BeamSearchParams
+from engine.sampling.params import BeamSearchParams
 
 
 @dataclass

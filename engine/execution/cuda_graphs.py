@@ -4,7 +4,7 @@ A step's inputs (token ids, positions, cache slots, lengths, block tables, which
 step's tokens, the sampling seed) reach the device in one copy from a pinned host buffer. On one GPU
 the graph also does what used to be launched one kernel at a time around it: the rows whose token the
 previous step sampled take it from the device, and after the layers it runs the LM head, samples
-(greedy or Gumbel-max: engine/sampler.py's graph functions) with each sampled token's logprob. So a
+(greedy or Gumbel-max: engine/sampling/sampler.py's graph functions) with each sampled token's logprob. So a
 decode step is one copy in, one replay and the copies of the tokens and their logprobs out. Under tensor
 parallelism the graphs hold the layers only, as before.
 
@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine import graph_edges
 from engine.attention import AttentionMetadata
-from engine.sampler import graph_sampling_available, sample_in_graph, take_pending
+from engine.execution import graph_edges
+from engine.sampling.sampler import graph_sampling_available, sample_in_graph, take_pending
 
 GRAPH_SIZES = [1, 2, 4, 8] + list(range(16, 1025, 16))
 

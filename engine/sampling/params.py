@@ -4,7 +4,7 @@
 them when a SamplingParams is built, and the wire schema (`producer.protocol.Sampling`) is generated from
 the same fields and runs the same checks, so a job the client accepts is a job the engine accepts.
 This module imports nothing heavy: producers import it without torch. A structured-output constraint
-(json_schema, regex, choice) is checked by compiling it without a tokenizer (engine/grammar.py, llguidance).
+(json_schema, regex, choice) is checked by compiling it without a tokenizer (engine/sampling/grammar.py, llguidance).
 """
 from __future__ import annotations
 
@@ -243,7 +243,7 @@ def _constraint(name: str, value, allowed: str, compile_check: bool = True):
         raise ValueError(f"{name} must be {allowed}, got {too_large}")
     if not compile_check:
         return value
-    from engine import grammar  # llguidance: no Python dependencies, no torch
+    from engine.sampling import grammar  # llguidance: no Python dependencies, no torch
 
     error = grammar.check(name, value)
     if error:

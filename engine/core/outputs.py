@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.sequence import Sequence, SequenceGroup
+    from engine.core.sequence import Sequence, SequenceGroup
 
 
 @dataclass

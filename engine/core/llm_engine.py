@@ -6,21 +6,21 @@ from itertools import count
 
 from tqdm.auto import tqdm
 
-from engine.beam_search import BeamSearch
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.detokenizer import Detokenizer
-from engine.grammar import GrammarCache
-from engine.grammar_mask import MaskBuilder
-from engine.model_runner import ModelRunner
-from engine.multimodal import ImagePrompts, MultimodalPrompt, chat_parts
-from engine.outputs import RequestOutput, StepResult, StepStats, request_output
+from engine.core.beam_search import BeamSearch
+from engine.core.block_manager import BlockManager
+from engine.core.outputs import RequestOutput, StepResult, StepStats, request_output
+from engine.core.scheduler import ScheduledBatch, Scheduler
+from engine.core.sequence import Sequence, SequenceGroup
+from engine.core.step_builder import StepBuilder
+from engine.execution.model_runner import ModelRunner
+from engine.inputs.detokenizer import Detokenizer
+from engine.inputs.multimodal import ImagePrompts, MultimodalPrompt, chat_parts
+from engine.inputs.tokenizer import load_tokenizer
 from engine.runner import GrammarMasks, Runner, StepInputs
-from engine.sampling_params import BeamSearchParams, SamplingParams, constraint
-from engine.scheduler import ScheduledBatch, Scheduler
-from engine.sequence import Sequence, SequenceGroup
-from engine.step_builder import StepBuilder
-from engine.tokenizer import load_tokenizer
+from engine.sampling.grammar import GrammarCache
+from engine.sampling.grammar_mask import MaskBuilder
+from engine.sampling.params import BeamSearchParams, SamplingParams, constraint
 
 
 class LLMEngine:
@@ -55,7 +55,7 @@ class LLMEngine:
 
     def _make_runner(self, config: EngineConfig) -> Runner:
         if config.tensor_parallel_size > 1:
-            from engine.distributed import TPDriver
+            from engine.execution.distributed import TPDriver
             return TPDriver(config)
         return ModelRunner(config)
 

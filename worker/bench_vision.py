@@ -28,7 +28,7 @@ def noise_images(count: int, width: int, height: int, seed: int) -> list:
 
 def make_workload(args, llm):
     """(prepared prompts, one SamplingParams each, host preprocessing seconds)."""
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
 
     random.seed(args.seed)
     width, height = (int(x) for x in args.image_size.lower().split("x"))
@@ -64,7 +64,7 @@ class VisionClock:
 
 
 def run(args) -> dict:
-    from engine.bench import build_llm, git_commit, gpu_name, resolve_model
+    from worker.bench_engine import build_llm, git_commit, gpu_name, resolve_model
 
     if args.model == "qwen3-0.6b":  # bench's text default: captioning takes the VL shape instead
         args.model = DEFAULT_MODEL

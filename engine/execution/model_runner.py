@@ -11,13 +11,13 @@ import torch.distributed as dist
 
 from engine.attention import AttentionMetadata, ForwardContext, get_backend, has_decode_rows
 from engine.config import EngineConfig
+from engine.inputs.loader import load_weights
 from engine.layers.attention import Attention
 from engine.layers.fusion import PlainTorch
 from engine.layers.parallel import TPGroup
-from engine.loader import load_weights
 from engine.models import model_class
 from engine.runner import GrammarMasks, ImageSlice, StepInputs
-from engine.sampler import SampledTokens, Sampler, SamplingTensors, StepSampling
+from engine.sampling.sampler import SampledTokens, Sampler, SamplingTensors, StepSampling
 
 CPU_KV_CACHE_BYTES = 2 << 30
 
@@ -53,7 +53,7 @@ class ModelRunner:
             self.model = model_class(hf.architectures)(hf, tp, self.ctx).to(self.dtype)
         self.model.eval()
         load_weights(self.model, config.model_dir, config.load_format, config.seed)
-        # M-RoPE (engine/multimodal.py): positions past a prompt with images are offset by its delta
+        # M-RoPE (engine/inputs/multimodal.py): positions past a prompt with images are offset by its delta
         self.uses_mrope = getattr(self.model, "uses_mrope", False)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_kvcache_blocks = self._allocate_kv_cache()
@@ -65,7 +65,7 @@ class ModelRunner:
         """Decode CUDA graphs, where the device and backend allow (tensor-parallel ranks call this together),
         and on one GPU the graphs of one sequence's prefill steps."""
         if self.device.type == "cuda" and not self.config.enforce_eager and getattr(self.ctx.backend, "supports_cuda_graphs", False):
-            from engine.cuda_graphs import DecodeGraphs, PrefillGraphs, prefill_graph_sizes
+            from engine.execution.cuda_graphs import DecodeGraphs, PrefillGraphs, prefill_graph_sizes
             with self.layer_mode:
                 self.graphs = DecodeGraphs(self)
                 sizes = prefill_graph_sizes(self.config)

@@ -4,8 +4,8 @@ Seed 003's lifecycle: a request that has images gets its multimodal data (`Multi
 preprocessed `pixel_values`, each image's `image_grid_thw` and `vision_placeholders`) before its sequence
 waits. All of it is made here, on the caller's thread (add_request, or the worker's reader thread), never
 inside a step. A step whose prefill chunk reaches an image's placeholder tokens carries its pixels
-(engine/step_builder.py); the model runner runs the vision tower on them and splices the embeddings in
-their place, keeping them until the image's last token (engine/model_runner.py).
+(engine/core/step_builder.py); the model runner runs the vision tower on them and splices the embeddings in
+their place, keeping them until the image's last token (engine/execution/model_runner.py).
 
 Positions (Qwen2-VL's M-RoPE): three streams (temporal, height, width). Text tokens advance all three
 together; an image's tokens, a grid of h x w merged patches, take (start, start + row, start + column)
@@ -22,8 +22,14 @@ import numpy as np
 import torch
 import xxhash
 
-from engine.images import (MAX_IMAGE_BYTES, MAX_IMAGES_PER_PROMPT, MAX_PIXELS_PER_PROMPT, ImageError, image_parts,
-                           load_images)
+from engine.inputs.images import (
+    MAX_IMAGE_BYTES,
+    MAX_IMAGES_PER_PROMPT,
+    MAX_PIXELS_PER_PROMPT,
+    ImageError,
+    image_parts,
+    load_images,
+)
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
