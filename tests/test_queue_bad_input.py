@@ -140,13 +140,14 @@ def test_an_error_of_one_job_inside_the_engine_fails_that_job_alone(url):
     engine = tiny_engine(max_model_len=MAX_MODEL_LEN)
     client = Client(url, new_queue())
     greedy = {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True}
-    probe = engine.generate([[1, 2, 3]], greedy, use_tqdm=False)[0]
+    probe, other = engine.generate([[1, 2, 3], [8, 9]], greedy, use_tqdm=False)
+    assert probe.token_ids[0] not in other.token_ids  # the good jobs' text never holds the bad token
     engine.tokenizer = _FailingTokenizer(engine.tokenizer, probe.token_ids[0])
     with worker_thread(url, client.keys.queue, engine):
         bad = client.submit(prompt_token_ids=[1, 2, 3], sampling={**greedy, "stop": ["zzz"]})
-        good = [client.submit(prompt_token_ids=[1, 2, 3], sampling=greedy) for _ in range(3)]
+        good = [client.submit(prompt_token_ids=[8, 9], sampling=greedy) for _ in range(3)]
         res = client.result(bad, timeout=60)
         assert res.status == "failed" and "RuntimeError: cannot decode" in res.error
-        assert all(client.result(job_id, timeout=60).token_ids == probe.token_ids for job_id in good)
+        assert all(client.result(job_id, timeout=60).token_ids == other.token_ids for job_id in good)
         after = client.submit(prompt_token_ids=[4, 5], sampling=greedy)
         assert client.result(after, timeout=60).ok
