@@ -183,7 +183,8 @@ def test_cancel_mid_batch_cancels_the_unfinished_lines(client):
 
 
 def test_a_batch_past_its_completion_window_expires(client):
-    lines = [line("short", max_tokens=2)] + [line(f"long-{i}", max_tokens=1500, ignore_eos=True) for i in range(2)]
+    # sixteen runs to near the tiny model's context: seconds of steps even where one thread makes them fast
+    lines = [line("short", max_tokens=2)] + [line(f"long-{i}", max_tokens=4000, ignore_eos=True) for i in range(16)]
     batch = run_batch(client, lines, window="3s")
     assert batch.expires_at == batch.created_at + 3
     done = wait_batch(client, batch.id, timeout=60)
