@@ -128,7 +128,7 @@ def test_every_base_manifest_passes_its_schema():
     ("TriggerAuthentication", ["spec", "secretTargetRef", 0], "parametre"),
 ])
 def test_the_validators_reject_a_misspelt_field(kind, path, typo):
-    resource = copy.deepcopy(one(base_files(), kind, WORKER if kind == "Deployment" else None))
+    resource = copy.deepcopy(one(base_files(), kind, WORKER if kind in ("Deployment", "ServiceMonitor") else None))
     node = resource
     for step in path:
         node = node[step]
@@ -141,7 +141,7 @@ def test_the_validators_reject_a_misspelt_field(kind, path, typo):
 def test_kustomize_renders_the_gpu_overlay_and_every_object_validates(rendered):
     kinds = sorted(r["kind"] for r in rendered)
     assert kinds == sorted(["ConfigMap", "ConfigMap", "ConfigMap", "Deployment", "Deployment", "Service", "Service",
-                            "ServiceMonitor", "ScaledObject", "TriggerAuthentication"])
+                            "ServiceMonitor", "ServiceMonitor", "ScaledObject", "TriggerAuthentication"])
     for resource in rendered:
         validate(resource)
     pod = one(rendered, "Deployment", WORKER)["spec"]["template"]["spec"]
@@ -238,7 +238,7 @@ def test_the_worker_is_probed_on_its_health_endpoints_and_outlasts_its_drain():
 
 def test_prometheus_scrapes_the_workers_under_the_job_the_dashboards_select():
     resources = base_files()
-    service, monitor = one(resources, "Service", WORKER), one(resources, "ServiceMonitor")
+    service, monitor = one(resources, "Service", WORKER), one(resources, "ServiceMonitor", WORKER)
     pod_labels = one(resources, "Deployment", WORKER)["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= pod_labels.items()
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
@@ -250,6 +250,20 @@ def test_prometheus_scrapes_the_workers_under_the_job_the_dashboards_select():
     assert service["metadata"]["name"] == compose_job
     dashboards = " ".join(f.read_text() for f in (ROOT / "monitoring" / "grafana" / "dashboards").glob("*.json"))
     assert f'job=\\"{compose_job}\\"' in dashboards
+
+
+def test_prometheus_scrapes_the_gateways_under_the_job_the_dashboards_select():
+    resources = base_files()
+    service, monitor = one(resources, "Service", GATEWAY), one(resources, "ServiceMonitor", GATEWAY)
+    worker_service = one(resources, "Service", WORKER)
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert not monitor["spec"]["selector"]["matchLabels"].items() <= worker_service["metadata"]["labels"].items()
+    [endpoint] = monitor["spec"]["endpoints"]
+    assert endpoint["port"] in {port["name"] for port in service["spec"]["ports"]} and endpoint["path"] == "/metrics"
+    jobs = [c["job_name"] for c in yaml.safe_load((ROOT / "monitoring" / "prometheus.yml").read_text())["scrape_configs"]]
+    assert GATEWAY in jobs  # compose scrapes it under the Service's name, the job a ServiceMonitor's series get
+    dashboards = " ".join(f.read_text() for f in (ROOT / "monitoring" / "grafana" / "dashboards").glob("*.json"))
+    assert f'job=\\"{GATEWAY}\\"' in dashboards
 
 
 def test_the_dashboards_configmap_carries_every_dashboard_file():
@@ -305,7 +319,7 @@ def test_the_gateway_service_reaches_only_gateway_pods():
     assert not service["spec"]["selector"].items() <= worker_labels.items()
     # the workers' Service and ServiceMonitor do not take the gateway's pods or Service
     assert not one(resources, "Service", WORKER)["spec"]["selector"].items() <= gateway_labels.items()
-    monitor = one(resources, "ServiceMonitor")["spec"]["selector"]["matchLabels"]
+    monitor = one(resources, "ServiceMonitor", WORKER)["spec"]["selector"]["matchLabels"]
     assert not monitor.items() <= service["metadata"]["labels"].items()
     [port] = service["spec"]["ports"]
     [container] = one(resources, "Deployment", GATEWAY)["spec"]["template"]["spec"]["containers"]
