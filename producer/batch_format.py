@@ -17,6 +17,8 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from engine.sampling.params import nesting_exceeds
+
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 # request body field -> wire sampling field (logprobs and top_logprobs: _logprobs, as each endpoint means them)
 SAMPLING_FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
@@ -81,13 +83,7 @@ def load_json(raw: str | bytes) -> tuple[object, str | None]:
         return None, too_deep
     except ValueError as e:  # UnicodeDecodeError too
         return None, f"is not JSON: {str(e)[:200]}"
-    level = [value]  # the containers at one depth, from the top (depth 1)
-    for _ in range(MAX_JSON_DEPTH):
-        level = [child for node in level if isinstance(node, (dict, list))
-                 for child in (node.values() if isinstance(node, dict) else node)]
-        if not level:
-            return value, None
-    return (None, too_deep) if any(isinstance(node, (dict, list)) for node in level) else (value, None)
+    return (None, too_deep) if nesting_exceeds(value, MAX_JSON_DEPTH) else (value, None)
 
 
 def mark_repeated_ids(lines: list[BatchLine]) -> None:

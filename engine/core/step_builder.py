@@ -139,7 +139,7 @@ def sampling_rows(seqs: list[Sequence], vocab_size: int) -> SamplingRows:
              for s, p in zip(seqs, ps)]
     num_top = [max(s.group.beam.num_candidates if s.group is not None and s.group.beam is not None else -1,
                    -1 if p.logprobs is None else p.logprobs) for s, p in zip(seqs, ps)]
-    penalised = [(i, s) for i, s in enumerate(seqs) if _penalises(s.params)]
+    penalised = [(i, s) for i, s in enumerate(seqs) if s.params.penalises]
     return SamplingRows(
         row_ids=[s.seq_id for s in seqs], temperatures=[p.temperature for p in ps], top_ks=top_ks,
         top_ps=[p.top_p for p in ps], min_ps=[p.min_p for p in ps], seeds=seeds, num_logprobs=max(num_top),
@@ -151,10 +151,6 @@ def sampling_rows(seqs: list[Sequence], vocab_size: int) -> SamplingRows:
         biases=[(i, t, b) for i, p in enumerate(ps) for t, b in (p.logit_bias or {}).items()],
         has_min_tokens=any(p.min_tokens > 0 for p in ps),
         grammar_rows=[i for i, s in enumerate(seqs) if s.grammar is not None])
-
-
-def _penalises(params) -> bool:
-    return params.repetition_penalty != 1 or params.presence_penalty != 0 or params.frequency_penalty != 0
 
 
 def _pending(rows: list[int], src: list[int]) -> dict:

@@ -145,10 +145,14 @@ class SamplingParams:
         return constraint(self)
 
     @property
+    def penalises(self) -> bool:
+        """Whether it has a repetition, presence or frequency penalty."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
     def adjusts_logits(self) -> bool:
         """Whether its logits are changed before sampling (penalties, biases, min_tokens)."""
-        return (self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
-                or bool(self.logit_bias) or self.min_tokens > 0)
+        return self.penalises or bool(self.logit_bias) or self.min_tokens > 0
 
 
 @dataclass
@@ -272,7 +276,7 @@ def _constraint_too_large(name: str, value) -> str:
         if len(value) > MAX_CHOICES or chars > MAX_CHOICE_CHARS:
             return f"{len(value):,} choices of {chars:,} characters in all"
     if name == "json_schema":
-        if _nesting_exceeds(value, MAX_SCHEMA_DEPTH, MAX_SCHEMA_CHARS):
+        if nesting_exceeds(value, MAX_SCHEMA_DEPTH, MAX_SCHEMA_CHARS):
             return f"one nested deeper than {MAX_SCHEMA_DEPTH} levels or larger than {MAX_SCHEMA_CHARS:,} characters"
         try:
             size = len(json.dumps(value, ensure_ascii=False))
@@ -283,9 +287,9 @@ def _constraint_too_large(name: str, value) -> str:
     return ""
 
 
-def _nesting_exceeds(value, max_depth: int, max_containers: int) -> bool:
-    """Whether `value`'s dicts and lists nest deeper than max_depth or number more than max_containers,
-    walked a level at a time (no recursion; an object that contains itself is too deep)."""
+def nesting_exceeds(value, max_depth: int, max_containers: float = math.inf) -> bool:
+    """Whether `value`'s dicts and lists nest deeper than max_depth (the outermost is depth 1) or number more
+    than max_containers, walked a level at a time (no recursion; an object that contains itself is too deep)."""
     level, depth, seen = [value], 0, 0
     while True:
         containers = [v for v in level if isinstance(v, (dict, list))]
