@@ -30,6 +30,21 @@ def test_deltas_concatenate_to_the_final_tokens_with_requests_arriving_midway(ll
     assert all(o.finish_reason == "length" for o in finals.values())
 
 
+def test_finished_only_steps_report_streaming_requests_every_step_and_the_others_once(llm):
+    """The worker's loop: step(finished_only=True) reports a request added with stream=True at every step
+    that gave it tokens (its deltas add up to its tokens), and the others only when they finish."""
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+    llm.add_request([11, 12, 13], greedy, request_id="streams", stream=True)
+    llm.add_request([14, 15, 16], greedy, request_id="quiet")
+    reports = {"streams": [], "quiet": []}
+    while llm.has_unfinished():
+        for out in llm.step(finished_only=True).outputs:
+            reports[out.request_id].append(out)
+    assert [o.finished for o in reports["quiet"]] == [True]
+    assert len(reports["streams"]) == 10 and reports["streams"][-1].finished
+    assert [t for o in reports["streams"] for t in o.new_token_ids] == reports["streams"][-1].token_ids
+
+
 def test_abort_midway_reports_abort_and_frees_every_block(llm):
     rid = llm.add_request([5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=50))
     other = llm.add_request([9, 10], SamplingParams(temperature=0, max_tokens=5))

@@ -33,7 +33,6 @@ class EngineLoop:
         self.capacity, self.drain, self.outbox, self.metrics = capacity, drain, outbox, metrics
         self.reader, self.sources = reader, sources  # the sources of jobs: done once they hand over no more
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.streaming: set[str] = set()  # jobs in the engine that want token deltas
         self.stats = StatsLog()
 
     def run(self) -> None:
@@ -42,16 +41,12 @@ class EngineLoop:
         while True:
             received = self._apply_messages(block=not engine.has_unfinished())
             if engine.has_unfinished():
-                result = engine.step()
+                # the writer needs the finished jobs' outputs and the token deltas of jobs that stream
+                result = engine.step(finished_only=True)
                 self.metrics.observe_step(result.stats)
                 self.stats.observe(result)
-                outputs = result.outputs
-                if self.streaming:
-                    self.streaming.difference_update(o.request_id for o in outputs if o.finished)
-                else:  # no running job wants token deltas: the writer needs only the finished ones
-                    outputs = [o for o in outputs if o.finished]
-                if outputs:
-                    self.outbox.put(StepOutputs(outputs))
+                if result.outputs:
+                    self.outbox.put(StepOutputs(result.outputs))
             elif self._drained():
                 return
             self.capacity.publish(engine.num_free_slots(), received)
@@ -118,8 +113,6 @@ class EngineLoop:
             log.exception("job %s could not start", job.job_id)
             self.outbox.put(JobEnded(job, p.FAILED, f"could not start: {type(e).__name__}: {e}"))
             return
-        if spec.stream:
-            self.streaming.add(job.job_id)
         if job.source is not None:
             self.outbox.put(JobStarted(job))
         job.handed_at = time.monotonic()

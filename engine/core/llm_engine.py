@@ -105,6 +105,7 @@ class LLMEngine:
                                  f"vocabulary has {self.vocab_size} tokens")
             params = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
         group = SequenceGroup(request_id, token_ids, params, self.config.kvcache_block_size, beam)
+        group.streams = stream
         cap = self.config.max_seqs_per_request
         if group.width > cap:
             name = "beam_width" if beam is not None else ("best_of" if params.best_of else "n")
@@ -225,7 +226,8 @@ class LLMEngine:
 
     def step(self, finished_only: bool = False) -> StepResult:
         """One scheduling decision and one forward pass. Outputs cover every request that got tokens in
-        this step, or with `finished_only` just the finished ones (cheaper when nobody streams).
+        this step, or with `finished_only` the finished ones and those added with stream=True (building an
+        output decodes its text: a step of hundreds of requests saves that for the ones nobody reads).
 
         With async scheduling the step launches its forward pass, then collects the tokens of the previous
         step's launch, so the host prepares step N+1 while the device runs step N."""
@@ -365,7 +367,7 @@ class LLMEngine:
                     finished = group.is_finished
                     if finished:
                         group.finished_time = now
-                if finished or not finished_only:
+                if finished or not finished_only or group.streams:
                     touched[group.request_id] = group
             except Exception as e:  # noqa: BLE001 - this request's own data (stop strings, text) raised
                 touched.pop(group.request_id, None)

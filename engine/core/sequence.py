@@ -142,6 +142,7 @@ class SequenceGroup:
         self.seqs = [Sequence(token_ids, params, block_size, request_id, self)]
         self.error: str | None = None
         self.finished_time: float | None = None
+        self.streams = False  # added with stream=True: every step's tokens are reported, not just the end
 
     @property
     def first(self) -> Sequence:
