@@ -128,3 +128,24 @@ def test_graph_tokens_and_logprobs_come_back_from_one_buffer():
             assert got_ids == [1000 * step0 + i for i in range(n0)]
             assert got_logprobs == [-i - step0 / 8 for i in range(n0)]
             assert top is None and top_ids is None
+
+
+def test_penalty_kernel_equals_the_torch_penalties_under_interpreter():
+    """engine/kernels/penalties.py, the GPU's penalties, leaves the logits the torch path leaves: repetition
+    above and below 1 on positive and negative logits, frequency and presence of either sign, counts and
+    prompt tokens from their own TokenCounts rows, other rows untouched, vocabularies off the block."""
+    pytest.importorskip("triton")
+    from tests.interpreter import REPO, run_under_interpreter
+    cases = run_under_interpreter(REPO / "tests" / "penalties_cases.py")
+    assert set(cases) == {"vocab_37", "vocab_5000"}
+    for case in cases.values():
+        assert case["max_diff"] == 0.0 and case["untouched_equal"] and case["changed"] > 0, cases
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_penalty_kernel_equals_the_torch_penalties_on_gpu():
+    from tests.penalties_cases import penalty_case
+    for vocab in (37, 5000, 151936):
+        case = penalty_case("cuda", vocab)
+        assert case["max_diff"] <= 1e-6 and case["untouched_equal"] and case["changed"] > 0, (vocab, case)

@@ -12,6 +12,7 @@ then the frequency and presence penalties (OpenAI's, over generated tokens: logi
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -113,8 +114,12 @@ def suppress(adj: LogitAdjustments, pairs: list[tuple[int, int]], device: torch.
 
 
 def apply(logits: torch.Tensor, adj: LogitAdjustments, counts: TokenCounts) -> None:
-    """Adjust float32 logits [S, V] in place."""
-    if adj.rows is not None:
+    """Adjust float32 logits [S, V] in place: the penalties in one kernel on a GPU with Triton
+    (engine/kernels/penalties.py), else torch ops."""
+    if adj.rows is not None and logits.is_cuda and _penalty_kernel() is not None:
+        _penalty_kernel()(logits, adj.rows, adj.slots, counts.counts, counts.in_prompt, adj.repetition,
+                          adj.frequency, adj.presence)
+    elif adj.rows is not None:
         x = logits[adj.rows]
         c = counts.counts[adj.slots]
         generated = c > 0
@@ -126,3 +131,13 @@ def apply(logits: torch.Tensor, adj: LogitAdjustments, counts: TokenCounts) -> N
         logits.index_put_((adj.bias_rows, adj.bias_tokens), adj.bias_values, accumulate=True)
     if adj.suppressed is not None:
         logits[adj.suppressed] = float("-inf")
+
+
+@functools.cache
+def _penalty_kernel():
+    """engine.kernels.penalties.apply_penalties, or None where triton is missing."""
+    try:
+        from engine.kernels.penalties import apply_penalties
+    except ImportError:
+        return None
+    return apply_penalties
