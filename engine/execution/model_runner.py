@@ -43,7 +43,8 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.kv_dtype = config.kv_torch_dtype
         self.block_size = config.kvcache_block_size
-        self.ctx = ForwardContext(get_backend(config.attention_backend, self.device, self.kv_dtype))
+        sinks = getattr(model_class(config.hf_config.architectures), "attention_sinks", False)
+        self.ctx = ForwardContext(get_backend(config.attention_backend, self.device, self.kv_dtype, sinks))
         self.graphs = None  # decode CUDA graphs, captured once the KV cache exists
         self.prefill_graphs = None  # one sequence's prefill steps, on one GPU
         hf = config.hf_config
