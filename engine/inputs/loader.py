@@ -24,6 +24,8 @@ def load_safetensors(model: nn.Module, model_dir: str) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
     renamed = getattr(model, "checkpoint_prefixes", {})
+    # a model whose tensors need more than a packed_modules entry (one expert of stacked experts) maps them itself
+    own_target = getattr(model, "checkpoint_target", lambda name: None)
     loaded: set[str] = set()
     for file in files:
         with safe_open(file, "pt", "cpu") as f:
@@ -32,7 +34,8 @@ def load_safetensors(model: nn.Module, model_dir: str) -> None:
                     continue
                 if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
                     continue
-                target, shard_id = _target_name(_renamed(name, renamed), packed)
+                ours = _renamed(name, renamed)
+                target, shard_id = own_target(ours) or _target_name(ours, packed)
                 param = params.get(target)
                 if param is None:
                     raise ValueError(_no_place(name, model))
