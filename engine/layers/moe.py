@@ -118,6 +118,10 @@ class ExpertWeights(nn.Module):
 
     def _rank_rows(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's slice of an intermediate dimension of the checkpoint's (unsplit) tensor."""
+        full = self.local_inter * self.tp.size
+        if loaded.shape[dim] != full:
+            raise ValueError(f"expert tensor of shape {tuple(loaded.shape)} does not fit experts of intermediate "
+                             f"size {full}")
         return loaded.narrow(dim, self.tp.rank * self.local_inter, self.local_inter)
 
     def load_full(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
