@@ -1,0 +1,46 @@
+"""The fused mixture-of-experts kernels (engine/kernels/fused_moe.py) under the Triton interpreter
+(tests/fused_moe_cases.py): the same output as the expert-by-expert reference for one token and many, top-k
+from 1 to every expert, biases and gpt-oss's clamped SwiGLU, an expert whose run spans several blocks; every
+real slot's row written (NaN-poisoned buffers), the align step's blocks each of one expert. The GPU's shapes
+(up to 128 experts, 16k tokens) are in tests/test_gpu_moe.py."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from tests.interpreter import run_under_interpreter
+
+CASES = Path(__file__).with_name("fused_moe_cases.py")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    return run_under_interpreter(CASES)
+
+
+@pytest.mark.parametrize("case", ["one_token_top1", "decode_rows_top2", "prefill_top3_bias",
+                                  "skewed_runs_over_several_blocks", "gpt_oss_clamped_swiglu", "all_experts_top_k",
+                                  "no_tokens"])
+def test_fused_experts_equal_the_reference_in_float32(results, case):
+    outcome = results[case]
+    assert outcome["shape_ok"] and not outcome["nan"]
+    assert outcome["relative_error"] <= 1e-5
+
+
+def test_fused_experts_in_bfloat16_stay_within_its_rounding(results):
+    outcome = results["bf16"]
+    assert outcome["shape_ok"] and not outcome["nan"]
+    assert outcome["relative_error"] <= 3e-2
+
+
+def test_every_real_slot_is_written_and_nothing_past_them(results):
+    assert results["poisoned"] == {"h_unwritten": 0, "out_unwritten": 0, "tail_untouched": True}
+
+
+def test_align_step_sorts_each_slot_once_into_blocks_of_one_expert(results):
+    outcome = results["alignment"]
+    assert outcome["each_slot_once"] and outcome["blocks_of_one_expert"] and outcome["padding_after_total"]
+    assert outcome["total"] == outcome["expected_total"]
