@@ -217,3 +217,19 @@ def test_shipped_qwen3_30b_a3b_shape_is_a_qwen3_moe_of_128_experts():
     assert model_class(hf.architectures).__name__ == "Qwen3MoeForCausalLM"
     assert (hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size, hf.num_hidden_layers) == (128, 8, 768, 48)
     assert model_class(hf.architectures).layer_windows(hf) == [0] * 48
+
+
+def test_bench_floor_counts_the_experts_a_step_touches():
+    """Qwen3-30B-A3B: 30.5B parameters, 3.3B of them read by a one-sequence step (its 8 experts of 128 in each
+    layer), nearly all by a step of 256 sequences."""
+    from engine.config import EngineConfig
+    from worker import bench_engine as bench
+
+    hf = EngineConfig("qwen3-30b-a3b", load_format="dummy", device="cpu").hf_config
+    assert round(bench.count_parameters(hf) / 1e9, 1) == 30.5
+    assert round(bench.count_parameters(hf, 1) / 1e9, 2) == 3.35
+    assert bench.count_parameters(hf, 256) / bench.count_parameters(hf) > 0.99
+    params = [SamplingParams(max_tokens=n) for n in (10, 100)]
+    one_long = bench.floor_seconds(hf, [[1] * 10] * 2, params, 3e12)
+    both_long = bench.floor_seconds(hf, [[1] * 10] * 2, [SamplingParams(max_tokens=100)] * 2, 3e12)
+    assert one_long < both_long  # after the short one ends, steps read one sequence's experts
