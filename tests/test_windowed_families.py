@@ -97,8 +97,7 @@ def test_gemma2_final_soft_cap_reaches_the_sampler(tmp_path):
 
 def test_phi3_longrope_takes_the_long_factors_past_the_original_length_as_transformers_does(tmp_path):
     """Sequences that stay within original_max_position_embeddings rotate with the short factors, prompts longer
-    than it with the long ones throughout. (A sequence that crosses it while generating keeps its earlier keys'
-    rotation here, where transformers recomputes its whole cache with the long factors at that token.)"""
+    than it with the long ones throughout."""
     model_dir = make_checkpoint("phi3", tmp_path / "phi3", original_max_position_embeddings=40,
                                 max_position_embeddings=1024)
     rng = random.Random(7)
@@ -106,13 +105,40 @@ def test_phi3_longrope_takes_the_long_factors_past_the_original_length_as_transf
     prompts += [[rng.randrange(3, 500) for _ in range(rng.randint(41, 90))] for _ in range(5)]
     expected = hf_greedy(model_dir, prompts, MAX_NEW)
     llm = LLM(str(model_dir), device="cpu", kvcache_block_size=8)
-    assert llm.runner.model.model.rotary_emb.long_after == 40
+    assert llm.block_manager.long_rope_after == 40
     assert generate_ids(llm, prompts, GREEDY) == expected
     # the premise: the long factors change these completions (the same model with long = short factors)
     config = json.loads((model_dir / "config.json").read_text())
     config["rope_parameters"]["long_factor"] = config["rope_parameters"]["short_factor"]
     (model_dir / "config.json").write_text(json.dumps(config))
     assert generate_ids(LLM(str(model_dir), device="cpu", kvcache_block_size=8), prompts, GREEDY) != expected
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    dict(kvcache_block_size=8),
+    dict(kvcache_block_size=4, num_kvcache_blocks=40, max_num_batched_tokens=16, max_model_len=128),
+], ids=["whole-prompts", "chunked-preempted"])
+def test_phi3_longrope_sequences_that_cross_the_original_length_match_transformers(tmp_path, engine_kwargs):
+    """A sequence that generates past original_max_position_embeddings is computed anew with the long factors
+    at that token, as transformers recomputes its cache there; a long prompt prefilled in chunks rotates with
+    the long factors from its first chunk; blocks of short-factor sequences never serve a prefix of long-factor
+    ones (the long prompts share the short ones' first 24 tokens)."""
+    model_dir = make_checkpoint("phi3", tmp_path / "phi3", original_max_position_embeddings=40,
+                                max_position_embeddings=1024)
+    rng = random.Random(11)
+    shared = [rng.randrange(3, 500) for _ in range(24)]
+    crossing = [shared + [rng.randrange(3, 500) for _ in range(rng.randint(2, 14))] for _ in range(5)]
+    long = [shared + [rng.randrange(3, 500) for _ in range(rng.randint(20, 60))] for _ in range(3)]
+    prompts = crossing + long + crossing[:2]
+    expected = hf_greedy(model_dir, prompts, MAX_NEW)
+    llm = LLM(str(model_dir), device="cpu", **engine_kwargs)
+    released, release = [], llm.scheduler._release
+    llm.scheduler._release = lambda seq, to_back=False: (released.append(seq.seq_id), release(seq, to_back))[1]
+    assert generate_ids(llm, prompts, GREEDY) == expected
+    assert len(released) - llm.scheduler.num_preemptions >= len(crossing)  # each crossing one computed anew
+    assert llm.block_manager.num_cache_hits > 0
+    if "num_kvcache_blocks" in engine_kwargs:
+        assert llm.scheduler.num_preemptions > 0
 
 
 def test_qwen2_with_use_sliding_window_windows_the_layers_past_max_window_layers(tmp_path):

@@ -10,6 +10,10 @@ nothing are reused first, then cached ones least-recently-used first.
 A forked sequence (n > 1, beam search) shares its parent's blocks by reference count. A shared block is
 never written: a sequence about to write its next token into one gets a copy of it first (copy on write),
 and the copies wait in `pending_copies` until the step's forward pass makes them on the device.
+
+With LongRoPE (Phi-3's long-context checkpoints) a sequence longer than `long_rope_after` tokens when it is
+given its blocks rotates all its keys with the long factors (`Sequence.long_rope`): its blocks' hashes chain
+from a root of their own, so they never serve a sequence that rotates with the short factors, nor the reverse.
 """
 from __future__ import annotations
 
@@ -19,6 +23,9 @@ import numpy as np
 import xxhash
 
 from engine.core.sequence import Sequence
+
+
+LONG_ROPE_ROOT = 0x4C6F6E67526F5045  # the hash a chain of long-factor blocks starts from (others: none, -1)
 
 
 def chain_hash(token_ids: list[int], prefix_hash: int, image_key: tuple[int, ...] | None = None) -> int:
@@ -43,8 +50,10 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 long_rope_after: int | None = None):
         self.block_size = block_size
+        self.long_rope_after = long_rope_after  # LongRoPE: sequences longer than this take the long factors
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -73,12 +82,21 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
+    def takes_long_rope(self, seq: Sequence) -> bool:
+        """Whether `seq`, given blocks now, rotates with LongRoPE's long factors."""
+        return self.long_rope_after is not None and seq.num_tokens > self.long_rope_after
+
+    def rotates_anew(self, seq: Sequence) -> bool:
+        """Whether a running `seq` has grown past long_rope_after while its keys rotate with the short factors:
+        it must be computed anew (transformers recomputes its cache there)."""
+        return not seq.long_rope and self.takes_long_rope(seq)
+
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest computed prefix of `seq` already in the cache."""
         hits: list[int] = []
         if not self.enable_prefix_caching:
             return hits
-        prefix_hash = -1
+        prefix_hash = LONG_ROPE_ROOT if self.takes_long_rope(seq) else -1
         # the last token is always computed, so a prompt never hits in full
         for i in range((seq.num_tokens - 1) // self.block_size):
             tokens, image_key = seq.block(i), seq.block_image_key(i)
@@ -100,6 +118,7 @@ class BlockManager:
     def allocate(self, seq: Sequence) -> None:
         """Give `seq` blocks for all its tokens, reusing cached prefix blocks."""
         assert not seq.block_table
+        seq.long_rope = self.takes_long_rope(seq)
         hits = self._cached_prefix(seq)
         for block_id in hits:
             block = self.blocks[block_id]
@@ -168,7 +187,8 @@ class BlockManager:
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         if num_full <= seq.num_hashed_blocks:
             return
-        prefix_hash = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else -1
+        prefix_hash = (self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks
+                       else LONG_ROPE_ROOT if seq.long_rope else -1)
         for i in range(seq.num_hashed_blocks, num_full):
             tokens, image_key = seq.block(i), seq.block_image_key(i)
             prefix_hash = chain_hash(tokens, prefix_hash, image_key)

@@ -94,7 +94,6 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         self.ctx.prepare()  # what every layer's attention reads, first
-        positions = self.rotary_emb.table_positions(positions, self.ctx.meta)
         return self.run_layers(self.embed_tokens(input_ids), positions)
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
