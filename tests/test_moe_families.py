@@ -132,14 +132,18 @@ def test_mixtral_without_a_sliding_window_attends_to_the_whole_context(tmp_path)
     assert generate_ids(llm, prompts, GREEDY) == hf_greedy(model_dir, prompts, MAX_NEW)
 
 
-def test_a_checkpoint_missing_an_experts_tensors_names_the_parameter(tmp_path):
+def test_a_checkpoint_missing_an_experts_tensors_names_the_parameter_and_the_expert(tmp_path):
     from safetensors.torch import load_file, save_file
 
     model_dir = make_moe_checkpoint("qwen3_moe", tmp_path / "q")
     tensors = load_file(model_dir / "model.safetensors")
-    tensors = {k: v for k, v in tensors.items() if "layers.1.mlp.experts" not in k}
-    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    without_layer = {k: v for k, v in tensors.items() if "layers.1.mlp.experts" not in k}
+    save_file(without_layer, model_dir / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"lacks weights for: .*model\.layers\.1\.mlp\.experts\.w13"):
+        LLM(str(model_dir), device="cpu")
+    without_one = {k: v for k, v in tensors.items() if k != "model.layers.0.mlp.experts.5.up_proj.weight"}
+    save_file(without_one, model_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lacks model\.layers\.0\.mlp\.experts\.w13 for: expert 5 up$"):
         LLM(str(model_dir), device="cpu")
 
 

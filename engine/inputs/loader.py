@@ -26,7 +26,7 @@ def load_safetensors(model: nn.Module, model_dir: str) -> None:
     renamed = getattr(model, "checkpoint_prefixes", {})
     # a model whose tensors need more than a packed_modules entry (one expert of stacked experts) maps them itself
     own_target = getattr(model, "checkpoint_target", lambda name: None)
-    loaded: set[str] = set()
+    loaded: dict[str, set] = {}  # each loaded parameter's shard ids
     for file in files:
         with safe_open(file, "pt", "cpu") as f:
             for name in f.keys():
@@ -48,10 +48,14 @@ def load_safetensors(model: nn.Module, model_dir: str) -> None:
                     getattr(param, "load_full", _copy_loader)(param, tensor)
                 else:
                     param.weight_loader(param, tensor, shard_id)
-                loaded.add(target)
+                loaded.setdefault(target, set()).add(shard_id)
     missing = {n for n in params if n not in loaded} - ({"lm_head.weight"} if model.tie_word_embeddings else set())
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights for: {', '.join(sorted(missing)[:5])}")
+    for name, shard_ids in loaded.items():  # a parameter of many shards (stacked experts) says which it lacks
+        lacking = getattr(params[name], "missing_shards", lambda ids: [])(shard_ids)
+        if lacking:
+            raise ValueError(f"checkpoint in {model_dir} lacks {name} for: {', '.join(lacking[:5])}")
 
 
 # the tensors quantized checkpoints carry beside (or instead of) their weights

@@ -114,7 +114,15 @@ class ExpertWeights(nn.Module):
         param.full_shape = full_shape
         param.weight_loader = self.weight_loader
         param.load_full = self.load_full
+        param.missing_shards = lambda shard_ids: self.missing_shards(param, shard_ids)
         return param
+
+    def missing_shards(self, param: nn.Parameter, shard_ids: set) -> list[str]:
+        """The (expert, part) shards a checkpoint loaded one expert at a time did not give `param`."""
+        if any(shard is None or shard[0] is None for shard in shard_ids):  # loaded whole
+            return []
+        parts = ("down",) if param is self.w2 or param is self.b2 else ("gate", "up")
+        return [f"expert {e} {part}" for e in range(self.num_experts) for part in parts if (e, part) not in shard_ids]
 
     def _rank_rows(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's slice of an intermediate dimension of the checkpoint's (unsplit) tensor."""
