@@ -1,7 +1,8 @@
 """Reproduces docs/performance.md's fused-MoE figure: one mixture-of-experts layer of a shipped MoE shape (default
-qwen3-30b-a3b: 128 experts of 768, top-8, hidden 2048) on random bf16 weights, the fused kernels
-(engine/kernels/fused_moe.py, align step included, in a CUDA graph as the decode steps run them) against a loop
-over the experts the batch touches (engine/layers/moe.py experts_reference, transformers' way).
+qwen3-30b-a3b: 128 experts of 768, top-8, hidden 2048) on random bf16 weights, from the router's logits: the
+fused kernels (engine/kernels/fused_moe.py, top-k and align included, in a CUDA graph as the decode steps run
+them) against torch's top-k and a loop over the experts the batch touches (engine/layers/moe.py route and
+experts_reference, transformers' way).
     python3 bench/moe_kernel.py [--model qwen3-30b-a3b] [--tokens 1 16 256 4096]     (one GPU)
 
 Also the rate each reaches against the floor of one layer: reading the weights of the experts the batch routes
@@ -20,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tree this sc
 
 from engine.builtin import BUILTIN_MODELS  # noqa: E402
 from engine.config import load_hf_config  # noqa: E402
-from engine.kernels.fused_moe import fused_experts  # noqa: E402
+from engine.kernels.fused_moe import fused_experts, route_top_k  # noqa: E402
 from engine.layers.moe import experts_reference, route  # noqa: E402
 
 
@@ -67,10 +68,10 @@ def main() -> None:
     rows = []
     for tokens in args.tokens:
         x = torch.randn(tokens, hidden, generator=gen, device="cuda").bfloat16()
-        weights, experts = route(torch.randn(tokens, num_experts, generator=gen, device="cuda"), top_k, True)
-        touched = int(torch.unique(experts).numel())
-        fused = median_ms(lambda: fused_experts(x, w13, w2, weights, experts), graph=True)
-        loop = median_ms(lambda: experts_reference(x, w13, w2, weights, experts), graph=False)
+        logits = torch.randn(tokens, num_experts, generator=gen, device="cuda").bfloat16()
+        touched = int(torch.unique(route(logits, top_k, True)[1]).numel())
+        fused = median_ms(lambda: fused_experts(x, w13, w2, *route_top_k(logits, top_k, True)), graph=True)
+        loop = median_ms(lambda: experts_reference(x, w13, w2, *route(logits, top_k, True)), graph=False)
         floor = touched * expert_bytes / rate * 1e3
         rows.append({"tokens": tokens, "experts_touched": touched, "fused_ms": round(fused, 4),
                      "loop_ms": round(loop, 4), "fused_speedup": round(loop / fused, 2),

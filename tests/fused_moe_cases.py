@@ -58,11 +58,12 @@ def case_poisoned_outputs_are_written() -> dict:
             "tail_untouched": bool(torch.isnan(h[tokens * top_k:]).all() and torch.isnan(out[tokens * top_k:]).all())}
 
 
-def case_alignment() -> dict:
+def case_alignment(tokens: int) -> dict:
     """Sorted slots: each real slot once, every block one expert's, runs padded to the block."""
     gen = torch.Generator().manual_seed(5)
-    experts = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(37)])
+    experts = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(tokens)])
     experts[:20, 0] = 3  # a long run
+    experts[experts == 5] = 6  # an expert with no slot between others
     block_m = 16
     sorted_slots, block_experts, num_padded = fused_moe.align_slots(experts, 8, block_m)
     total = int(num_padded.item())
@@ -79,6 +80,15 @@ def case_alignment() -> dict:
             "padding_after_total": bool((sorted_slots[total:] == experts.numel()).all())}
 
 
+def case_route(tokens: int, num_experts: int, top_k: int, renormalize: bool) -> dict:
+    """The top-k kernel's experts and weights against torch's softmax and topk."""
+    logits = torch.randn(tokens, num_experts, generator=torch.Generator().manual_seed(tokens + num_experts)) * 3
+    want_w, want_e = route(logits, top_k, renormalize)
+    got_w, got_e = fused_moe.route_top_k(logits, top_k, renormalize)
+    return {"experts_equal": torch.equal(got_e.long(), want_e),
+            "weight_error": (got_w - want_w).abs().max().item() if tokens else 0.0}
+
+
 def main() -> None:
     results = {
         "one_token_top1": case_matches(1, 32, 24, 4, 1),
@@ -90,7 +100,12 @@ def main() -> None:
         "bf16": case_matches(21, 32, 24, 4, 2, dtype=torch.bfloat16, seed=6),
         "no_tokens": case_matches(0, 32, 24, 4, 2),
         "poisoned": case_poisoned_outputs_are_written(),
-        "alignment": case_alignment(),
+        "alignment": case_alignment(37),
+        "alignment_of_more_blocks_than_a_chunk": case_alignment(700),
+        "route_renormalised": case_route(37, 8, 2, True),
+        "route_raw_odd_experts": case_route(21, 6, 3, False),
+        "route_top1": case_route(5, 60, 1, True),
+        "route_top8_of_128": case_route(19, 128, 8, True),
     }
     print(json.dumps(results))
 

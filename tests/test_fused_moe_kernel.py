@@ -40,7 +40,14 @@ def test_every_real_slot_is_written_and_nothing_past_them(results):
     assert results["poisoned"] == {"h_unwritten": 0, "out_unwritten": 0, "tail_untouched": True}
 
 
-def test_align_step_sorts_each_slot_once_into_blocks_of_one_expert(results):
-    outcome = results["alignment"]
+@pytest.mark.parametrize("case", ["alignment", "alignment_of_more_blocks_than_a_chunk"])
+def test_align_step_sorts_each_slot_once_into_blocks_of_one_expert(results, case):
+    outcome = results[case]
     assert outcome["each_slot_once"] and outcome["blocks_of_one_expert"] and outcome["padding_after_total"]
     assert outcome["total"] == outcome["expected_total"]
+
+
+@pytest.mark.parametrize("case", ["route_renormalised", "route_raw_odd_experts", "route_top1", "route_top8_of_128"])
+def test_top_k_kernel_picks_torch_experts_and_weights(results, case):
+    assert results[case]["experts_equal"]
+    assert results[case]["weight_error"] <= 1e-6

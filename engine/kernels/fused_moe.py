@@ -1,8 +1,11 @@
 """The experts of a mixture-of-experts layer in two grouped GEMMs over every expert (engine/layers/moe.py).
 
-A token routed to k experts is k slots (slot s = token * k + j). The align step (`align_slots`) sorts the slots
-by expert and pads each expert's run to a multiple of BLOCK_M with a sentinel slot, so that every block of
-BLOCK_M sorted slots belongs to one expert. Then:
+`route_top_k`: each token's softmax over the router's logits, its k largest and their (renormalised) weights, in
+one kernel. A token routed to k experts is k slots (slot s = token * k + j). The align step (`align_slots`)
+groups the slots by expert and pads each expert's run to a multiple of BLOCK_M with a sentinel slot, so that
+every block of BLOCK_M sorted slots belongs to one expert: a count of each expert's slots (atomics, which also
+give each slot its place in its run), one program for the runs' starts and each block's expert, and the
+slots placed. Then:
 
   gate_up_act: each program takes a block of slots and BLOCK_N columns of its expert's gate and up rows,
       h[slot] = act(x[token] @ gate.T + b_gate, x[token] @ up.T + b_up)        (one pass over x for both)
@@ -24,6 +27,7 @@ from engine.kernels.common import interpreted, precise_dot
 from engine.kernels.paged_tiles import upcast_dot
 
 ACTS = {"silu": 0, "swiglu_clamped": 1}
+SLOTS_PER_PROGRAM = 1024  # of the align step's counting and placing kernels
 
 
 def block_sizes(num_slots: int, num_experts: int) -> tuple[int, int, int, int, int]:
@@ -36,27 +40,103 @@ def block_sizes(num_slots: int, num_experts: int) -> tuple[int, int, int, int, i
     return block_m, 64, 64, 4, 3
 
 
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, experts_ptr, num_tokens, num_experts, stride_lm, TOP_K: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Each token's softmax over the experts, its TOP_K largest (ties to the lower expert) and their weights."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_mask = rows < num_tokens
+    cols = tl.arange(0, BLOCK_E)
+    logits = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_lm + cols[None, :],
+                     mask=row_mask[:, None] & (cols[None, :] < num_experts), other=float("-inf")).to(tl.float32)
+    logits = tl.where(row_mask[:, None], logits, 0.0)  # rows past the tokens: finite, never stored
+    probs = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    probs = probs / tl.sum(probs, axis=1)[:, None]
+    total = tl.full((BLOCK_T,), 1.0, tl.float32)
+    if RENORMALIZE:  # a first pass for the top-k's sum
+        left, total = probs, tl.zeros((BLOCK_T,), tl.float32)
+        for _ in tl.static_range(TOP_K):
+            best = tl.argmax(left, axis=1, tie_break_left=True)
+            total += tl.max(left, axis=1)
+            left = tl.where(cols[None, :] == best[:, None], -1.0, left)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(probs, axis=1, tie_break_left=True)
+        tl.store(weights_ptr + rows * TOP_K + j, tl.max(probs, axis=1) / total, mask=row_mask)
+        tl.store(experts_ptr + rows * TOP_K + j, best.to(tl.int32), mask=row_mask)
+        probs = tl.where(cols[None, :] == best[:, None], -1.0, probs)
+
+
+def route_top_k(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, experts [T, k] int32), as engine/layers/moe.py route: one kernel."""
+    num_tokens, num_experts = logits.shape
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
+    experts = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
+    block_e = triton.next_power_of_2(num_experts)
+    block_t = max(1, min(16, 4096 // block_e))
+    _route_kernel[(triton.cdiv(num_tokens, block_t),)](
+        logits, weights, experts, num_tokens, num_experts, logits.stride(0), TOP_K=top_k, RENORMALIZE=renormalize,
+        BLOCK_T=block_t, BLOCK_E=block_e)
+    return weights, experts
+
+
+@triton.jit
+def _count_kernel(experts_ptr, counts_ptr, ranks_ptr, num_slots, BLOCK: tl.constexpr):
+    """Each slot's place among its expert's slots (in no particular order: each slot's row is computed alone)."""
+    slots = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = slots < num_slots
+    expert = tl.load(experts_ptr + slots, mask=mask, other=0)
+    tl.store(ranks_ptr + slots, tl.atomic_add(counts_ptr + expert, 1, mask=mask), mask=mask)
+
+
+@triton.jit
+def _runs_kernel(counts_ptr, run_start_ptr, block_experts_ptr, num_padded_ptr, num_experts, num_blocks,
+                 BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """One program: each expert's run padded to BLOCK_M, where it starts, the padded total, each block's expert."""
+    cols = tl.arange(0, BLOCK_E)
+    col_mask = cols < num_experts
+    counts = tl.load(counts_ptr + cols, mask=col_mask, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(run_start_ptr + cols, ends - padded, mask=col_mask)
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    for first in range(0, num_blocks, CHUNK):
+        blocks = first + tl.arange(0, CHUNK)
+        # the block's expert: how many runs end at or before its first position
+        ended = (ends[None, :] <= blocks[:, None] * BLOCK_M) & col_mask[None, :]
+        expert = tl.minimum(tl.sum(ended.to(tl.int32), axis=1), num_experts - 1)
+        tl.store(block_experts_ptr + blocks, expert, mask=blocks < num_blocks)
+
+
+@triton.jit
+def _place_kernel(experts_ptr, ranks_ptr, run_start_ptr, sorted_slots_ptr, num_slots, BLOCK: tl.constexpr):
+    slots = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = slots < num_slots
+    expert = tl.load(experts_ptr + slots, mask=mask, other=0)
+    place = tl.load(run_start_ptr + expert, mask=mask, other=0) + tl.load(ranks_ptr + slots, mask=mask, other=0)
+    tl.store(sorted_slots_ptr + place, slots, mask=mask)
+
+
 def align_slots(experts: torch.Tensor, num_experts: int, block_m: int):
-    """(sorted_slots [capacity] int32, block_experts [capacity / block_m] int32, num_padded [1]) of the routed
-    experts [T, k]: slots sorted by expert, each expert's run padded to a multiple of block_m with the sentinel
-    T * k; block b's expert; the padded total. Capacity bounds the total from the shapes alone."""
+    """(sorted_slots [capacity] int32, block_experts [capacity / block_m] int32, num_padded [1] int32) of the routed
+    experts [T, k]: slots grouped by expert, each expert's run padded to a multiple of block_m with the sentinel
+    T * k; block b's expert; the padded total. Capacity bounds the total from the shapes alone. Four kernels."""
     num_slots = experts.numel()
     device = experts.device
-    flat = experts.flatten().long()
-    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    run_start = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(flat, stable=True)
-    by_expert = flat[order]
-    dest = padded_end[by_expert] - padded[by_expert] + torch.arange(num_slots, device=device) - run_start[by_expert]
+    experts = experts.reshape(-1).to(torch.int32)
     used = min(num_experts, num_slots)  # experts with at least one slot, at most
     capacity = -(-(num_slots + used * (block_m - 1)) // block_m) * block_m
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    ranks = torch.empty(num_slots, dtype=torch.int32, device=device)
+    run_start = torch.empty(num_experts, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    block_experts = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
     sorted_slots = torch.full((capacity,), num_slots, dtype=torch.int32, device=device)
-    sorted_slots.scatter_(0, dest, order.to(torch.int32))
-    block_starts = torch.arange(0, capacity, block_m, device=device)
-    block_experts = torch.searchsorted(padded_end, block_starts, right=True).clamp_(max=num_experts - 1)
-    return sorted_slots, block_experts.to(torch.int32), padded_end[-1:]
+    grid = (triton.cdiv(num_slots, SLOTS_PER_PROGRAM),)
+    _count_kernel[grid](experts, counts, ranks, num_slots, BLOCK=SLOTS_PER_PROGRAM)
+    _runs_kernel[(1,)](counts, run_start, block_experts, num_padded, num_experts, capacity // block_m,
+                       BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=64)
+    _place_kernel[grid](experts, ranks, run_start, sorted_slots, num_slots, BLOCK=SLOTS_PER_PROGRAM)
+    return sorted_slots, block_experts, num_padded
 
 
 @triton.jit

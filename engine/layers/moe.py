@@ -15,9 +15,9 @@ Tensor parallelism: every rank holds a slice of every expert's intermediate dime
 up parts, columns of w2) and the router whole, so each rank's output is its part of the sum over ranks, left
 unsummed for the norm after the block (as GatedMLP(reduce_results=False)); b2 is added on rank 0 only.
 
-On CUDA the experts run in the fused kernels (engine/kernels/fused_moe.py: tokens sorted by expert, one grouped
-GEMM for gate/up and one for down); elsewhere, and inside PlainTorch, `experts_reference` runs them expert by
-expert.
+On CUDA the routing and the experts run in the fused kernels (engine/kernels/fused_moe.py: the top-k in one
+kernel, tokens sorted by expert, one grouped GEMM for gate/up and one for down); elsewhere, and inside
+PlainTorch, `route` and `experts_reference` (expert by expert) in torch.
 
 Checkpoints store the experts one by one (Qwen: mlp.experts.{e}.gate_proj / up_proj / down_proj, Mixtral:
 block_sparse_moe.experts.{e}.w1 / w3 / w2) or fused (gpt-oss: gate_up_proj [E, H, 2I] with gate and up
@@ -191,10 +191,14 @@ class FusedMoE(nn.Module):
         self.experts = ExpertWeights(num_experts, hidden_size, intermediate_size, expert_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = route(self.gate(x), self.top_k, self.renormalize)
-        e = self.experts
+        logits, e = self.gate(x), self.experts
         kernels = _kernels_for(x, e.w13, "fused_moe")
-        run = experts_reference if kernels is None else kernels.fused_experts
+        if kernels is None:
+            weights, experts = route(logits, self.top_k, self.renormalize)
+            run = experts_reference
+        else:
+            weights, experts = kernels.route_top_k(logits, self.top_k, self.renormalize)
+            run = kernels.fused_experts
         return run(x, e.w13, e.w2, weights, experts, e.b13, e.b2, self.activation, self.alpha, self.limit)
 
 
