@@ -178,6 +178,11 @@ def test_greedy_tokens_equal_transformers_bf16_up_to_near_ties(gpu_checkpoint, h
     assert_greedy_agrees_but_at_near_ties(hf_model, prompts, outs, MAX_NEW, judge=hf_fp32)
 
 
+def test_plain_torch_layers_without_enforce_eager_are_refused_in_one_line(gpu_checkpoint, free_gpu):
+    with pytest.raises(ValueError, match=r"fused_layers=False\) on a GPU needs enforce_eager=True$"):
+        LLM(str(gpu_checkpoint), device="cuda", dtype="bfloat16", max_model_len=1024, fused_layers=False)
+
+
 def test_decode_graphs_give_the_tokens_of_eager_steps(gpu_checkpoint, free_gpu):
     prompts = prompts_of(12, seed=5)
     params = [SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=MAX_NEW) for i in range(12)]

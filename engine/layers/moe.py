@@ -194,6 +194,9 @@ class FusedMoE(nn.Module):
         logits, e = self.gate(x), self.experts
         kernels = _kernels_for(x, e.w13, "fused_moe")
         if kernels is None:
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():  # the reference sizes its loop on the host
+                raise ValueError("a mixture-of-experts model in plain PyTorch (fused_layers=False) on a GPU needs "
+                                 "enforce_eager=True")
             weights, experts = route(logits, self.top_k, self.renormalize)
             run = experts_reference
         else:
