@@ -31,16 +31,18 @@ SLOTS_PER_PROGRAM = 1024  # of the align step's counting and placing kernels
 
 
 def block_sizes(num_slots: int, num_experts: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): blocks of slots sized to the slots per expert (decode
-    steps have few: a larger BLOCK_M would be mostly padding, and each block reads its expert's weights once)."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). BLOCK_M follows the slots per expert: each block reads
+    its expert's weights, so a decode step's few slots an expert fit one block where they can (256 sequences, top-8
+    of 128 experts: 16 on average, up to about 30), and padding costs little there, where reading the weights is
+    the time. Chosen from the shapes, not yet tuned on a GPU."""
     if interpreted():
         return 16, 32, 32, 4, 1
     per_expert = num_slots / num_experts
-    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
+    block_m = 16 if per_expert <= 8 else 32 if per_expert <= 32 else 64
     return block_m, 64, 64, 4, 3
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # one variant for every batch
 def _route_kernel(logits_ptr, weights_ptr, experts_ptr, num_tokens, num_experts, stride_lm, TOP_K: tl.constexpr,
                   RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
     """Each token's softmax over the experts, its TOP_K largest (ties to the lower expert) and their weights."""
@@ -79,7 +81,7 @@ def route_top_k(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[to
     return weights, experts
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def _count_kernel(experts_ptr, counts_ptr, ranks_ptr, num_slots, BLOCK: tl.constexpr):
     """Each slot's place among its expert's slots (in no particular order: each slot's row is computed alone)."""
     slots = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -88,7 +90,7 @@ def _count_kernel(experts_ptr, counts_ptr, ranks_ptr, num_slots, BLOCK: tl.const
     tl.store(ranks_ptr + slots, tl.atomic_add(counts_ptr + expert, 1, mask=mask), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_blocks"])
 def _runs_kernel(counts_ptr, run_start_ptr, block_experts_ptr, num_padded_ptr, num_experts, num_blocks,
                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
     """One program: each expert's run padded to BLOCK_M, where it starts, the padded total, each block's expert."""
@@ -107,7 +109,7 @@ def _runs_kernel(counts_ptr, run_start_ptr, block_experts_ptr, num_padded_ptr, n
         tl.store(block_experts_ptr + blocks, expert, mask=blocks < num_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def _place_kernel(experts_ptr, ranks_ptr, run_start_ptr, sorted_slots_ptr, num_slots, BLOCK: tl.constexpr):
     slots = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = slots < num_slots
@@ -149,7 +151,7 @@ def _block_slots(sorted_slots_ptr, block_experts_ptr, num_padded_ptr, num_slots,
     return slots, slots < num_slots, expert, past
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def _gate_up_act_kernel(x_ptr, w_ptr, b_ptr, h_ptr, sorted_slots_ptr, block_experts_ptr, num_padded_ptr,
                         num_slots, N, K, stride_xm, stride_we, stride_wn, stride_be, stride_hm, alpha, limit,
                         TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -191,7 +193,7 @@ def _gate_up_act_kernel(x_ptr, w_ptr, b_ptr, h_ptr, sorted_slots_ptr, block_expe
     tl.store(h_ptrs, h.to(dtype), mask=real[:, None] & n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def _down_weighted_kernel(h_ptr, w_ptr, b_ptr, weights_ptr, out_ptr, sorted_slots_ptr, block_experts_ptr,
                           num_padded_ptr, num_slots, N, K, stride_hm, stride_we, stride_wn, stride_be, stride_om,
                           HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
