@@ -106,6 +106,7 @@ def main() -> None:
         "route_raw_odd_experts": case_route(21, 6, 3, False),
         "route_top1": case_route(5, 60, 1, True),
         "route_top8_of_128": case_route(19, 128, 8, True),
+        "route_no_tokens": case_route(0, 8, 2, True),
     }
     print(json.dumps(results))
 

@@ -47,7 +47,8 @@ def test_align_step_sorts_each_slot_once_into_blocks_of_one_expert(results, case
     assert outcome["total"] == outcome["expected_total"]
 
 
-@pytest.mark.parametrize("case", ["route_renormalised", "route_raw_odd_experts", "route_top1", "route_top8_of_128"])
+@pytest.mark.parametrize("case", ["route_renormalised", "route_raw_odd_experts", "route_top1", "route_top8_of_128",
+                                  "route_no_tokens"])
 def test_top_k_kernel_picks_torch_experts_and_weights(results, case):
     assert results[case]["experts_equal"]
     assert results[case]["weight_error"] <= 1e-6

@@ -79,11 +79,26 @@ def test_greedy_tokens_match_transformers_with_tokens_spread_over_the_experts(re
     assert max(len(set(c.flatten().tolist())) for c in chosen) >= 6
 
 
+def preempting_every(llm: LLM, steps: int):
+    """The scheduler's schedule, made to preempt the newest running sequence every `steps` steps first (a
+    sliding window's sequences hold few blocks, so a tight cache alone need not preempt); returns it."""
+    schedule, count = llm.scheduler.schedule, [0]
+
+    def preempting():
+        count[0] += 1
+        if count[0] % steps == 0 and llm.scheduler.running:
+            llm.scheduler.preempt(llm.scheduler.running[-1])
+        return schedule()
+
+    llm.scheduler.schedule = preempting
+    return preempting
+
+
 def test_prefix_cache_preemption_and_chunked_prefill_keep_tokens_identical(reference):
     model_dir, prompts, expected = reference
     llm = LLM(str(model_dir), device="cpu", kvcache_block_size=4, num_kvcache_blocks=40, max_model_len=128,
               max_num_batched_tokens=24)
-    chunked, schedule = [], llm.scheduler.schedule
+    chunked, schedule = [], preempting_every(llm, 25)
 
     def spy():
         batch = schedule()
@@ -103,6 +118,7 @@ def test_tp2_splits_every_expert_and_keeps_transformers_tokens(reference):
     llm = LLM(str(model_dir), device="cpu", tensor_parallel_size=2, kvcache_block_size=4, num_kvcache_blocks=40,
               max_model_len=128, max_num_batched_tokens=32)
     pids = llm.runner.worker_pids
+    preempting_every(llm, 25)
     try:
         assert generate_ids(llm, prompts + prompts[-4:], GREEDY) == expected + expected[-4:]
         assert llm.scheduler.num_preemptions > 0

@@ -73,6 +73,8 @@ def route_top_k(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[to
     num_tokens, num_experts = logits.shape
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
     experts = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
+    if num_tokens == 0:
+        return weights, experts
     block_e = triton.next_power_of_2(num_experts)
     block_t = max(1, min(16, 4096 // block_e))
     _route_kernel[(triton.cdiv(num_tokens, block_t),)](
