@@ -6,9 +6,11 @@ real slot's row written (NaN-poisoned buffers), the align step's blocks each of 
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.interpreter import run_under_interpreter
 
@@ -52,3 +54,53 @@ def test_align_step_sorts_each_slot_once_into_blocks_of_one_expert(results, case
 def test_top_k_kernel_picks_torch_experts_and_weights(results, case):
     assert results[case]["experts_equal"]
     assert results[case]["weight_error"] <= 1e-6
+
+
+def _launches(call) -> list:
+    """(JITFunction, args, kwargs) of every Triton launch `call()` makes, none of them run."""
+    from triton.runtime.jit import JITFunction
+
+    launches, original = [], JITFunction.run
+
+    def record(self, *args, grid, warmup, **kwargs):
+        launches.append((self, args, kwargs))
+    JITFunction.run = record
+    try:
+        call()
+    finally:
+        JITFunction.run = original
+    return launches
+
+
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b-decode", "gpt-oss-20b-prefill"])
+def test_kernels_compile_for_hopper_as_the_engine_launches_them(shape, monkeypatch):
+    """Each kernel of a layer's routing and experts, launched by the wrappers with the GPU's block sizes on the
+    shape's bf16 tensors, compiles for sm_90 (bench/kernel_ir.py) within the H100's shared memory."""
+    from engine.kernels import fused_moe
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+    import kernel_ir
+
+    monkeypatch.setattr(fused_moe, "interpreted", lambda: False)  # the GPU's block sizes
+    tokens, hidden, inter, num_experts, top_k, bias, activation = {
+        "qwen3-30b-a3b-decode": (256, 2048, 768, 128, 8, False, "silu"),
+        "gpt-oss-20b-prefill": (2048, 2880, 2880, 32, 4, True, "swiglu_clamped")}[shape]
+    bf16 = lambda *s: torch.empty(*s, dtype=torch.bfloat16)  # noqa: E731
+    logits, x = bf16(tokens, num_experts), bf16(tokens, hidden)
+    w13, w2 = bf16(num_experts, 2 * inter, hidden), bf16(num_experts, hidden, inter)
+    b13, b2 = (bf16(num_experts, 2 * inter), bf16(num_experts, hidden)) if bias else (None, None)
+    experts = torch.randint(0, num_experts, (tokens, top_k), dtype=torch.int32)
+    weights = torch.rand(tokens, top_k)
+
+    def layer():
+        fused_moe.route_top_k(logits, top_k, True)
+        fused_moe.fused_experts(x, w13, w2, weights, experts, b13, b2, activation)
+
+    launches = _launches(layer)
+    assert len(launches) == 6
+    for kernel, args, kwargs in launches:
+        try:
+            compiled = kernel_ir.compile_for(kernel, args, kwargs, 90)
+        except ImportError as e:  # a Triton without the CUDA backend
+            pytest.skip(f"cannot compile for sm_90 here: {e}")
+        assert compiled.metadata.shared <= 227 * 1024, kernel.fn.__name__
