@@ -89,6 +89,33 @@ def case_route(tokens: int, num_experts: int, top_k: int, renormalize: bool) -> 
             "weight_error": (got_w - want_w).abs().max().item() if tokens else 0.0}
 
 
+def case_engine_tokens(family: str) -> dict:
+    """The engine with the MoE layers on the fused kernels (as on CUDA; the other layers in torch) against
+    transformers' greedy tokens on a tiny checkpoint of the family."""
+    import tempfile
+
+    from engine import LLM, SamplingParams
+    from engine.layers import moe
+    from tests.conftest import hf_greedy
+    from tests.test_moe_families import make_moe_checkpoint
+    from tests.test_windowed_families import prompts_of
+
+    used = []
+
+    def fused_kernels(x, weight, name):
+        used.append(name)
+        return fused_moe
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_moe_checkpoint(family, Path(tmp) / family)
+        prompts = prompts_of(6, seed=8, longest=30)
+        expected = hf_greedy(model_dir, prompts, 8)
+        moe._kernels_for = fused_kernels
+        llm = LLM(str(model_dir), device="cpu", kvcache_block_size=8)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    return {"equal": [o.token_ids for o in outs] == expected, "fused_calls": len(used)}
+
+
 def main() -> None:
     results = {
         "one_token_top1": case_matches(1, 32, 24, 4, 1),
@@ -107,6 +134,7 @@ def main() -> None:
         "route_top1": case_route(5, 60, 1, True),
         "route_top8_of_128": case_route(19, 128, 8, True),
         "route_no_tokens": case_route(0, 8, 2, True),
+        **{f"engine_{family}": case_engine_tokens(family) for family in ("qwen2_moe", "mixtral")},
     }
     print(json.dumps(results))
 

@@ -57,6 +57,14 @@ def test_top_k_kernel_picks_torch_experts_and_weights(results, case):
     assert results[case]["weight_error"] <= 1e-6
 
 
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_engine_on_the_fused_kernels_gives_transformers_greedy_tokens(results, family):
+    """The whole engine with its MoE layers on the fused kernels (as on CUDA: top-k, align, both GEMMs; raw
+    top-k weights and a shared expert, renormalised ones and a window) generates transformers' tokens."""
+    assert results[f"engine_{family}"]["equal"]
+    assert results[f"engine_{family}"]["fused_calls"] > 0
+
+
 def _launches(call) -> list:
     """(JITFunction, args, kwargs) of every Triton launch `call()` makes, none of them run."""
     from triton.runtime.jit import JITFunction
