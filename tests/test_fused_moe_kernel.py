@@ -2,8 +2,8 @@
 (tests/fused_moe_cases.py): the same output as the expert-by-expert reference for one token and many, top-k
 from 1 to every expert, biases and gpt-oss's clamped SwiGLU, an expert whose run spans several blocks; every
 real slot's row written (NaN-poisoned buffers), the align step's blocks each of one expert, the top-k kernel's
-choices torch's. Each kernel also compiles for sm_90 as the engine launches it. The GPU's shapes (up to 128
-experts, 16k tokens) are in tests/test_gpu_moe.py."""
+choices torch's, and the engine on these kernels generating transformers' tokens. Each kernel also compiles for
+sm_90 as the engine launches it. The GPU's shapes (up to 128 experts, 16k tokens) are in tests/test_gpu_moe.py."""
 from __future__ import annotations
 
 import importlib.util
