@@ -22,6 +22,8 @@ CPU_CASES = [
     ("gqa2_d64_mixed_window7", 4, 2, 64, 16, [9, 1, 20, 1], [40, 17, 20, 64], 7),
     ("gqa8_d64_decode_window20", 8, 1, 64, 32, None, [100, 3, 21], 20),
     ("mha_d64_decode", 4, 4, 64, 16, None, [50, 1, 33], 0),
+    # pages of 4 positions under tiles of 16: a tile that holds the window's first key starts in handed-back pages
+    ("gqa2_d64_mixed_window7_page4", 4, 2, 64, 4, [9, 1, 20, 1], [40, 17, 20, 64], 7),
 ]
 GPU_CASES = [  # gpt-oss-20b's attention per GPU: 64 query heads, 8 KV heads, head_dim 64, window 128
     ("gpt_oss_20b_mixed", 64, 8, 64, 256, [300, 1, 1, 700, 1], [300, 900, 2000, 1500, 129], 0),
@@ -76,6 +78,19 @@ def reference_attention_with_sinks(case: PagedCase, sinks: torch.Tensor | None, 
     return out
 
 
+def hand_back_out_of_window(case: PagedCase, window: int) -> torch.Tensor:
+    """The block tables as the engine leaves them where every layer slides (BlockManager.release_out_of_window):
+    each page wholly before the window of its sequence's first query token points at the first page it still
+    holds, whose keys the kernels may read there but must not weigh."""
+    tables = case.block_tables.clone()
+    page = case.k_cache.shape[1]
+    q_lens = (case.cu_seqlens_q[1:] - case.cu_seqlens_q[:-1]).tolist()
+    for b, (q_len, len_k) in enumerate(zip(q_lens, case.seqlens_k.tolist())):
+        keep_from = max(len_k - q_len - window + 1, 0) // page
+        tables[b, :keep_from] = tables[b, keep_from]
+    return tables
+
+
 def check_sinks(device: str, cases=CPU_CASES, dtype: torch.dtype = torch.bfloat16) -> dict:
     """{check: (relative error, all written)}: prefill, the backend's split of a mixed batch (several split
     counts) and decode alone against the reference with sinks; the triton backend against the torch one; and
@@ -112,6 +127,16 @@ def check_sinks(device: str, cases=CPU_CASES, dtype: torch.dtype = torch.bfloat1
                          num_splits=splits, cu_seqlens_q=mixed, order=decode_order(case.seqlens_k), **terms)
             results[f"{name}_routed_splits_{splits or 'default'}"] = (relative_error(out, ref),
                                                                      not out.isnan().any().item())
+        if window:  # pages before the windows handed back: the same outputs
+            tables = hand_back_out_of_window(case, window)
+            results[f"{name}_pages_handed_back"] = (float(not (tables != case.block_tables).any().item()), True)
+            out = torch.full_like(case.q, float("nan"))
+            if max(q_lens) > 1:
+                paged_prefill(*common, case.cu_seqlens_q, case.seqlens_k, tables, case.max_seqlen_q, case.scale,
+                              out=out, skip_decodes=True, **terms)
+            paged_decode(*common, case.seqlens_k, tables, case.max_seqlen_k, case.scale, out=out, num_splits=3,
+                         cu_seqlens_q=case.cu_seqlens_q if max(q_lens) > 1 else None, **terms)
+            results[f"{name}_handed_back_routed"] = (relative_error(out, ref), not out.isnan().any().item())
         meta = AttentionMetadata(
             slot_mapping=torch.full((case.q.shape[0],), -1, dtype=torch.int32, device=device),
             cu_seqlens_q=case.cu_seqlens_q, seqlens_k=case.seqlens_k, block_tables=case.block_tables,

@@ -14,6 +14,12 @@ and the copies wait in `pending_copies` until the step's forward pass makes them
 With LongRoPE (Phi-3's long-context checkpoints) a sequence longer than `long_rope_after` tokens when it is
 given its blocks rotates all its keys with the long factors (`Sequence.long_rope`): its blocks' hashes chain
 from a root of their own, so they never serve a sequence that rotates with the short factors, nor the reverse.
+
+Where every layer attends through a sliding window, a running sequence's leading blocks that no later query can
+see (wholly before its next token's window) are handed back as it goes (release_out_of_window), once they are
+in the prefix cache: its table keeps a block it holds in their place, which the kernels may read (a tile can
+start before the window) but never weigh. A prefix hit must chain from the first block, so a prompt finds
+those blocks only while they are still cached.
 """
 from __future__ import annotations
 
@@ -51,8 +57,9 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 long_rope_after: int | None = None):
+                 long_rope_after: int | None = None, sliding_window: int = 0):
         self.block_size = block_size
+        self.sliding_window = sliding_window  # every layer's window is at most this; 0: some layer sees it all
         self.long_rope_after = long_rope_after  # LongRoPE: sequences longer than this take the long factors
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -127,6 +134,9 @@ class BlockManager:
             block.ref_count += 1
         seq.block_table = hits + [self._take_free_block() for _ in range(seq.num_blocks - len(hits))]
         seq.num_hashed_blocks = len(hits)
+        seq.hashed_prefix = (self.blocks[hits[-1]].hash if hits
+                             else LONG_ROPE_ROOT if seq.long_rope else -1)
+        seq.num_released_blocks = 0
         seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens
         if self.enable_prefix_caching:
@@ -135,19 +145,41 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks; computed full blocks stay findable until reused."""
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_block_ids[block_id] = None
-                if block.hash == -1:  # holds nothing worth keeping: reuse it first
-                    self.free_block_ids.move_to_end(block_id, last=False)
+        for block_id in reversed(seq.block_table[seq.num_released_blocks:]):
+            self._release(block_id)
         seq.block_table = []
         seq.num_hashed_blocks = 0
+        seq.num_released_blocks = 0
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_block_ids[block_id] = None
+            if block.hash == -1:  # holds nothing worth keeping: reuse it first
+                self.free_block_ids.move_to_end(block_id, last=False)
+
+    def release_out_of_window(self, seq: Sequence) -> None:
+        """Hand back a running `seq`'s leading blocks that its next token's window (and so every later one's)
+        starts after: a query at position i sees keys j > i - sliding_window. With prefix caching, only blocks
+        already entered in it (their K/V stay findable until reused)."""
+        if not self.sliding_window:
+            return
+        first_seen = seq.num_computed_tokens - self.sliding_window + 1
+        keep_from = min(first_seen // self.block_size, len(seq.block_table) - 1)
+        if self.enable_prefix_caching:
+            keep_from = min(keep_from, seq.num_hashed_blocks)
+        if keep_from <= seq.num_released_blocks:
+            return
+        held = seq.block_table[keep_from]  # read in their place, never weighed
+        for i in range(seq.num_released_blocks, keep_from):
+            self._release(seq.block_table[i])
+            seq.block_table[i] = held
+        seq.num_released_blocks = keep_from
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give `child` the blocks of `parent` (its KV so far), shared."""
-        for block_id in parent.block_table:
+        for block_id in parent.block_table[parent.num_released_blocks:]:
             self.blocks[block_id].ref_count += 1
         child.block_table = list(parent.block_table)
 
@@ -187,8 +219,7 @@ class BlockManager:
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         if num_full <= seq.num_hashed_blocks:
             return
-        prefix_hash = (self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks
-                       else LONG_ROPE_ROOT if seq.long_rope else -1)
+        prefix_hash = seq.hashed_prefix
         for i in range(seq.num_hashed_blocks, num_full):
             tokens, image_key = seq.block(i), seq.block_image_key(i)
             prefix_hash = chain_hash(tokens, prefix_hash, image_key)
@@ -198,3 +229,4 @@ class BlockManager:
             block.image_key = image_key
             self.hash_to_block_id[prefix_hash] = block.block_id
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)
+        seq.hashed_prefix = prefix_hash

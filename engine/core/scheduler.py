@@ -6,7 +6,8 @@ budget left admits waiting sequences, whose prompts are cut into chunks when the
 decode needs a KV block and none is free, the newest running sequence is preempted: its blocks are
 freed and it waits to be recomputed (its computed blocks usually come back from the prefix cache). With
 LongRoPE, a running sequence that grows past the switch to the long factors is recomputed the same way, from
-its first token (BlockManager.rotates_anew), without counting as a preemption.
+its first token (BlockManager.rotates_anew), without counting as a preemption. Where every layer slides, a
+running sequence's blocks that its windows have passed are handed back before each step.
 
 A request of n > 1 sequences (at most max_seqs_per_request, which the engine checks when it is added, so
 that no request holds every slot) is admitted when there are slots for all of them; when its prompt's last
@@ -69,8 +70,13 @@ class Scheduler:
         batch = ScheduledBatch([], [])
         # a sequence whose last sampled token is its final one (its value may still be in flight) needs no step
         active = [s for s in self.running if s.num_tokens < s.max_num_tokens]
-        for seq in [s for s in active if self.block_manager.rotates_anew(s)]:
-            self._release(seq)
+        bm = self.block_manager
+        if bm.long_rope_after is not None or bm.sliding_window:  # blocks to hand back, or keys to rotate anew
+            for seq in active:
+                if bm.rotates_anew(seq):
+                    self._release(seq)
+                else:
+                    bm.release_out_of_window(seq)
         active = [s for s in active if s.status == SequenceStatus.RUNNING]
         decodes = [s for s in active if s.num_uncomputed_tokens == 1]
         prefills = [s for s in active if s.num_uncomputed_tokens > 1]
