@@ -202,6 +202,29 @@ def test_mistral_long_generation_hands_back_blocks_outside_the_window_and_matche
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks  # every block handed back once
 
 
+def test_mistral_beams_fork_from_sequences_that_handed_blocks_back_and_keep_transformers_beams(tmp_path):
+    from engine import BeamSearchParams
+    from tests.breadth_helpers import hf_beams, load_hf
+
+    model_dir = make_checkpoint("mistral", tmp_path / "mistral")
+    prompts = prompts_of(3, seed=31, longest=30)
+    llm = LLM(str(model_dir), device="cpu", kvcache_block_size=4)
+    released, schedule = [], llm.scheduler.schedule
+
+    def spy():
+        batch = schedule()
+        released.extend(s.num_released_blocks for s in llm.scheduler.running)
+        return batch
+
+    llm.scheduler.schedule = spy
+    outs = llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=50, ignore_eos=True))
+    hf = load_hf(model_dir)
+    for prompt, out in zip(prompts, outs):
+        assert [c.token_ids for c in out.outputs] == [t for t, _ in hf_beams(hf, prompt, 3, 50, 1.0, eos=10 ** 6)]
+    assert max(released) > 5
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
 def test_blocks_are_held_whole_where_some_layer_sees_the_whole_context(tmp_path):
     model_dir = make_checkpoint("gemma2", tmp_path / "gemma2")
     llm = LLM(str(model_dir), device="cpu", kvcache_block_size=4)
