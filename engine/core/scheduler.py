@@ -77,7 +77,7 @@ class Scheduler:
                     self._release(seq)
                 else:
                     bm.release_out_of_window(seq)
-        active = [s for s in active if s.status == SequenceStatus.RUNNING]
+            active = [s for s in active if s.status == SequenceStatus.RUNNING]
         decodes = [s for s in active if s.num_uncomputed_tokens == 1]
         prefills = [s for s in active if s.num_uncomputed_tokens > 1]
         for seq in decodes:
