@@ -40,7 +40,8 @@ def rope_settings(hf_config, layer_type: str | None = None) -> tuple[float, dict
 def long_rope_rows(hf_config) -> tuple[int, int] | None:
     """LongRoPE: (the context length past which a sequence rotates with the long factors, the row of position 0
     in the long half of RotaryEmbedding's tables); None for a rope of one set of frequencies."""
-    given = {**dict(getattr(hf_config, "rope_scaling", None) or {}), **dict(getattr(hf_config, "rope_parameters", None) or {})}
+    given = {**dict(getattr(hf_config, "rope_scaling", None) or {}),
+             **dict(getattr(hf_config, "rope_parameters", None) or {})}
     if "long_factor" not in given:  # (a config of several ropes, or M-RoPE's, has none at its top)
         return None
     _, scaling = rope_settings(hf_config)

@@ -106,8 +106,9 @@ class GptOssModel(nn.Module):
 
 
 # the fused expert tensors of a checkpoint layer → (our parameter, ExpertWeights part)
-_EXPERTS = re.compile(r"^(?P<layer>.+\.mlp)\.experts\.(?P<name>gate_up_proj|gate_up_proj_bias|down_proj|down_proj_bias)$")
-_EXPERT_PARTS = {"gate_up_proj": ("w13", "gate_up_interleaved_t"), "gate_up_proj_bias": ("b13", "gate_up_interleaved_t"),
+_EXPERTS = re.compile(r"^(?P<layer>.+\.mlp)\.experts\.(?P<name>(gate_up|down)_proj(_bias)?)$")
+_EXPERT_PARTS = {"gate_up_proj": ("w13", "gate_up_interleaved_t"),
+                 "gate_up_proj_bias": ("b13", "gate_up_interleaved_t"),
                  "down_proj": ("w2", "down_t"), "down_proj_bias": ("b2", "down")}
 
 
