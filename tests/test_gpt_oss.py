@@ -1,9 +1,11 @@
 """gpt-oss against transformers on a tiny checkpoint that transformers writes (alternating sliding-window and full
 layers with windows shorter than the prompts, attention sinks, YaRN rope, 8 experts top-2 with biases and the
 clamped SwiGLU): greedy tokens equal transformers' generate, also through prefix-cache hits, forced preemption,
-chunked prefill and TP=2; YaRN's tables equal transformers'; a quantized (MXFP4) checkpoint is refused."""
+chunked prefill and TP=2, and with the attention and the experts on the GPU's Triton kernels (run by the
+interpreter); YaRN's tables equal transformers'; a quantized (MXFP4) checkpoint is refused."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -15,6 +17,7 @@ from engine import LLM, SamplingParams
 from engine.builtin import TINY_MODEL_DIR
 from engine.layers import moe
 from tests.conftest import hf_greedy
+from tests.interpreter import run_under_interpreter
 from tests.test_tp import assert_ranks_gone, generate_ids
 from tests.test_windowed_families import prompts_of
 
@@ -120,6 +123,15 @@ def test_tp2_splits_heads_sinks_and_experts_and_keeps_transformers_tokens(refere
     finally:
         llm.shutdown()
     assert_ranks_gone(pids)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_engine_on_the_gpu_kernels_under_the_interpreter_gives_transformers_tokens():
+    """The attention through the triton backend (qkv_prep, prefill, split-KV and fused decode, with sinks and the
+    window) and the MoE layers through the fused kernels, as on CUDA, run by the Triton interpreter."""
+    results = run_under_interpreter(Path(__file__).parent / "gpt_oss_cases.py")["sync"]
+    assert results["equal"], results
+    assert results["moe_calls"] > 0 and results["fused_decode_calls"] > 0 and results["prefill_calls"] > 0
 
 
 @pytest.mark.parametrize("rope", [YARN, {**YARN, "truncate": True, "beta_fast": 16.0, "beta_slow": 2.0,
