@@ -129,7 +129,7 @@ def test_tp2_splits_heads_sinks_and_experts_and_keeps_transformers_tokens(refere
 def test_engine_on_the_gpu_kernels_under_the_interpreter_gives_transformers_tokens():
     """The attention through the triton backend (qkv_prep, prefill, split-KV and fused decode, with sinks and the
     window) and the MoE layers through the fused kernels, as on CUDA, run by the Triton interpreter."""
-    results = run_under_interpreter(Path(__file__).parent / "gpt_oss_cases.py")["sync"]
+    results = run_under_interpreter(Path(__file__).parent / "engine_on_kernels_cases.py", "gpt_oss")["gpt_oss"]
     assert results["equal"], results
     assert results["moe_calls"] > 0 and results["fused_decode_calls"] > 0 and results["prefill_calls"] > 0
 

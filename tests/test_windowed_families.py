@@ -4,15 +4,18 @@ packed checkpoint and LongRoPE. Greedy tokens equal transformers' generate, also
 forced preemption, chunked prefill and TP=2; quantized checkpoints are refused with one clear error."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
 from tests.conftest import WINDOWED_FAMILIES, hf_greedy, make_checkpoint
+from tests.interpreter import run_under_interpreter
 from tests.test_tp import assert_ranks_gone, generate_ids
 
 MAX_NEW = 24
@@ -200,6 +203,16 @@ def test_mistral_long_generation_hands_back_blocks_outside_the_window_and_matche
         pairs = llm.generate(prompts[:2], SamplingParams(n=2, temperature=0, max_tokens=max_new), use_tqdm=False)
         assert [[c.token_ids for c in o.outputs] for o in pairs] == [[e, e] for e in expected[:2]]
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks  # every block handed back once
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_handed_back_blocks_on_the_gpu_kernels_under_the_interpreter_keep_transformers_tokens():
+    """Mistral on the triton backend (prefill, split-KV and fused decode), run by the Triton interpreter: pages of
+    4 positions handed back behind a window of 10 lie under the kernels' tiles of 16, read there, never weighed."""
+    results = run_under_interpreter(Path(__file__).parent / "engine_on_kernels_cases.py",
+                                    "mistral_handed_back")["mistral_handed_back"]
+    assert results["equal"], results
+    assert results["most_released"] > 5 and results["fused_decode_calls"] > 0 and results["prefill_calls"] > 0
 
 
 def test_mistral_beams_fork_from_sequences_that_handed_blocks_back_and_keep_transformers_beams(tmp_path):
