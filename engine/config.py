@@ -63,8 +63,6 @@ class EngineConfig(EngineOptions):
             heads = getattr(self.text_config, name, None) or self.text_config.num_attention_heads
             if heads % tp:
                 raise ValueError(f"{name} ({heads}) must be divisible by tensor_parallel_size ({tp})")
-        if getattr(self.hf_config, "vision_config", None) is not None and tp > 1:
-            raise ValueError("vision-language models run on one device for now; use tensor_parallel_size=1")
         max_pos = getattr(self.text_config, "max_position_embeddings", None) or 4096
         if self.max_model_len is None:
             self.max_model_len = min(max_pos, 4096 if on_gpu else 2048)

@@ -167,3 +167,47 @@ def test_copy_on_write_needs_a_free_block():
     bm.allocate(seq([7]))                  # the last free block
     child.append_token(4)
     assert not bm.can_append(child)
+
+
+def test_blocks_before_the_window_are_handed_back_once_cached_and_never_serve_a_prefix_after_reuse():
+    bm = BlockManager(8, BS, sliding_window=3)
+    a = seq(list(range(14)))               # 3 full blocks + 2 tokens; the next query (position 14) sees 12..14
+    bm.allocate(a)
+    a.num_computed_tokens = 14
+    bm.release_out_of_window(a)
+    assert a.num_released_blocks == 0      # not yet in the prefix cache
+    bm.register_computed(a)
+    held = a.block_table[3]
+    released = a.block_table[:3]
+    bm.release_out_of_window(a)
+    assert a.num_released_blocks == 3 and a.block_table == [held] * 4
+    assert bm.num_free_blocks == 7 and all(bm.blocks[b].ref_count == 0 for b in released)
+    # while cached, the handed-back blocks serve the same prompt from its first block
+    c = seq(list(range(12)) + [50, 51])
+    assert bm._cached_prefix(c) == released
+    # reused by another sequence (the never-cached blocks go first, then these), they serve nothing
+    d = seq(list(range(100, 128)))
+    bm.allocate(d)
+    assert set(released) <= set(d.block_table)
+    assert bm._cached_prefix(c) == []
+    bm.free(a)
+    bm.free(d)
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_long_rope_blocks_chain_from_their_own_root():
+    """A sequence longer than long_rope_after rotates with LongRoPE's long factors: its blocks never serve a short
+    sequence's prefix, nor a short one's blocks a long one's."""
+    bm = BlockManager(16, BS, long_rope_after=10)
+    short = seq(list(range(9)))
+    bm.allocate(short)
+    compute_all(bm, short)
+    long = seq(list(range(9)) + list(range(50, 60)))
+    bm.allocate(long)
+    assert long.long_rope and not short.long_rope and long.num_cached_tokens == 0
+    compute_all(bm, long)
+    other_long = seq(list(range(9)) + list(range(70, 80)))
+    bm.allocate(other_long)
+    assert other_long.num_cached_tokens == 8 and other_long.block_table[:2] == long.block_table[:2]
+    short.append_token(5), short.append_token(6)
+    assert bm.rotates_anew(short) and not bm.rotates_anew(long)

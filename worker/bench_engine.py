@@ -160,8 +160,8 @@ def build_llm(args: argparse.Namespace):
 def floor_seconds(hf_config, prompts: list[list[int]], params, bandwidth: float, dtype_bytes: int = 2,
                   tensor_parallel_size: int = 1, kv_dtype_bytes: int | None = None) -> float:
     """Bytes that must cross device memory (each generated token's context K/V once, in a sliding-window
-    layer only the window's, the weights once per decode step, all sequences decoding together) over the
-    bandwidth. kv_dtype_bytes: bytes of a cached K/V element (default dtype_bytes; 1 for an fp8 cache)."""
+    layer only the window's, the weights once per decode step, all sequences decoding together; of a
+    mixture of experts, the experts the step's sequences route to) over the bandwidth. kv_dtype_bytes: bytes of a cached K/V element (default dtype_bytes; 1 for an fp8 cache)."""
     from engine.models import model_class
 
     layer_kv = kv_bytes_per_token(hf_config, kv_dtype_bytes or dtype_bytes) // hf_config.num_hidden_layers
@@ -170,9 +170,13 @@ def floor_seconds(hf_config, prompts: list[list[int]], params, bandwidth: float,
     for prompt, sp in zip(prompts, params):
         for window in windows:
             context_bytes += attended_positions(len(prompt), sp.max_tokens, window) * layer_kv
-    decode_steps = max(sp.max_tokens for sp in params)
-    weight_bytes = count_parameters(hf_config) * dtype_bytes
-    return (context_bytes + decode_steps * weight_bytes) / (bandwidth * tensor_parallel_size)
+    lengths = [sp.max_tokens for sp in params]
+    if moe_shape(hf_config) is None:
+        weight_bytes = max(lengths) * count_parameters(hf_config) * dtype_bytes
+    else:  # a step reads the experts its sequences route to: fewer as sequences finish
+        weight_bytes = sum(count_parameters(hf_config, sum(n > step for n in lengths))
+                           for step in range(max(lengths))) * dtype_bytes
+    return (context_bytes + weight_bytes) / (bandwidth * tensor_parallel_size)
 
 
 def attended_positions(prompt_len: int, new_tokens: int, window: int = 0) -> int:
@@ -191,14 +195,37 @@ def kv_bytes_per_token(hf_config, kv_dtype_bytes: int = 2) -> int:
     return hf_config.num_hidden_layers * 2 * hf_config.num_key_value_heads * head_dim * kv_dtype_bytes
 
 
-def count_parameters(c) -> int:
-    """Parameters of a Llama/Qwen-style decoder from its config (tied embeddings counted once)."""
-    h, inter, vocab = c.hidden_size, c.intermediate_size, c.vocab_size
+def count_parameters(c, batch: int | None = None) -> float:
+    """Parameters of a Llama/Qwen-style decoder from its config (tied embeddings counted once). Of a mixture of
+    experts, those a decode step of `batch` sequences reads: each sparse layer's experts expected to serve one
+    of their batch * top-k uniformly routed picks (None: every expert)."""
+    h, vocab = c.hidden_size, c.vocab_size
     head_dim = getattr(c, "head_dim", None) or h // c.num_attention_heads
     q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
-    per_layer = h * q + 2 * h * kv + q * h + 3 * h * inter + 2 * h + 2 * head_dim
+    attention = h * q + 2 * h * kv + q * h + 2 * h + 2 * head_dim
+    dense_mlp = 3 * h * c.intermediate_size
+    layers = c.num_hidden_layers * (attention + dense_mlp)
+    moe = moe_shape(c)
+    if moe is not None:
+        sparse, num_experts, top_k, per_expert = moe
+        touched = num_experts if batch is None else num_experts * (1 - (1 - top_k / num_experts) ** batch)
+        shared = getattr(c, "shared_expert_intermediate_size", 0) or 0
+        sparse_mlp = h * num_experts + touched * per_expert + (3 * h * shared + h if shared else 0)
+        layers += sparse * (sparse_mlp - dense_mlp)
     lm_head = 0 if getattr(c, "tie_word_embeddings", False) else vocab * h
-    return vocab * h + c.num_hidden_layers * per_layer + h + lm_head
+    return vocab * h + layers + h + lm_head
+
+
+def moe_shape(c) -> tuple[int, int, int, int] | None:
+    """(sparse layers, experts, top-k, parameters of one expert) of a mixture-of-experts config, else None."""
+    num_experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
+    if not num_experts:
+        return None
+    inter = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
+    dense = set(getattr(c, "mlp_only_layers", None) or [])
+    step = getattr(c, "decoder_sparse_step", None) or 1
+    sparse = sum(1 for i in range(c.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
+    return sparse, num_experts, c.num_experts_per_tok, 3 * c.hidden_size * inter
 
 
 def gpu_name() -> str:

@@ -46,9 +46,11 @@ class ForwardContext:
             prepare(self.meta)
 
 
-def get_backend(name: str, device: torch.device, kv_cache_dtype: torch.dtype | None = None):
+def get_backend(name: str, device: torch.device, kv_cache_dtype: torch.dtype | None = None,
+                attention_sinks: bool = False):
     """The backend for `name`; "auto" picks flash, then triton on CUDA, torch elsewhere (triton over flash
-    for an fp8 KV cache, which flash does not read)."""
+    for an fp8 KV cache, which flash does not read, and for a model with attention sinks, which it does not
+    take)."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name == "auto":
@@ -56,7 +58,10 @@ def get_backend(name: str, device: torch.device, kv_cache_dtype: torch.dtype | N
             name = "torch"
         else:
             fp8 = kv_cache_dtype is not None and kv_cache_dtype.itemsize == 1
-            name = "flash" if flash_available() and not fp8 else "triton"
+            name = "flash" if flash_available() and not fp8 and not attention_sinks else "triton"
+    if name == "flash" and attention_sinks:
+        raise ValueError("this model's attention sinks (gpt-oss) are not taken by attention_backend='flash'; "
+                         "use 'triton' or 'auto'")
     if name != "torch" and device.type != "cuda":
         raise ValueError(f"attention_backend={name!r} needs a CUDA device; use 'torch' on {device.type}")
     if name == "torch":

@@ -6,7 +6,8 @@ Two generations are understood:
 - flash-attn 4 (`flash_attn.cute.flash_attn_varlen_func`, wheels, Hopper and Blackwell): paged
   varlen attention through `page_table` + `seqused_k`, any page size.
 New K/V go into the cache through the engine's Triton kernel either way. A sliding window and attention-logit
-soft-capping are flash-attn's own window_size and softcap arguments.
+soft-capping are flash-attn's own window_size and softcap arguments; attention sinks (gpt-oss) are not
+taken: such a model runs on the triton backend.
 """
 from __future__ import annotations
 
@@ -72,7 +73,11 @@ class FlashBackend:
         store_kvcache(key, value, k_cache, v_cache, slot_mapping)
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: "AttentionMetadata", scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                meta: "AttentionMetadata", scale: float, window: int = 0, softcap: float = 0.0,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if sinks is not None:
+            raise ValueError("attention sinks (gpt-oss) are not supported by attention_backend='flash'; "
+                             "use 'triton' or 'auto'")
         if self.flavor == "fa4":
             return self._forward_fa4(q, k_cache, v_cache, meta, scale, window, softcap)
         return self._forward_fa2(q, k_cache, v_cache, meta, scale, window, softcap)

@@ -29,7 +29,8 @@ class TorchBackend:
         v_cache.view(-1, *v_cache.shape[2:])[slots] = to_cache(value[valid], v_cache.dtype)
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty_like(q)
         block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
         group = q.shape[1] // num_kv_heads
@@ -47,17 +48,25 @@ class TorchBackend:
             mask = q_pos >= k_pos
             if window:  # a query at position i sees keys j with i - j < window
                 mask &= q_pos - k_pos < window
-            o = attend(q[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask, scale, softcap)
+            o = attend(q[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask, scale, softcap,
+                       sinks)
             out[start:end] = o.transpose(0, 1)
         return out
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-           softcap: float = 0.0) -> torch.Tensor:
+           softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q [H, Lq, D] over k, v [H, Lk, D] where mask [Lq, Lk] is True; with softcap, each logit
-    becomes cap x tanh(logit / cap) before the mask and softmax (as transformers' eager Gemma 2)."""
-    if not softcap:
+    becomes cap x tanh(logit / cap) before the mask and softmax (as transformers' eager Gemma 2); sinks [H]:
+    each head's logit joins its softmax as one more column that carries no value (as transformers' gpt-oss)."""
+    if not softcap and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / softcap) * softcap
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), v)
+    if sinks is None:
+        return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), v)
+    sink_column = sinks.to(scores.dtype)[:, None, None].expand(-1, scores.shape[1], 1)
+    probs = torch.cat([scores, sink_column], dim=-1).softmax(dim=-1, dtype=torch.float32)[..., :-1]
+    return torch.matmul(probs.to(q.dtype), v)

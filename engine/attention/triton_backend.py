@@ -35,8 +35,8 @@ class TritonBackend:
     def decode_from_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, meta: "AttentionMetadata",
                         num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                        after_gemv: bool | None = None, window: int = 0,
-                        softcap: float = 0.0) -> torch.Tensor | None:
+                        after_gemv: bool | None = None, window: int = 0, softcap: float = 0.0,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor | None:
         """A decode batch's attention output [B, H, D] straight from the qkv rows, K/V stored: one kernel
         (engine/kernels/fused_decode.py); None where it does not apply (then qkv_prep and forward)."""
         if not (meta.is_decode and fused_decode.fits(head_dim)):
@@ -47,7 +47,7 @@ class TritonBackend:
             meta.slot_mapping, meta.seqlens_k, meta.block_tables, meta.max_seqlen_k, scale, num_heads,
             num_kv_heads, self._split_counters(qkv.shape[0] * num_kv_heads, qkv.device),
             order=self._decode_order(meta), after_gemv=after_gemv, window=window, softcap=softcap,
-            unit_offset=unit_offset)
+            unit_offset=unit_offset, sinks=sinks)
 
     def _split_counters(self, count: int, device: torch.device) -> torch.Tensor:
         if not self._counters or self._counters[-1].numel() < count or self._counters[-1].device != device:
@@ -72,19 +72,20 @@ class TritonBackend:
         return meta.decode_order
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: "AttentionMetadata", scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                meta: "AttentionMetadata", scale: float, window: int = 0, softcap: float = 0.0,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         if meta.is_decode:
             return paged_decode(q, k_cache, v_cache, meta.seqlens_k, meta.block_tables, meta.max_seqlen_k, scale,
-                                order=self._decode_order(meta), window=window, softcap=softcap)
+                                order=self._decode_order(meta), window=window, softcap=softcap, sinks=sinks)
         # chunks through the prefill kernel; one-token rows of a mixed batch through split-KV decode
         out = paged_prefill(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqlens_k,
                             meta.block_tables, meta.max_seqlen_q, scale, skip_decodes=True, window=window,
-                            softcap=softcap)
+                            softcap=softcap, sinks=sinks)
         if not meta.has_decode_rows:  # a prefill-only step: no decode launches (their host time is the cost)
             return out
         return paged_decode(q, k_cache, v_cache, meta.seqlens_k, meta.block_tables, meta.max_seqlen_k,
                             scale, out=out, cu_seqlens_q=meta.cu_seqlens_q, order=self._decode_order(meta),
-                            window=window, softcap=softcap)
+                            window=window, softcap=softcap, sinks=sinks)
 
 
 def _qk_norm_args(q_norm, k_norm) -> tuple:

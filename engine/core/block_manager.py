@@ -10,6 +10,16 @@ nothing are reused first, then cached ones least-recently-used first.
 A forked sequence (n > 1, beam search) shares its parent's blocks by reference count. A shared block is
 never written: a sequence about to write its next token into one gets a copy of it first (copy on write),
 and the copies wait in `pending_copies` until the step's forward pass makes them on the device.
+
+With LongRoPE (Phi-3's long-context checkpoints) a sequence longer than `long_rope_after` tokens when it is
+given its blocks rotates all its keys with the long factors (`Sequence.long_rope`): its blocks' hashes chain
+from a root of their own, so they never serve a sequence that rotates with the short factors, nor the reverse.
+
+Where every layer attends through a sliding window, a running sequence's leading blocks that no later query can
+see (wholly before its next token's window) are handed back as it goes (release_out_of_window), once they are
+in the prefix cache: its table keeps a block it holds in their place, which the kernels may read (a tile can
+start before the window) but never weigh. A prefix hit must chain from the first block, so a prompt finds
+those blocks only while they are still cached.
 """
 from __future__ import annotations
 
@@ -19,6 +29,9 @@ import numpy as np
 import xxhash
 
 from engine.core.sequence import Sequence
+
+
+LONG_ROPE_ROOT = 0x4C6F6E67526F5045  # the hash a chain of long-factor blocks starts from (others: none, -1)
 
 
 def chain_hash(token_ids: list[int], prefix_hash: int, image_key: tuple[int, ...] | None = None) -> int:
@@ -43,8 +56,11 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 long_rope_after: int | None = None, sliding_window: int = 0):
         self.block_size = block_size
+        self.sliding_window = sliding_window  # every layer's window is at most this; 0: some layer sees it all
+        self.long_rope_after = long_rope_after  # LongRoPE: sequences longer than this take the long factors
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -73,12 +89,21 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
+    def takes_long_rope(self, seq: Sequence) -> bool:
+        """Whether `seq`, given blocks now, rotates with LongRoPE's long factors."""
+        return self.long_rope_after is not None and seq.num_tokens > self.long_rope_after
+
+    def rotates_anew(self, seq: Sequence) -> bool:
+        """Whether a running `seq` has grown past long_rope_after while its keys rotate with the short factors:
+        it must be computed anew (transformers recomputes its cache there)."""
+        return not seq.long_rope and self.takes_long_rope(seq)
+
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest computed prefix of `seq` already in the cache."""
         hits: list[int] = []
         if not self.enable_prefix_caching:
             return hits
-        prefix_hash = -1
+        prefix_hash = LONG_ROPE_ROOT if self.takes_long_rope(seq) else -1
         # the last token is always computed, so a prompt never hits in full
         for i in range((seq.num_tokens - 1) // self.block_size):
             tokens, image_key = seq.block(i), seq.block_image_key(i)
@@ -100,6 +125,7 @@ class BlockManager:
     def allocate(self, seq: Sequence) -> None:
         """Give `seq` blocks for all its tokens, reusing cached prefix blocks."""
         assert not seq.block_table
+        seq.long_rope = self.takes_long_rope(seq)
         hits = self._cached_prefix(seq)
         for block_id in hits:
             block = self.blocks[block_id]
@@ -108,6 +134,9 @@ class BlockManager:
             block.ref_count += 1
         seq.block_table = hits + [self._take_free_block() for _ in range(seq.num_blocks - len(hits))]
         seq.num_hashed_blocks = len(hits)
+        seq.hashed_prefix = (self.blocks[hits[-1]].hash if hits
+                             else LONG_ROPE_ROOT if seq.long_rope else -1)
+        seq.num_released_blocks = 0
         seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens
         if self.enable_prefix_caching:
@@ -116,19 +145,41 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks; computed full blocks stay findable until reused."""
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_block_ids[block_id] = None
-                if block.hash == -1:  # holds nothing worth keeping: reuse it first
-                    self.free_block_ids.move_to_end(block_id, last=False)
+        for block_id in reversed(seq.block_table[seq.num_released_blocks:]):
+            self._release(block_id)
         seq.block_table = []
         seq.num_hashed_blocks = 0
+        seq.num_released_blocks = 0
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_block_ids[block_id] = None
+            if block.hash == -1:  # holds nothing worth keeping: reuse it first
+                self.free_block_ids.move_to_end(block_id, last=False)
+
+    def release_out_of_window(self, seq: Sequence) -> None:
+        """Hand back a running `seq`'s leading blocks that its next token's window (and so every later one's)
+        starts after: a query at position i sees keys j > i - sliding_window. With prefix caching, only blocks
+        already entered in it (their K/V stay findable until reused)."""
+        if not self.sliding_window:
+            return
+        first_seen = seq.num_computed_tokens - self.sliding_window + 1
+        keep_from = min(first_seen // self.block_size, len(seq.block_table) - 1)
+        if self.enable_prefix_caching:
+            keep_from = min(keep_from, seq.num_hashed_blocks)
+        if keep_from <= seq.num_released_blocks:
+            return
+        held = seq.block_table[keep_from]  # read in their place, never weighed
+        for i in range(seq.num_released_blocks, keep_from):
+            self._release(seq.block_table[i])
+            seq.block_table[i] = held
+        seq.num_released_blocks = keep_from
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give `child` the blocks of `parent` (its KV so far), shared."""
-        for block_id in parent.block_table:
+        for block_id in parent.block_table[parent.num_released_blocks:]:
             self.blocks[block_id].ref_count += 1
         child.block_table = list(parent.block_table)
 
@@ -168,7 +219,7 @@ class BlockManager:
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         if num_full <= seq.num_hashed_blocks:
             return
-        prefix_hash = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else -1
+        prefix_hash = seq.hashed_prefix
         for i in range(seq.num_hashed_blocks, num_full):
             tokens, image_key = seq.block(i), seq.block_image_key(i)
             prefix_hash = chain_hash(tokens, prefix_hash, image_key)
@@ -178,3 +229,4 @@ class BlockManager:
             block.image_key = image_key
             self.hash_to_block_id[prefix_hash] = block.block_id
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)
+        seq.hashed_prefix = prefix_hash

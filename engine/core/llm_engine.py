@@ -17,6 +17,8 @@ from engine.execution.model_runner import ModelRunner
 from engine.inputs.detokenizer import Detokenizer
 from engine.inputs.multimodal import ImagePrompts, MultimodalPrompt, chat_parts
 from engine.inputs.tokenizer import load_tokenizer
+from engine.layers.rotary import long_rope_rows
+from engine.models import model_class
 from engine.runner import GrammarMasks, Runner, StepInputs
 from engine.sampling.grammar import GrammarCache
 from engine.sampling.grammar_mask import MaskBuilder
@@ -40,10 +42,15 @@ class LLMEngine:
         self.vocab_size = config.text_config.vocab_size
         self.grammars = GrammarCache(self.tokenizer, self.vocab_size, config.eos_token_id)
         self.masks = MaskBuilder(self.vocab_size, self.runner.device)  # structured output's, on the host
+        # LongRoPE: past which length a sequence rotates with the long factors, and where their table rows start
+        long_after, long_row = long_rope_rows(config.text_config) or (None, 0)
         self.steps = StepBuilder(config.kvcache_block_size, self.runner.uses_mrope, self.vocab_size,
-                                 config.eos_token_id)
+                                 config.eos_token_id, long_row)
+        # where every layer slides (Mistral), blocks before the widest window are handed back as sequences grow
+        windows = model_class(config.hf_config.architectures).layer_windows(config.hf_config)
         self.block_manager = BlockManager(self.runner.num_kvcache_blocks, config.kvcache_block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, long_after,
+                                          max(windows) if all(windows) else 0)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, SequenceGroup] = {}
         self._aborted: list[SequenceGroup] = []

@@ -4,7 +4,10 @@ Each step gets a token budget (max_num_batched_tokens) and a sequence cap (max_n
 sequences go first: decodes (one token each), then prompts part-way through a chunked prefill; the
 budget left admits waiting sequences, whose prompts are cut into chunks when they do not fit. When a
 decode needs a KV block and none is free, the newest running sequence is preempted: its blocks are
-freed and it waits to be recomputed (its computed blocks usually come back from the prefix cache).
+freed and it waits to be recomputed (its computed blocks usually come back from the prefix cache). With
+LongRoPE, a running sequence that grows past the switch to the long factors is recomputed the same way, from
+its first token (BlockManager.rotates_anew), without counting as a preemption. Where every layer slides, a
+running sequence's blocks that its windows have passed are handed back before each step.
 
 A request of n > 1 sequences (at most max_seqs_per_request, which the engine checks when it is added, so
 that no request holds every slot) is admitted when there are slots for all of them; when its prompt's last
@@ -67,6 +70,14 @@ class Scheduler:
         batch = ScheduledBatch([], [])
         # a sequence whose last sampled token is its final one (its value may still be in flight) needs no step
         active = [s for s in self.running if s.num_tokens < s.max_num_tokens]
+        bm = self.block_manager
+        if bm.long_rope_after is not None or bm.sliding_window:  # blocks to hand back, or keys to rotate anew
+            for seq in active:
+                if bm.rotates_anew(seq):
+                    self._release(seq)
+                else:
+                    bm.release_out_of_window(seq)
+            active = [s for s in active if s.status == SequenceStatus.RUNNING]
         decodes = [s for s in active if s.num_uncomputed_tokens == 1]
         prefills = [s for s in active if s.num_uncomputed_tokens > 1]
         for seq in decodes:
@@ -137,6 +148,11 @@ class Scheduler:
         return True
 
     def preempt(self, seq: Sequence, to_back: bool = False) -> None:
+        self._release(seq, to_back)
+        self.num_preemptions += 1
+
+    def _release(self, seq: Sequence, to_back: bool = False) -> None:
+        """Free a running `seq`'s blocks; it waits (first, or with to_back last) to be computed from its start."""
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
@@ -145,7 +161,6 @@ class Scheduler:
             self.waiting.append(seq)
         else:
             self.waiting.appendleft(seq)
-        self.num_preemptions += 1
 
     def make_room_for_waiting(self) -> None:
         """Nothing can run (the running sequences are beams whose step waits for a sibling that is waiting for

@@ -38,7 +38,10 @@ class Sequence:
         self.num_computed_tokens = 0   # tokens whose K/V are in the cache
         self.num_cached_tokens = 0     # prompt tokens served by the prefix cache at the last admission
         self.num_hashed_blocks = 0     # leading full blocks registered in the prefix cache
+        self.hashed_prefix = -1        # the chain hash of those blocks (where the next one's chains from)
+        self.num_released_blocks = 0   # leading blocks handed back, outside every layer's sliding window
         self.block_table: list[int] = []
+        self.long_rope = False         # LongRoPE: its keys rotate with the long factors (set with its blocks)
         self.finish_reason: str | None = None
         self.error: str | None = None  # set when the request failed on its own data
         self.detokenizer = None        # engine.detokenizer.Detokenizer of a request that needs its text as it comes

@@ -16,8 +16,12 @@ class StepBuilder:
     """One per engine: builds each step's StepInputs, keeping the sampled rows' settings while the
     rows are the same sequences."""
 
-    def __init__(self, block_size: int, uses_mrope: bool, vocab_size: int, eos_token_ids: list[int]):
+    def __init__(self, block_size: int, uses_mrope: bool, vocab_size: int, eos_token_ids: list[int],
+                 long_rope_row: int = 0):
+        """long_rope_row: LongRoPE's row of position 0 in the long half of the rotary tables, which a sequence
+        with Sequence.long_rope reads (layers/rotary.py); 0 for other ropes."""
         self.block_size, self.uses_mrope = block_size, uses_mrope
+        self.long_rope_row = long_rope_row
         self.vocab_size, self.eos_token_ids = vocab_size, list(eos_token_ids)
         self._row_ids: list[int] = []
         self._rows: SamplingRows | None = None
@@ -64,7 +68,8 @@ class StepBuilder:
                 pending_rows.append(len(input_ids) + n - 1)
                 pending_src.append(seq.pending_index)
             input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
+            row = self.long_rope_row if seq.long_rope else 0
+            positions.extend(range(start + row, end + row))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             cu_q.append(cu_q[-1] + n)
@@ -98,6 +103,9 @@ class StepBuilder:
         pending_rows = [i for i, s in enumerate(seqs) if s.token_ids[-1] < 0]
         if self.uses_mrope:
             positions = torch.tensor([n - 1 + s.mrope_position_delta for s, n in zip(seqs, lens)], dtype=i64)
+        elif self.long_rope_row:
+            positions = torch.tensor([n - 1 + (self.long_rope_row if s.long_rope else 0) for s, n in zip(seqs, lens)],
+                                     dtype=i64)
         else:
             positions = torch.tensor([n - 1 for n in lens], dtype=i64)
         return StepInputs(

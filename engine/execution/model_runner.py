@@ -3,7 +3,7 @@ the vision tower's images, the sampling. Implements the Runner protocol; reads n
 from __future__ import annotations
 
 import gc
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +20,18 @@ from engine.runner import GrammarMasks, ImageSlice, StepInputs
 from engine.sampling.sampler import SampledTokens, Sampler, SamplingTensors, StepSampling
 
 CPU_KV_CACHE_BYTES = 2 << 30
+
+
+@contextmanager
+def default_float_dtype(dtype: torch.dtype):
+    """torch's default floating dtype set to dtype inside (process-wide, as torch keeps it: for the model's
+    construction only, which computes its float32 tables with explicit dtypes)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 class ModelRunner:
@@ -43,13 +55,15 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.kv_dtype = config.kv_torch_dtype
         self.block_size = config.kvcache_block_size
-        self.ctx = ForwardContext(get_backend(config.attention_backend, self.device, self.kv_dtype))
+        sinks = getattr(model_class(config.hf_config.architectures), "attention_sinks", False)
+        self.ctx = ForwardContext(get_backend(config.attention_backend, self.device, self.kv_dtype, sinks))
         self.graphs = None  # decode CUDA graphs, captured once the KV cache exists
         self.prefill_graphs = None  # one sequence's prefill steps, on one GPU
         hf = config.hf_config
         # images' vision-tower outputs by ImageSlice.key, from the first step that needs them to their last token
         self.image_embeds: dict[tuple[str, int], torch.Tensor] = {}
-        with torch.device(self.device):
+        # parameters made in the model's dtype: made in float32 and cast, a 30B model would need 120 GB on the way
+        with torch.device(self.device), default_float_dtype(self.dtype):
             self.model = model_class(hf.architectures)(hf, tp, self.ctx).to(self.dtype)
         self.model.eval()
         load_weights(self.model, config.model_dir, config.load_format, config.seed)

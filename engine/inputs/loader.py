@@ -24,7 +24,9 @@ def load_safetensors(model: nn.Module, model_dir: str) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
     renamed = getattr(model, "checkpoint_prefixes", {})
-    loaded: set[str] = set()
+    # a model whose tensors need more than a packed_modules entry (one expert of stacked experts) maps them itself
+    own_target = getattr(model, "checkpoint_target", lambda name: None)
+    loaded: dict[str, set] = {}  # each loaded parameter's shard ids
     for file in files:
         with safe_open(file, "pt", "cpu") as f:
             for name in f.keys():
@@ -32,7 +34,8 @@ def load_safetensors(model: nn.Module, model_dir: str) -> None:
                     continue
                 if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
                     continue
-                target, shard_id = _target_name(_renamed(name, renamed), packed)
+                ours = _renamed(name, renamed)
+                target, shard_id = own_target(ours) or _target_name(ours, packed)
                 param = params.get(target)
                 if param is None:
                     raise ValueError(_no_place(name, model))
@@ -45,10 +48,14 @@ def load_safetensors(model: nn.Module, model_dir: str) -> None:
                     getattr(param, "load_full", _copy_loader)(param, tensor)
                 else:
                     param.weight_loader(param, tensor, shard_id)
-                loaded.add(target)
+                loaded.setdefault(target, set()).add(shard_id)
     missing = {n for n in params if n not in loaded} - ({"lm_head.weight"} if model.tie_word_embeddings else set())
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights for: {', '.join(sorted(missing)[:5])}")
+    for name, shard_ids in loaded.items():  # a parameter of many shards (stacked experts) says which it lacks
+        lacking = getattr(params[name], "missing_shards", lambda ids: [])(shard_ids)
+        if lacking:
+            raise ValueError(f"checkpoint in {model_dir} lacks {name} for: {', '.join(lacking[:5])}")
 
 
 # the tensors quantized checkpoints carry beside (or instead of) their weights

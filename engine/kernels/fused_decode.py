@@ -12,8 +12,8 @@ of it folded in:
   KV head's query heads (the merge kernel's arithmetic) and resets the counter for the next launch.
 
 So a layer's decode attention is one launch in the chain of kernels that a batch-1 step waits on,
-instead of three. Prefill and mixed batches keep the separate kernels. A sliding window and attention-logit
-soft-capping are paged_decode's.
+instead of three. Prefill and mixed batches keep the separate kernels. A sliding window, attention-logit
+soft-capping and attention sinks are paged_decode's.
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ from engine.kernels.common import num_sms, round_to
 from engine.kernels.launch import launch_dependents, pdl_options, wait_for_previous
 from engine.kernels.paged_decode import (MAX_GRID_SEQS, DecodeConfig, attend_range, attended_length,
                                          choose_num_splits, default_decode_config, grid_program, split_range)
-from engine.kernels.paged_tiles import (check_paged_inputs, group_pad, prefetch_page_tile, score_scales, to_cache,
-                                       upcast_dot, window_start)
+from engine.kernels.paged_tiles import (check_paged_inputs, check_sinks, group_pad, prefetch_page_tile,
+                                       score_scales, sink_share, to_cache, upcast_dot, window_start)
 from engine.kernels.qkv_prep import norm_rope
 
 # float32 partial values the merging program loads at once: 8,192 is the two query heads of a Qwen3-0.6B KV
@@ -39,13 +39,13 @@ MERGE_VALUES = 8192
 def _fused_decode_kernel(
     qkv_ptr, positions_ptr, slot_mapping_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr,
     k_cache_ptr, v_cache_ptr, out_ptr, seqlens_k_ptr, block_tables_ptr,
-    part_out_ptr, part_lse_ptr, counters_ptr, order_ptr,
+    part_out_ptr, part_lse_ptr, counters_ptr, order_ptr, sinks_ptr,
     stride_t, stride_cos, stride_ot, stride_oh, stride_page, stride_slot, stride_khead, stride_bt,
     qk_scale, softcap, window, eps, num_heads, num_kv_heads, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
     UPCAST: tl.constexpr, HAS_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, SLIDING: tl.constexpr,
-    SOFTCAP: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr,
     EARLY: tl.constexpr, EARLY_PAGE: tl.constexpr, PREFETCH: tl.constexpr, MERGE_HEADS: tl.constexpr,
     SKIP_EMPTY: tl.constexpr,
 ):
@@ -116,6 +116,8 @@ def _fused_decode_kernel(
                             end, first_key, qk_scale, softcap, stride_page, stride_slot, first_page, GROUP_PAD,
                             HEAD_DIM, HEAD_DIM, PAGE_SIZE, BLOCK_N, UPCAST, EARLY_PAGE, SLIDING, SOFTCAP)
     if SPLITS_PAD == 1:
+        if HAS_SINKS:
+            out = out * sink_share(lse, sinks_ptr, head, g_mask)[:, None]
         o_ptrs = out_ptr + seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(dtype), mask=g_mask[:, None])
     else:
@@ -136,14 +138,14 @@ def _fused_decode_kernel(
             ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if ticket == takers - 1:
                 tl.store(counter, 0)
-                _merge_group(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_heads, num_splits, used,
-                             stride_ot, stride_oh, GROUP, HEAD_DIM, SPLITS_PAD, MERGE_HEADS)
+                _merge_group(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, seq, kv_head, num_heads, num_splits,
+                             used, stride_ot, stride_oh, GROUP, HEAD_DIM, SPLITS_PAD, MERGE_HEADS, HAS_SINKS)
 
 
 @triton.jit
-def _merge_group(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_heads, num_splits, used, stride_ot,
-                 stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                 MERGE_HEADS: tl.constexpr):
+def _merge_group(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, seq, kv_head, num_heads, num_splits, used,
+                 stride_ot, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                 MERGE_HEADS: tl.constexpr, HAS_SINKS: tl.constexpr):
     """The merge kernel's arithmetic for the GROUP query heads of one KV head, over the partials of the
     first `used` splits, read from L2 (.cg), where the other programs' released stores are. MERGE_HEADS
     heads' partials are loaded as one tile: one round trip to L2 for them, where a head at a time waits for
@@ -165,6 +167,9 @@ def _merge_group(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_heads, n
         total = tl.sum(weight, 1)
         acc = tl.sum(parts * weight[:, :, None], 1)
         out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+        if HAS_SINKS:  # each head's sink joins the merged denominator
+            lse_all = tl.where(total > 0.0, m + tl.log2(tl.where(total > 0.0, total, 1.0)), float("-inf"))
+            out = out * sink_share(lse_all, sinks_ptr, head, g_mask)[:, None]
         tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
@@ -181,7 +186,7 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
                  num_heads: int, num_kv_heads: int, counters: torch.Tensor, order: torch.Tensor | None = None,
                  num_splits: int | None = None, config: DecodeConfig | None = None,
                  after_gemv: bool | None = None, window: int = 0, softcap: float = 0.0,
-                 unit_offset: bool = False) -> torch.Tensor:
+                 unit_offset: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention output [B, H, D] of one new token per sequence, from its qkv row [B, (H + 2 Hkv) D]:
     what qkv_prep followed by paged_decode computes, K/V stored the same way.
 
@@ -190,7 +195,7 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
 
     after_gemv: whether the engine's GEMV computed qkv (it lets this kernel start early, and the kernel
     then reads its inputs before its wait); None: taken to be so for up to gemv.MAX_ROWS rows.
-    window, softcap: as paged_decode's; unit_offset: as qkv_prep's.
+    window, softcap, sinks: as paged_decode's; unit_offset: as qkv_prep's.
     """
     head_dim = k_cache.shape[3]
     if not fits(head_dim):
@@ -203,6 +208,7 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     heads, kv_heads, group = check_paged_inputs(out, k_cache, v_cache)
     assert (heads, kv_heads) == (num_heads, num_kv_heads)
+    check_sinks(sinks, num_heads)
     if num_seqs == 0:
         return out
     if num_seqs > MAX_GRID_SEQS:
@@ -228,14 +234,14 @@ def fused_decode(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
     _fused_decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         qkv, positions, slot_mapping, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos,
         k_cache, v_cache, out, seqlens_k, block_tables, part_out, part_lse, counters,
-        seqlens_k if order is None else order,
+        seqlens_k if order is None else order, cos if sinks is None else sinks,
         qkv.stride(0), cos.stride(0), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         *score_scales(scale, softcap), window, eps, num_heads, num_kv_heads, num_splits,
         GROUP=group, GROUP_PAD=max(16, group_pad(group)), HEAD_DIM=head_dim, HALF=head_dim // 2,
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=config.block_n, SPLITS_PAD=triton.next_power_of_2(num_splits),
         UPCAST=upcast_dot(qkv), HAS_NORM=has_norm, UNIT_OFFSET=unit_offset, SLIDING=window > 0, SOFTCAP=softcap > 0,
-        ORDERED=order is not None,
+        HAS_SINKS=sinks is not None, ORDERED=order is not None,
         EARLY=early, EARLY_PAGE=page_early, PREFETCH=page_early and prefetch_applies(qkv),
         MERGE_HEADS=merge_heads(group, triton.next_power_of_2(num_splits), head_dim), SKIP_EMPTY=num_seqs == 1,
         num_warps=config.num_warps, num_stages=loop_stages(config, early),

@@ -10,6 +10,8 @@ derived from the lengths on the device, so one captured launch is correct for an
 
 Under a sliding window the splits share the window's positions (from the tile of its first key) instead of
 the whole context, and the keys before the window are masked; attention-logit soft-capping caps each score.
+Attention sinks (a logit per query head in the softmax's denominator, with no value) join where the splits'
+partials are merged (or the one split's output is written).
 """
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ import triton.language as tl
 
 from engine.kernels.common import num_sms
 from engine.kernels.launch import launch_dependents, pdl_options, wait_for_previous
-from engine.kernels.paged_tiles import (check_paged_inputs, group_pad, kv_tile_offsets, mma, page_tile_offsets,
-                                       query_for_cache, score_scales, scores_log2, upcast_dot, window_start)
+from engine.kernels.paged_tiles import (check_paged_inputs, check_sinks, group_pad, kv_tile_offsets, mma,
+                                       page_tile_offsets, query_for_cache, score_scales, scores_log2, sink_share,
+                                       upcast_dot, window_start)
 
 MAX_GRID_SEQS = 65535  # the grid's sequence axis is its second (CUDA caps it there)
 
@@ -122,11 +125,11 @@ def split_range(seqlen, first_key, split, num_splits, BLOCK_N: tl.constexpr):
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seqlens_k_ptr, block_tables_ptr, cu_seqlens_q_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_page, stride_slot, stride_khead, stride_bt,
-    qk_scale, softcap, window, num_heads, part_out_ptr, part_lse_ptr, num_splits, order_ptr,
+    qk_scale, softcap, window, num_heads, part_out_ptr, part_lse_ptr, num_splits, order_ptr, sinks_ptr,
     DIRECT: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, MIXED: tl.constexpr, ORDERED: tl.constexpr, SLIDING: tl.constexpr,
-    SOFTCAP: tl.constexpr, PDL: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, PDL: tl.constexpr,
 ):
     launch_dependents(PDL)
     wait_for_previous(PDL)
@@ -152,6 +155,8 @@ def _decode_split_kernel(
                             stride_slot, 0, GROUP_PAD, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, UPCAST, False,
                             SLIDING, SOFTCAP)
     if DIRECT:
+        if HAS_SINKS:
+            out = out * sink_share(lse, sinks_ptr, head, g_mask)[:, None]
         o_ptrs = out_ptr + token.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
     else:
@@ -164,11 +169,12 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_merge_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, cu_seqlens_q_ptr,
-    stride_ot, stride_oh, num_heads, num_splits,
-    TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MIXED: tl.constexpr, PDL: tl.constexpr,
+    stride_ot, stride_oh, num_heads, num_splits, sinks_ptr,
+    TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MIXED: tl.constexpr,
+    HAS_SINKS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Merge one (sequence, head)'s partial outputs, at [seq, head, 0..num_splits-1], by their
-    log-sum-exp, TILE partials at a time."""
+    log-sum-exp, TILE partials at a time; with HAS_SINKS the head's sink joins their denominator."""
     launch_dependents(PDL)
     wait_for_previous(PDL)
     seq = tl.program_id(0)
@@ -198,6 +204,9 @@ def _decode_merge_kernel(
         acc = acc * alpha + tl.sum(parts * weight[:, None], 0)
         m = m_new
     out = acc / tl.where(total > 0.0, total, 1.0)
+    if HAS_SINKS:
+        lse = tl.where(total > 0.0, m + tl.log2(tl.where(total > 0.0, total, 1.0)), float("-inf"))
+        out = out * sink_share(lse, sinks_ptr, head, True)
     tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
 
@@ -240,7 +249,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  seqlens_k: torch.Tensor, block_tables: torch.Tensor, max_seqlen_k: int,
                  scale: float, out: torch.Tensor | None = None, num_splits: int | None = None,
                  config: DecodeConfig | None = None, cu_seqlens_q: torch.Tensor | None = None,
-                 order: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                 order: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence (q: [B, H, D]) over its paged context of seqlens_k[b] positions.
 
     With cu_seqlens_q, q is a varlen batch: only its one-token sequences are computed (into their
@@ -249,9 +259,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     their programs start in; decode_order(seqlens_k) puts the longest first, so unequal lengths leave
     a shorter tail. The results do not depend on it. window: a sliding window (the query at position
     seqlens_k[b] - 1 sees keys from seqlens_k[b] - window on), 0 for none. softcap: attention-logit
-    soft-capping (cap x tanh(score / cap)), 0 for none.
+    soft-capping (cap x tanh(score / cap)), 0 for none. sinks: [H] attention sinks (paged_prefill's), None for none.
     """
     num_heads, num_kv_heads, group = check_paged_inputs(q, k_cache, v_cache)
+    check_sinks(sinks, num_heads)
     num_seqs, head_dim = seqlens_k.shape[0], q.shape[2]
     mixed = cu_seqlens_q is not None
     assert mixed or q.shape[0] == num_seqs, "decode needs one query token per sequence"
@@ -278,15 +289,17 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         *score_scales(scale, softcap), window, num_heads, part_out, part_lse, num_splits,
-        seqlens_k if order is None else order,
+        seqlens_k if order is None else order, q if sinks is None else sinks,
         DIRECT=num_splits == 1, GROUP=group, GROUP_PAD=max(16, group_pad(group)), HEAD_DIM=head_dim,
         BLOCK_D=block_d, PAGE_SIZE=k_cache.shape[1], BLOCK_N=config.block_n, UPCAST=upcast_dot(q), MIXED=mixed,
-        ORDERED=order is not None, SLIDING=window > 0, SOFTCAP=softcap > 0, num_warps=config.num_warps,
+        ORDERED=order is not None, SLIDING=window > 0, SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None,
+        num_warps=config.num_warps,
         num_stages=config.num_stages, **pdl_options(q))
     if num_splits == 1:
         return out
     _decode_merge_kernel[(num_seqs, num_heads)](
         part_out, part_lse, out, cu_seqlens_q, out.stride(0), out.stride(1), num_heads, num_splits,
-        TILE=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, BLOCK_D=block_d, MIXED=mixed, num_warps=4,
+        out if sinks is None else sinks, TILE=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+        BLOCK_D=block_d, MIXED=mixed, HAS_SINKS=sinks is not None, num_warps=4,
         **pdl_options(q))
     return out

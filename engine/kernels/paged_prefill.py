@@ -7,7 +7,8 @@ KV positions through the block table with an online softmax: first the tiles eve
 full (no mask), then the causal tail, where query token i of a chunk of q_len sits at position
 seqlen_k - q_len + i. Under a sliding window (a query at position i sees keys j with i - j < window) the
 walk starts at the tile of the first key the tile's first row sees, and the tiles the window's edge crosses
-are masked too. Attention-logit soft-capping (Gemma 2) caps each score as it is computed.
+are masked too. Attention-logit soft-capping (Gemma 2) caps each score as it is computed; attention sinks
+(gpt-oss: a logit per query head in the softmax's denominator, with no value) join the denominator at the end.
 """
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.paged_tiles import (check_paged_inputs, group_pad, kv_tile_offsets, mma, query_for_cache,
-                                       score_scales, scores_log2, upcast_dot)
+from engine.kernels.paged_tiles import (check_paged_inputs, check_sinks, group_pad, kv_tile_offsets, mma,
+                                       query_for_cache, score_scales, scores_log2, sink_share, upcast_dot)
 
 
 @dataclass(frozen=True)
@@ -70,10 +71,11 @@ def _paged_prefill_kernel(
     cu_seqlens_q_ptr, seqlens_k_ptr, block_tables_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_page, stride_slot, stride_khead, stride_bt,
-    qk_scale, softcap, window,
+    qk_scale, softcap, window, sinks_ptr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, SKIP_DECODES: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -136,6 +138,8 @@ def _paged_prefill_kernel(
                                          SLIDING, SOFTCAP, UPCAST)
 
     out = acc / l_i[:, None]
+    if HAS_SINKS:
+        out = out * sink_share(m_i + tl.log2(l_i), sinks_ptr, head, row_mask)[:, None]
     o_rows = (q_start + token).to(tl.int64) * stride_ot + head * stride_oh
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_mask[:, None] & d_mask[None, :])
@@ -153,14 +157,17 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   cu_seqlens_q: torch.Tensor, seqlens_k: torch.Tensor, block_tables: torch.Tensor,
                   max_seqlen_q: int, scale: float, out: torch.Tensor | None = None,
                   config: PrefillConfig | None = None, skip_decodes: bool = False, window: int = 0,
-                  softcap: float = 0.0) -> torch.Tensor:
+                  softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's query chunk over its paged context. q: [num_tokens, H, D].
 
     skip_decodes leaves one-token sequences alone (a tall query tile would waste its rows on them).
     window: a sliding window (a query at position i sees keys j with i - j < window), 0 for none.
     softcap: attention-logit soft-capping, each score cap x tanh(score / cap); 0 for none.
+    sinks: [H] attention sinks, each head's logit (in the scaled scores' units) joined to its softmax's
+    denominator; None for none.
     """
     num_heads, num_kv_heads, group = check_paged_inputs(q, k_cache, v_cache)
+    check_sinks(sinks, num_heads)
     head_dim = q.shape[2]
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -177,11 +184,11 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, out, cu_seqlens_q, seqlens_k, block_tables,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        *score_scales(scale, softcap), window,
+        *score_scales(scale, softcap), window, q if sinks is None else sinks,
         GROUP=group, GROUP_PAD=gpad, BLOCK_Q=block_q,
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=config.block_n, UPCAST=upcast_dot(q),
-        SKIP_DECODES=skip_decodes, SLIDING=window > 0, SOFTCAP=softcap > 0, num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        SKIP_DECODES=skip_decodes, SLIDING=window > 0, SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

@@ -68,6 +68,22 @@ def score_scales(scale: float, softcap: float = 0.0) -> tuple[float, float]:
 
 
 @triton.jit
+def sink_share(lse, sinks_ptr, head, mask):
+    """The factor that joins each row's attention sink (gpt-oss: a learned logit per query head, in the
+    softmax's denominator with no value) to an output normalised over the keys alone: 1 / (1 + 2^(sink - lse)),
+    sink in the log2 domain; lse: the log2-domain log-sum-exp of the row's scores (-inf for none: factor 0,
+    where the output is 0 anyway)."""
+    sink = tl.load(sinks_ptr + head, mask=mask, other=0.0).to(tl.float32) * 1.4426950408889634  # x log2(e)
+    return 1.0 / (1.0 + tl.exp2(sink - lse))
+
+
+def check_sinks(sinks: torch.Tensor | None, num_heads: int) -> None:
+    """Attention sinks, where given, are one logit per query head."""
+    assert sinks is None or (sinks.shape == (num_heads,) and sinks.is_contiguous()), \
+        f"sinks must be [{num_heads}] (one per query head), got {None if sinks is None else tuple(sinks.shape)}"
+
+
+@triton.jit
 def window_start(seqlen, window, SLIDING: tl.constexpr):
     """The first KV position the last query position (seqlen - 1) sees: seqlen - window under a sliding window
     (a query at position i sees keys j with i - j < window), else 0."""

@@ -9,7 +9,7 @@ class Attention(nn.Module):
 
     window: a sliding window (a query at position i sees keys j with i - j < window), 0 for none; softcap:
     attention-logit soft-capping (each logit cap x tanh(logit / cap)), 0 for none. Both go to the backend's
-    kernels."""
+    kernels, as do attention sinks, which forward takes from the model's attention (their owner)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, ctx: ForwardContext,
                  window: int = 0, softcap: float = 0.0):
@@ -22,13 +22,15 @@ class Attention(nn.Module):
 
     def forward(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: nn.Module,
                 q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
-                after_gemv: bool | None = None) -> torch.Tensor:
-        """after_gemv: whether the qkv projection ran in the GEMV (None: not known)."""
+                after_gemv: bool | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """after_gemv: whether the qkv projection ran in the GEMV (None: not known); sinks: [num_heads] attention
+        sinks (gpt-oss: each head's learned logit joins its softmax's denominator and carries no value)."""
         meta, backend = self.ctx.meta, self.ctx.backend
         if hasattr(backend, "decode_from_qkv"):  # decode: one kernel from the qkv rows, where it applies
             out = backend.decode_from_qkv(qkv, positions, rotary, q_norm, k_norm, self.k_cache, self.v_cache, meta,
                                           self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
-                                          after_gemv=after_gemv, window=self.window, softcap=self.softcap)
+                                          after_gemv=after_gemv, window=self.window, softcap=self.softcap,
+                                          sinks=sinks)
             if out is not None:
                 return out.flatten(1)
         if getattr(backend, "fuses_qkv_prep", False):  # one kernel instead of about seven
@@ -45,7 +47,7 @@ class Attention(nn.Module):
             q, k = rotary(positions, q, k)
             backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = backend.forward(q, self.k_cache, self.v_cache, meta, self.scale, window=self.window,
-                              softcap=self.softcap)
+                              softcap=self.softcap, sinks=sinks)
         return out.flatten(1)
 
 

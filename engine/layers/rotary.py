@@ -6,10 +6,9 @@ import math
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata
 from engine.layers.fusion import rotate
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 def rope_settings(hf_config, layer_type: str | None = None) -> tuple[float, dict]:
@@ -31,11 +30,22 @@ def rope_settings(hf_config, layer_type: str | None = None) -> tuple[float, dict
     if partial != 1.0:
         raise ValueError(f"partial rotary embeddings (partial_rotary_factor={partial}) are not supported")
     scaling["rope_type"] = rope_type
-    if rope_type == "longrope":
+    if rope_type in ("longrope", "yarn"):
         scaling.setdefault("original_max_position_embeddings",
                            getattr(hf_config, "original_max_position_embeddings", None)
                            or hf_config.max_position_embeddings)
     return float(theta), scaling
+
+
+def long_rope_rows(hf_config) -> tuple[int, int] | None:
+    """LongRoPE: (the context length past which a sequence rotates with the long factors, the row of position 0
+    in the long half of RotaryEmbedding's tables); None for a rope of one set of frequencies."""
+    given = {**dict(getattr(hf_config, "rope_scaling", None) or {}),
+             **dict(getattr(hf_config, "rope_parameters", None) or {})}
+    if "long_factor" not in given:  # (a config of several ropes, or M-RoPE's, has none at its top)
+        return None
+    _, scaling = rope_settings(hf_config)
+    return scaling["original_max_position_embeddings"], hf_config.max_position_embeddings
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict, factors: list[float] | None = None) -> torch.Tensor:
@@ -58,6 +68,36 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict, factors: list[float] |
     return inv_freq
 
 
+def _yarn(head_dim: int, theta: float, scaling: dict, max_position: int) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al., 2023) as transformers computes it: (inverse frequencies, cos/sin scale). Frequencies that
+    turn fewer than beta_slow times over original_max_position_embeddings are interpolated (divided by factor),
+    those that turn more than beta_fast times kept, a linear ramp between; cos and sin are scaled by
+    attention_factor, by default 0.1 ln(factor) + 1 (or DeepSeek's mscale ratio)."""
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_position / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:  # the dimension whose frequency turns `rotations` times over `original`
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    wavelength_scale = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    kept = 1 - ramp  # the share of each frequency left as it was (extrapolated)
+    return 1.0 / (factor * wavelength_scale) * (1 - kept) + 1.0 / wavelength_scale * kept, float(attention_factor)
+
+
 def _tables(inv_freq: torch.Tensor, max_position: int, attention_factor: float = 1.0):
     freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
     return freqs.cos() * attention_factor, freqs.sin() * attention_factor
@@ -65,16 +105,14 @@ def _tables(inv_freq: torch.Tensor, max_position: int, attention_factor: float =
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables [rows, head_dim / 2] (float32) indexed by position, shared by the layers that use one
-    rope. LongRoPE (Phi-3's long-context checkpoints) keeps two sets of frequencies: a sequence whose
-    context is longer than original_max_position_embeddings rotates with the long factors, others with the
-    short ones, as the model's own code chooses per forward pass; the long set is the table's second half
-    (table_positions picks the row). Where a sequence crosses that length while it generates (or a prompt
-    crosses it between prefill chunks), its cached keys keep the short rotation; transformers recomputes the
-    whole cache with the long factors at that token, so the two part there."""
+    rope. YaRN (gpt-oss) rescales the frequencies and the tables once (_yarn). LongRoPE (Phi-3's long-context
+    checkpoints) keeps two sets of frequencies, the long set in the table's second half: a token's row is its
+    position, or its position + max_position where its sequence rotates with the long factors. The engine
+    chooses (long_rope_rows): a sequence longer than original_max_position_embeddings takes the long factors for
+    all its tokens, and one that grows past it is computed anew, as transformers' Phi-3 does."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict):
         super().__init__()
-        self.long_after = None  # longrope: context lengths past this take the long factors
         if scaling["rope_type"] == "longrope":
             original = scaling["original_max_position_embeddings"]
             factor = scaling.get("factor") or max_position / original
@@ -83,27 +121,16 @@ class RotaryEmbedding(nn.Module):
             short, long = (_tables(_inv_freq(head_dim, theta, scaling, scaling[factors]), max_position, attention_factor)
                            for factors in ("short_factor", "long_factor"))
             cos, sin = torch.cat([short[0], long[0]]), torch.cat([short[1], long[1]])
-            self.long_after, self.max_position = original, max_position
+        elif scaling["rope_type"] == "yarn":
+            inv_freq, attention_factor = _yarn(head_dim, theta, scaling, max_position)
+            cos, sin = _tables(inv_freq, max_position, attention_factor)
         else:
             cos, sin = _tables(_inv_freq(head_dim, theta, scaling), max_position)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def table_positions(self, positions: torch.Tensor, meta: AttentionMetadata | None) -> torch.Tensor:
-        """The table row of each token: its position, or with LongRoPE, in the long half where its
-        sequence's context (meta.seqlens_k) is longer than original_max_position_embeddings."""
-        if self.long_after is None or meta is None:
-            return positions
-        if meta.is_decode:  # one token a sequence, at its context's last position
-            context = positions + 1
-        else:  # each token's sequence by cu_seqlens_q; rows past the last (a graph's padding) take the last's
-            tokens = torch.arange(positions.shape[0], device=positions.device, dtype=meta.cu_seqlens_q.dtype)
-            seq = torch.searchsorted(meta.cu_seqlens_q[1:], tokens, right=True).clamp(max=meta.seqlens_k.shape[0] - 1)
-            context = meta.seqlens_k[seq]
-        return torch.where(context > self.long_after, positions + self.max_position, positions)
-
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, H, D], k: [T, Hkv, D]; rotates the two halves of D. positions: table rows (table_positions)."""
+        """q: [T, H, D], k: [T, Hkv, D]; rotates the two halves of D. positions: table rows (see the class)."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return rotate(q, cos, sin), rotate(k, cos, sin)

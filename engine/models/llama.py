@@ -56,12 +56,13 @@ class DecoderAttention(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg, family: "FamilyFlags", tp: TPGroup, ctx: ForwardContext, rotary: RotaryEmbedding,
-                 window: int):
+                 window: int, mlp: nn.Module):
+        """mlp: a GatedMLP, or a block that takes the normed rows whole (a mixture of experts)."""
         super().__init__()
         if getattr(cfg, "mlp_bias", False):
             raise ValueError("mlp_bias=True is not supported")
         self.self_attn = DecoderAttention(cfg, family, tp, ctx, rotary, window)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "hidden_act", "silu"), tp)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp)
 
@@ -70,6 +71,9 @@ class DecoderLayer(nn.Module):
         # the first layer has no residual yet: its norm is of x alone, and x becomes the residual
         qkv, residual = self.input_layernorm.linear(x, residual, self.self_attn.qkv_proj)
         x = self.self_attn(positions, qkv)
+        if not isinstance(self.mlp, GatedMLP):  # its output is this rank's part, like down_proj's
+            x, residual = self.post_attention_layernorm(x, residual)
+            return self.mlp(x), residual
         if self.mlp.activates_in_gate_up(x):  # SiLU·mul in the gate/up GEMM's epilogue: one kernel less
             act, residual = self.post_attention_layernorm.linear(x, residual, self.mlp.gate_up_proj, gated=True)
             return self.mlp.down_proj(act), residual
@@ -82,14 +86,14 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary_emb = RotaryEmbedding(head_dim_of(cfg), cfg.max_position_embeddings, *rope_settings(cfg))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, family, tp, ctx, self.rotary_emb, window)
-                                    for window in family.layer_windows(cfg))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, family, tp, ctx, self.rotary_emb, window,
+                                                 family.layer_mlp(cfg, tp, index))
+                                    for index, window in enumerate(family.layer_windows(cfg)))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp)
         self.ctx = ctx
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         self.ctx.prepare()  # what every layer's attention reads, first
-        positions = self.rotary_emb.table_positions(positions, self.ctx.meta)
         return self.run_layers(self.embed_tokens(input_ids), positions)
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -107,6 +111,11 @@ class FamilyFlags:
     # each layer's sliding window (0: the whole context): Llama's config has no layer_types (all global);
     # Qwen2's and Qwen3's mark sliding layers where use_sliding_window is on
     layer_windows = staticmethod(layer_type_windows)
+
+    @staticmethod
+    def layer_mlp(cfg, tp: TPGroup, layer_index: int) -> nn.Module:
+        """The MLP of one layer (the MoE families choose per layer)."""
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "hidden_act", "silu"), tp)
 
 
 class LlamaForCausalLM(nn.Module):
