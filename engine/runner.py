@@ -85,6 +85,12 @@ class StepInputs:
     suppressed: list[tuple[int, int]] = field(default_factory=list)  # (row, token): min_tokens' masked stops
     finished_seq_ids: list[int] = field(default_factory=list)        # their sampling state is freed
     finished_request_ids: list[str] = field(default_factory=list)    # their images' embeddings are freed
+    # prompt logprobs: input rows whose raw logits score the prompt token after them (every rank computes
+    # their logits), and rank 0's: those tokens and the most top logprobs a row asks for
+    prompt_rows: torch.Tensor | None = None
+    prompt_next_ids: torch.Tensor | None = None
+    num_prompt_top: int = 0
+
 
     @property
     def is_decode(self) -> bool:
@@ -108,6 +114,10 @@ class GrammarMasks:
 class TokensHandle(Protocol):
     def result(self) -> tuple[list[int], tuple]:
         """(token ids, (their logprobs, top logprobs or None, top ids or None)), waiting for the device."""
+
+    def prompt_result(self) -> tuple[list, list, list | None, list | None] | None:
+        """The step's prompt logprobs, one per StepInputs.prompt_rows row: (logprobs, ranks, top logprobs
+        or None, top ids or None), waiting for the device; None where the step scored no prompt token."""
 
 
 class Runner(Protocol):

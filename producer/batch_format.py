@@ -29,7 +29,7 @@ SAMPLING_FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tok
 LOGPROB_FIELDS = {"logprobs", "top_logprobs"}
 # body fields not honoured yet -> the values that mean the same as leaving them out (null always does);
 # honouring one is moving it to SAMPLING_FIELDS (and its output into output_line)
-NOT_YET = {"stream": (False,), "echo": (False,), "tools": ([],), "tool_choice": ("none",)}
+NOT_YET = {"stream": (False,), "tools": ([],), "tool_choice": ("none",)}
 ANY_JSON_OBJECT = {"type": "object"}  # response_format {"type": "json_object"}
 INFORMATIONAL = {"model", "user", "metadata"}  # accepted and not used: the worker's model answers
 INPUTS = {"messages", "prompt"}
@@ -112,7 +112,7 @@ def _is_noop(value, noops: tuple) -> bool:
 def request_job(url: str, body: dict) -> tuple[dict, str | None]:
     """(The job for the request body of one endpoint, as `Client.submit` takes it; or why it cannot run)."""
     unknown = sorted(set(body) - set(SAMPLING_FIELDS) - LOGPROB_FIELDS - set(NOT_YET) - INFORMATIONAL - INPUTS
-                     - {"response_format"})
+                     - {"response_format", "echo"})
     if unknown:
         more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
         return {}, f"unsupported body fields: {', '.join(u[:30] for u in unknown[:5])}{more}"
@@ -129,6 +129,11 @@ def request_job(url: str, body: dict) -> tuple[dict, str | None]:
         return {}, error
     if logprobs is not None:
         sampling["logprobs"] = logprobs
+    echo, error = _echo(url, body.get("echo"))
+    if error is not None:
+        return {}, error
+    if echo:  # the prompt's tokens come back with their texts (and logprobs, as many top ones as the completion's)
+        sampling["prompt_logprobs"] = logprobs or 0
     schema, error = _response_format(body.get("response_format"))
     if error is not None:
         return {}, error
@@ -148,6 +153,17 @@ def request_job(url: str, body: dict) -> tuple[dict, str | None]:
         else:
             return {}, "a completion needs a prompt: a string or a list of token ids"
     return job, None
+
+
+def _echo(url: str, value) -> tuple[bool, str | None]:
+    """(Whether a completion echoes its prompt; or an error)."""
+    if value is None or value is False:
+        return False, None
+    if value is not True:
+        return False, f"echo must be true or false, got {_shown(value)}"
+    if url != "/v1/completions":
+        return False, "echo is a completions field (/v1/completions)"
+    return True, None
 
 
 def _response_format(value) -> tuple[dict | None, str | None]:
@@ -206,22 +222,35 @@ def output_line(line: BatchLine, request_id: str, result=None, error: str | None
     return out
 
 
-def response_body(url: str, result, with_logprobs: bool, model: str = "redline") -> dict:
-    """A succeeded job's result as the endpoint's response: a chat.completion or a text_completion."""
+def response_body(url: str, result, with_logprobs: bool, model: str = "redline", prompt_only: bool = False) -> dict:
+    """A succeeded job's result as the endpoint's response: a chat.completion or a text_completion. A
+    completion whose result has prompt_logprobs (echo: true) starts with its prompt: its text and, with
+    logprobs, its tokens (the first one's logprob null); prompt_only (echo with max_tokens 0): the prompt
+    alone, its generated token left out."""
     chat = url == "/v1/chat/completions"
+    echoed = None if chat else result.prompt_logprobs
     completions = result.outputs or [result]
     choices = []
     for i, c in enumerate(completions):
+        entries, text, finish_reason = c.logprobs or [], c.text, c.finish_reason
+        if prompt_only:
+            entries, text, finish_reason = [], "", "length"
+        if echoed is not None:
+            entries = echoed + entries
+            text = "".join(_token(e) for e in echoed) + text
         logprobs = None
         if with_logprobs:
-            logprobs = _chat_logprobs(c.logprobs) if chat else _completion_logprobs(c.logprobs)
+            logprobs = _chat_logprobs(entries) if chat else _completion_logprobs(entries)
         if chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": logprobs, "finish_reason": c.finish_reason})
+            choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                            "logprobs": logprobs, "finish_reason": finish_reason})
         else:
-            choices.append({"index": i, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason})
+            choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
+    usage = usage_body(result)
+    if prompt_only:
+        usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
     return {"id": result.job_id, "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": choices, "usage": usage_body(result)}
+            "created": int(time.time()), "model": model, "choices": choices, "usage": usage}
 
 
 def usage_body(result) -> dict:
@@ -230,7 +259,8 @@ def usage_body(result) -> dict:
 
 
 def _token(entry: dict) -> str:
-    return entry.get("token", str(entry.get("token_id", "")))
+    token = entry.get("token")
+    return token if token is not None else str(entry.get("token_id", ""))
 
 
 def _chat_logprobs(entries: list | None) -> dict:
@@ -246,7 +276,8 @@ def _chat_logprobs(entries: list | None) -> dict:
 
 def _completion_logprobs(entries: list | None) -> dict:
     """A completion choice's logprobs: {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}],
-    "text_offset"} (offsets into the completion's text)."""
+    "text_offset"} (offsets into the choice's text). An echoed prompt's first token, which nothing scores,
+    has a null logprob and null top logprobs."""
     entries = entries or []
     tokens = [_token(e) for e in entries]
     offsets, at = [], 0
@@ -254,5 +285,6 @@ def _completion_logprobs(entries: list | None) -> dict:
         offsets.append(at)
         at += len(token)
     return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{_token(t): t["logprob"] for t in e.get("top_logprobs", [])} for e in entries],
+            "top_logprobs": [None if e["logprob"] is None
+                             else {_token(t): t["logprob"] for t in e.get("top_logprobs", [])} for e in entries],
             "text_offset": offsets}

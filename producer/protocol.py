@@ -239,6 +239,10 @@ class JobResult(BaseModel):
     logprobs: list | None = None  # per token: token_id, token (its text), logprob, top ({id: logprob}), top_logprobs
     cumulative_logprob: float | None = None  # the sum of the completion's token logprobs
     outputs: list[Completion] | None = None
+    # with sampling prompt_logprobs=N, one entry per prompt token: token_id, token (its text), logprob and rank
+    # (null for the first token, which nothing scores), top_logprobs ([{token_id, token, logprob, rank}], the
+    # top N, best first; [] for the first token)
+    prompt_logprobs: list | None = None
     attempts: int = 0
     worker: str | None = None
 

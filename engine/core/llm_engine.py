@@ -10,6 +10,7 @@ from engine.config import EngineConfig
 from engine.core.beam_search import BeamSearch
 from engine.core.block_manager import BlockManager
 from engine.core.outputs import RequestOutput, StepResult, StepStats, request_output
+from engine.core.prompt_logprobs import prompt_spans
 from engine.core.scheduler import ScheduledBatch, Scheduler
 from engine.core.sequence import Sequence, SequenceGroup
 from engine.core.step_builder import StepBuilder
@@ -279,6 +280,7 @@ class LLMEngine:
         it from the device meanwhile). The runner executes the model, then (a step with constrained rows)
         the engine computes their masks (_masks, which may collect the launch in flight into `collected`),
         then the runner samples."""
+        scored = [(seq, start, count) for _, seq, start, count in prompt_spans(batch)]
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
         positions = []
@@ -292,7 +294,7 @@ class LLMEngine:
         if inputs.sampling is not None and inputs.sampling.grammar_rows:
             masks = self._masks(sampled, inputs.sampling.grammar_rows, finished_only, collected)
         tokens = self.runner.sample_tokens(executed, masks)
-        return _InFlight(batch, sampled, positions, tokens)
+        return _InFlight(batch, sampled, positions, tokens, scored)
 
     def _masks(self, sampled: list[Sequence], index: list[int], finished_only: bool,
                collected: list[RequestOutput]) -> GrammarMasks:
@@ -314,6 +316,8 @@ class LLMEngine:
 
     def _collect(self, step: "_InFlight", finished_only: bool, tokens_placed=None) -> list[RequestOutput]:
         token_ids, logprobs = step.tokens.result()
+        if step.scored:
+            _take_prompt_scores(step.scored, step.tokens.prompt_result())
         return self._postprocess(step.batch, step.sampled, step.positions, token_ids, logprobs, finished_only,
                                  tokens_placed)
 
@@ -525,12 +529,27 @@ class LLMEngine:
 class _InFlight:
     """A launched step whose sampled tokens are still on their way to the host."""
 
-    def __init__(self, batch: ScheduledBatch, sampled: list[Sequence], positions: list[int], tokens):
+    def __init__(self, batch: ScheduledBatch, sampled: list[Sequence], positions: list[int], tokens,
+                 scored: list[tuple[Sequence, int, int]]):
         self.batch, self.sampled, self.positions, self.tokens = batch, sampled, positions, tokens
+        self.scored = scored  # prompt chunks whose first rows score prompt tokens: (seq, start, rows)
 
 
 class LLM(LLMEngine):
     """The offline entry point: LLM(model, ...).generate(prompts, params)."""
+
+
+def _take_prompt_scores(scored: list[tuple[Sequence, int, int]], scores) -> None:
+    """Each scored chunk's rows of the step's prompt logprobs into its request's (before its outputs are built)."""
+    logprobs, ranks, top_values, top_ids = scores
+    row = 0
+    for seq, start, count in scored:
+        end = row + count
+        if not seq.is_finished:
+            seq.group.prompt_logprobs.add(start, logprobs[row:end], ranks[row:end],
+                                          None if top_values is None else top_values[row:end],
+                                          None if top_ids is None else top_ids[row:end])
+        row = end
 
 
 def _as_params(sp) -> SamplingParams | BeamSearchParams:

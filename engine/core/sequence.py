@@ -10,6 +10,7 @@ import time
 from enum import Enum, auto
 from itertools import count
 
+from engine.core.prompt_logprobs import PromptLogprobs
 from engine.sampling.params import SamplingParams
 
 _seq_ids = count()
@@ -97,6 +98,13 @@ class Sequence:
         return len(ids) - 1 if ids and ids[-1] < 0 else len(ids)
 
     @property
+    def scores_prompt(self) -> bool:
+        """Whether its steps score its prompt's tokens (prompt_logprobs, until every one is scored): the
+        logits of every prompt position are needed, so a prefix-cache hit would skip some."""
+        scores = self.group.prompt_logprobs if self.group is not None else None
+        return scores is not None and not scores.done
+
+    @property
     def admission_width(self) -> int:
         """Sequence slots its admission takes: a group's first sequence will fork into all of them."""
         group = self.group
@@ -140,6 +148,8 @@ class SequenceGroup:
         self.forked = self.width == 1  # the first sequence forks into the others once (for beams: the first step)
         # sampling: every sequence, by index; beam search: the running beams
         self.seqs = [Sequence(token_ids, params, block_size, request_id, self)]
+        self.prompt_logprobs = (None if params.prompt_logprobs is None
+                                else PromptLogprobs(self.seqs[0].prompt_token_ids, params.prompt_logprobs))
         self.error: str | None = None
         self.finished_time: float | None = None
 

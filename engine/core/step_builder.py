@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine.core.prompt_logprobs import prompt_spans
 from engine.core.scheduler import ScheduledBatch
 from engine.core.sequence import Sequence
 from engine.runner import ImageSlice, SamplingRows, StepInputs
@@ -83,6 +84,9 @@ class StepBuilder:
             max_seqlen_q=max(batch.num_tokens), max_seqlen_k=max(lens_k),
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
             **_pending(pending_rows, pending_src))
+        spans = prompt_spans(batch)
+        if spans:
+            _score_prompts(inputs, spans, cu_q)
         if self.uses_mrope and any(s.multimodal is not None for s in batch.seqs):
             _place_images(batch, inputs)
         return inputs
@@ -157,6 +161,18 @@ def _pending(rows: list[int], src: list[int]) -> dict:
     if not rows:
         return {}
     return {"pending_rows": torch.tensor(rows, dtype=torch.int64), "pending_src": torch.tensor(src, dtype=torch.int64)}
+
+
+def _score_prompts(inputs: StepInputs, spans: list, cu_q: list[int]) -> None:
+    """The input rows that score prompt tokens (prompt_logprobs), the tokens they score and the most top
+    logprobs one asks for."""
+    rows, next_ids = [], []
+    for i, seq, start, count in spans:
+        rows += range(cu_q[i], cu_q[i] + count)
+        next_ids += seq.prompt_token_ids[start + 1:start + 1 + count]
+    inputs.prompt_rows = torch.tensor(rows, dtype=torch.int64)
+    inputs.prompt_next_ids = torch.tensor(next_ids, dtype=torch.int64)
+    inputs.num_prompt_top = max(seq.group.prompt_logprobs.num_top for _, seq, _, _ in spans)
 
 
 def _place_images(batch: ScheduledBatch, inputs: StepInputs) -> None:

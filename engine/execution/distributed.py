@@ -163,6 +163,10 @@ class TPStep:
         # every rank finished its part of the step, so rank 0's own work of it waits on no peer: blocking is safe
         return self._tokens.result()
 
+    def prompt_result(self):
+        """Rank 0's prompt logprobs of the step, as ModelRunner's; after result(), which waits for the ranks."""
+        return self._tokens.prompt_result()
+
 
 @dataclass
 class _Worker:
@@ -532,6 +536,7 @@ def _serve(runner: ModelRunner, conn: Connection) -> None:
         _, wire, sampling = message
         inputs = _from_wire(wire)
         hidden = runner.forward(inputs)
+        runner.score_prompt(hidden, inputs)  # its part of the prompt rows' logits gathers, as rank 0's execute
         if sampling:
             runner.join_sampling(hidden, inputs, sampling)
         if runner.device.type == "cuda":
@@ -614,8 +619,9 @@ def _config_kwargs(config: EngineConfig) -> dict:
     return kwargs
 
 
-# what only rank 0 reads: the sampling (the other ranks get the plan) and the sampled sequences' ends
-_RANK0_ONLY = {"sampling", "suppressed", "finished_seq_ids"}
+# what only rank 0 reads: the sampling (the other ranks get the plan), the sampled sequences' ends, the scored
+# prompt tokens
+_RANK0_ONLY = {"sampling", "suppressed", "finished_seq_ids", "prompt_next_ids", "num_prompt_top"}
 
 
 def _to_wire(inputs: StepInputs) -> dict:

@@ -42,6 +42,9 @@ class Online:
         stream, include_usage = _stream_options(body)
         chat = url == "/v1/chat/completions"
         job_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        prompt_only = _prompt_only(url, body)
+        if prompt_only:  # the engine generates at least one token: one is made, and left out of the answer
+            body = {**body, "max_tokens": 1}
         built, sampling = await self.offload(_build, url, body, job_id, stream, self.timeout_s)
         with_logprobs = sampling.get("logprobs") is not None
         keys, args = submit_call(self.client.keys, [built])
@@ -52,7 +55,7 @@ class Online:
         result = await self._wait(request, job_id, deadline, self.client.result)
         if not result.ok:
             raise _failed(result.status, result.error)
-        return JSONResponse(response_body(url, result, with_logprobs, self.model_name))
+        return JSONResponse(response_body(url, result, with_logprobs, self.model_name, prompt_only))
 
     async def _wait(self, request: Request, job_id: str, deadline: float, read):
         """`read(job_id, timeout=...)` (the result, or the first token delta) by WAIT_SLICE_S slices, checking
@@ -179,13 +182,20 @@ def _build(url: str, body: dict, job_id: str, stream: bool, deadline_s: float) -
     if error is not None:
         raise invalid(error)
     sampling = job["sampling"]
-    if stream and (sampling.get("best_of") is not None or sampling.get("logprobs") is not None):
-        raise invalid("stream: true takes completions without best_of or logprobs (leave them out, or set "
+    if stream and any(sampling.get(name) is not None for name in ("best_of", "logprobs", "prompt_logprobs")):
+        raise invalid("stream: true takes completions without best_of, logprobs or echo (leave them out, or set "
                       "stream: false)", "stream")
     try:
         return build_job(**{**job, "job_id": job_id, "stream": stream, "deadline_s": deadline_s}), sampling
     except ValueError as e:
         raise invalid(str(e)) from None
+
+
+def _prompt_only(url: str, body: dict) -> bool:
+    """Whether a completion echoes its prompt with max_tokens 0: the prompt scored, nothing generated."""
+    tokens = body.get("max_tokens")
+    return (url == "/v1/completions" and body.get("echo") is True and tokens == 0
+            and not isinstance(tokens, bool))
 
 
 def _stream_options(body: dict) -> tuple[bool, bool]:
