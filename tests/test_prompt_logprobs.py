@@ -71,22 +71,22 @@ def model_and_reference(request, tmp_path_factory):
     return {"model": str(path)}, model
 
 
-def _check(out, prompt: list[int], reference: torch.Tensor, num_top: int) -> None:
+def _check(out, prompt: list[int], reference: torch.Tensor, num_top: int, atol: float = ATOL) -> None:
     """out.prompt_logprobs against transformers': one entry per token, the first None; each holds the token
     itself (its logprob, its rank) and the top num_top (ranks 1..num_top, best first). Ranks and the top ids
-    are checked up to ATOL: a random model's logprobs lie close together, and a near tie may order either way."""
+    are checked up to atol: a random model's logprobs lie close together, and a near tie may order either way."""
     entries = out.prompt_logprobs
     assert entries is not None and len(entries) == len(prompt) and entries[0] is None
     for p in range(1, len(prompt)):
         row, token, entry = reference[p - 1], prompt[p], entries[p]
         own = entry[token]
         assert next(iter(entry)) == token
-        assert own.logprob == pytest.approx(row[token].item(), abs=ATOL)
-        assert int((row >= row[token] + ATOL).sum()) < own.rank <= int((row >= row[token] - ATOL).sum())
+        assert own.logprob == pytest.approx(row[token].item(), abs=atol)
+        assert int((row >= row[token] + atol).sum()) < own.rank <= int((row >= row[token] - atol).sum())
         assert len(entry) in (num_top, num_top + 1)
         top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:num_top]  # the token first, then the top
-        assert [lp.logprob for _, lp in top] == pytest.approx(row.topk(num_top).values.tolist(), abs=ATOL)
-        assert [lp.logprob for _, lp in top] == pytest.approx([row[t].item() for t, _ in top], abs=ATOL)
+        assert [lp.logprob for _, lp in top] == pytest.approx(row.topk(num_top).values.tolist(), abs=atol)
+        assert [lp.logprob for _, lp in top] == pytest.approx([row[t].item() for t, _ in top], abs=atol)
         assert [lp.rank for t, lp in top if t != token] == [i + 1 for i, (t, _) in enumerate(top) if t != token]
 
 
@@ -156,6 +156,58 @@ def test_a_batch_mixing_requests_that_ask_and_that_do_not(model_and_reference, a
             _check(out, prompt, _hf_logprobs(reference, prompt), params[i].prompt_logprobs)
         else:
             assert out.prompt_logprobs is None
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_ranks_score_prompts_with_rank_0(qwen3_checkpoint):
+    """TP=2 on CPU (gloo): the other rank joins the LM head's gathers of the prompt rows, before the step's
+    sampling (sharded for the greedy rows, whole rows for the ones with top logprobs)."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(qwen3_checkpoint, dtype=torch.float32).eval()
+    prompts = _prompts(6, seed=8, low=10, high=40)
+    params = [SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2 if i % 2 else None,
+                             logprobs=1 if i % 3 == 0 else None) for i in range(6)]
+    llm = LLM(str(qwen3_checkpoint), device="cpu", tensor_parallel_size=2, kvcache_block_size=4,
+              max_num_batched_tokens=32)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    alone = LLM(str(qwen3_checkpoint), device="cpu").generate(prompts, params, use_tqdm=False)
+    for out, want, prompt, sp in zip(outs, alone, prompts, params):
+        assert out.token_ids == want.token_ids
+        if sp.prompt_logprobs is None:
+            assert out.prompt_logprobs is None
+        else:
+            _check(out, prompt, _hf_logprobs(reference, prompt), 2)
+
+
+@pytest.mark.gpu
+def test_gpu_prompt_logprobs_with_graphs_equal_transformers(qwen3_checkpoint, free_gpu):
+    """On a GPU with its CUDA graphs: a lone prompt's prefill graph, then a batch where scored prompts, chunked,
+    share steps with decodes (the decode graph's sampler takes the steps without prompt rows). float32, so
+    that transformers on the CPU is the reference."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(qwen3_checkpoint, dtype=torch.float32).eval()
+    llm = LLM(str(qwen3_checkpoint), dtype="float32", max_num_batched_tokens=64)
+    try:
+        lone = _prompts(1, seed=9, low=40, high=40)[0]
+        [out] = llm.generate([lone], SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=5), use_tqdm=False)
+        _check(out, lone, _hf_logprobs(reference, lone), 5, atol=1e-3)
+        assert llm.runner.prefill_graphs is None or llm.runner.prefill_graphs.replays > 0
+        prompts = _prompts(12, seed=10, low=5, high=90)
+        params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=(i % 3) or None)
+                  for i in range(12)]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        for out, prompt, sp in zip(outs, prompts, params):
+            if sp.prompt_logprobs is None:
+                assert out.prompt_logprobs is None
+            else:
+                _check(out, prompt, _hf_logprobs(reference, prompt), sp.prompt_logprobs, atol=1e-3)
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.parametrize("value", [21, -1, 2.0, True, "2"])
