@@ -293,7 +293,7 @@ def test_a_request_no_worker_takes_is_answered_504_and_cancelled(stack):
 @pytest.mark.parametrize("extra, message", [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools="),
     ({"frobnicate": 1}, "unsupported body fields: frobnicate"),
-    ({"best_of": 2, "stream": True}, "stream: true takes completions without best_of or logprobs"),
+    ({"best_of": 2, "stream": True}, "stream: true takes completions without best_of, logprobs or echo"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"response_format": {"type": "xml"}}, "response_format must be"),
 ])
