@@ -52,6 +52,7 @@ class LLMEngine:
         # async scheduling: the launch whose tokens are still on their way (resolved in the next step)
         self.async_scheduling = bool(config.async_scheduling)
         self._inflight: _InFlight | None = None
+        self._scoring: set[str] = set()  # requests whose prompt logprobs are not all in yet
         self._shut_down = False
 
     def _make_runner(self, config: EngineConfig) -> Runner:
@@ -83,6 +84,8 @@ class LLMEngine:
             group.first.multimodal = prepared.multimodal
             group.first.mrope_position_delta = prepared.multimodal.mrope_position_delta
         self.requests[request_id] = group
+        if group.prompt_logprobs is not None and not group.prompt_logprobs.done:
+            self._scoring.add(request_id)
         self.scheduler.add(group.first)
         return request_id
 
@@ -248,8 +251,9 @@ class LLMEngine:
             stats.num_decode_tokens = sum(1 for s, n in zip(batch.seqs, batch.num_tokens)
                                           if n == 1 and s.num_completion_tokens > 0 and s.num_uncomputed_tokens == 1)
             stats.num_prefill_tokens = batch.total_tokens - stats.num_decode_tokens
-            inputs = self.steps.build(batch, to_sample)
-            launched = self._launch(batch, to_sample, inputs, finished_only, outputs)
+            spans = prompt_spans(batch) if self._scoring else []  # no per-sequence check on most steps
+            inputs = self.steps.build(batch, to_sample, spans)
+            launched = self._launch(batch, to_sample, inputs, finished_only, outputs, spans)
             if not self.async_scheduling:  # a synchronous step is a launch collected at once
                 outputs += self._collect(launched, finished_only)
                 launched = None
@@ -274,13 +278,13 @@ class LLMEngine:
                 seq.grammar.restart()
 
     def _launch(self, batch: ScheduledBatch, sampled: list[Sequence], inputs: StepInputs, finished_only: bool,
-                collected: list[RequestOutput]) -> "_InFlight":
+                collected: list[RequestOutput], spans: list) -> "_InFlight":
         """Queue the step on the device and advance the sequences as if it were done; each sampled
         sequence gets a -1 placeholder, filled when the step is collected (the next step's inputs take
         it from the device meanwhile). The runner executes the model, then (a step with constrained rows)
         the engine computes their masks (_masks, which may collect the launch in flight into `collected`),
         then the runner samples."""
-        scored = [(seq, start, count) for _, seq, start, count in prompt_spans(batch)]
+        scored = [(seq, start, count) for _, seq, start, count in spans]
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
         positions = []
@@ -317,9 +321,24 @@ class LLMEngine:
     def _collect(self, step: "_InFlight", finished_only: bool, tokens_placed=None) -> list[RequestOutput]:
         token_ids, logprobs = step.tokens.result()
         if step.scored:
-            _take_prompt_scores(step.scored, step.tokens.prompt_result())
+            self._take_prompt_scores(step.scored, step.tokens.prompt_result())
         return self._postprocess(step.batch, step.sampled, step.positions, token_ids, logprobs, finished_only,
                                  tokens_placed)
+
+    def _take_prompt_scores(self, scored: list[tuple[Sequence, int, int]], scores) -> None:
+        """Each scored chunk's rows of the step's prompt logprobs into its request's (before its outputs are
+        built)."""
+        logprobs, ranks, top_values, top_ids = scores
+        row = 0
+        for seq, start, count in scored:
+            end, group = row + count, seq.group
+            if not seq.is_finished:
+                group.prompt_logprobs.add(start, logprobs[row:end], ranks[row:end],
+                                          None if top_values is None else top_values[row:end],
+                                          None if top_ids is None else top_ids[row:end])
+                if group.prompt_logprobs.done:
+                    self._scoring.discard(group.request_id)
+            row = end
 
     def _postprocess(self, batch: ScheduledBatch, sampled: list[Sequence], positions: list[int],
                      token_ids: list[int], logprobs, finished_only: bool, tokens_placed=None):
@@ -447,6 +466,7 @@ class LLMEngine:
     def _output(self, group: SequenceGroup) -> RequestOutput:
         if group.is_finished:
             self.requests.pop(group.request_id, None)
+            self._scoring.discard(group.request_id)
         return request_output(group, self.tokenizer)
 
     # ---- batch API --------------------------------------------------------------------------------
@@ -537,19 +557,6 @@ class _InFlight:
 
 class LLM(LLMEngine):
     """The offline entry point: LLM(model, ...).generate(prompts, params)."""
-
-
-def _take_prompt_scores(scored: list[tuple[Sequence, int, int]], scores) -> None:
-    """Each scored chunk's rows of the step's prompt logprobs into its request's (before its outputs are built)."""
-    logprobs, ranks, top_values, top_ids = scores
-    row = 0
-    for seq, start, count in scored:
-        end = row + count
-        if not seq.is_finished:
-            seq.group.prompt_logprobs.add(start, logprobs[row:end], ranks[row:end],
-                                          None if top_values is None else top_values[row:end],
-                                          None if top_ids is None else top_ids[row:end])
-        row = end
 
 
 def _as_params(sp) -> SamplingParams | BeamSearchParams:

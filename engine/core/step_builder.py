@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.core.prompt_logprobs import prompt_spans
 from engine.core.scheduler import ScheduledBatch
 from engine.core.sequence import Sequence
 from engine.runner import ImageSlice, SamplingRows, StepInputs
@@ -31,9 +30,10 @@ class StepBuilder:
         if seq.multimodal is not None:
             self.finished_request_ids.append(seq.request_id)
 
-    def build(self, batch: ScheduledBatch, sampled: list[Sequence]) -> StepInputs:
-        """The step's inputs, before the engine advances its sequences."""
-        inputs = self._forward_inputs(batch)
+    def build(self, batch: ScheduledBatch, sampled: list[Sequence], scored: list = ()) -> StepInputs:
+        """The step's inputs, before the engine advances its sequences; scored: its sequences' rows that score
+        prompt tokens (engine/core/prompt_logprobs.py's prompt_spans)."""
+        inputs = self._forward_inputs(batch, scored)
         if batch.block_copies:
             inputs.block_copies = torch.tensor(batch.block_copies, dtype=torch.int64).T.contiguous()
         if sampled:
@@ -48,7 +48,7 @@ class StepBuilder:
 
     # ---- the forward pass -------------------------------------------------------------------------
 
-    def _forward_inputs(self, batch: ScheduledBatch) -> StepInputs:
+    def _forward_inputs(self, batch: ScheduledBatch, scored: list) -> StepInputs:
         if (not batch.forks and all(n == 1 for n in batch.num_tokens)
                 and all(s.num_uncomputed_tokens == 1 for s in batch.seqs)):
             return self._decode_inputs(batch)
@@ -84,9 +84,8 @@ class StepBuilder:
             max_seqlen_q=max(batch.num_tokens), max_seqlen_k=max(lens_k),
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
             **_pending(pending_rows, pending_src))
-        spans = prompt_spans(batch)
-        if spans:
-            _score_prompts(inputs, spans, cu_q)
+        if scored:
+            _score_prompts(inputs, scored, cu_q)
         if self.uses_mrope and any(s.multimodal is not None for s in batch.seqs):
             _place_images(batch, inputs)
         return inputs
