@@ -3,7 +3,8 @@
 Each input line is a request `{"custom_id", "method": "POST", "url": "/v1/chat/completions" or
 "/v1/completions", "body": {...}}`; each output line is `{"id", "custom_id", "response": {"status_code",
 "request_id", "body"}, "error"}` with a chat.completion or text_completion body: one choice per completion
-(n of them), each with its logprobs in the endpoint's own shape when asked for. `response_format`
+(n of them), each with its logprobs in the endpoint's own shape when asked for; a completion with `echo: true`
+starts with its prompt (its tokens' texts, and logprobs: the job asks `sampling.prompt_logprobs`). `response_format`
 becomes a structured-output constraint: `{"type": "json_object"}` any JSON object, `{"type":
 "json_schema", "json_schema": {"name", "schema", "strict"}}` that schema (enforced whatever `strict` says).
 A line that cannot run gets an error line of its own.

@@ -20,7 +20,9 @@ from engine.runner import GrammarMasks, ImageSlice, StepInputs
 from engine.sampling.sampler import PromptScores, SampledTokens, Sampler, SamplingTensors, StepSampling, score_prompt
 
 CPU_KV_CACHE_BYTES = 2 << 30
-PROMPT_SCORE_ROWS = 1024  # prompt rows whose logits are made at once: float32 rows of a 152k vocabulary, 0.6 GB
+# prompt rows whose logits are made at once: 256 float32 rows of a 152k vocabulary are 156 MB, what a decode step
+# of 256 rows with logprobs makes too (the KV cache's sizing leaves no room measured for more)
+PROMPT_SCORE_ROWS = 256
 
 
 class ModelRunner:
