@@ -93,7 +93,7 @@ def _check(out, prompt: list[int], reference: torch.Tensor, num_top: int, atol: 
 def test_prompt_logprobs_equal_transformers_log_softmax(model_and_reference):
     kwargs, reference = model_and_reference
     llm = LLM(**kwargs, device="cpu", kvcache_block_size=8)
-    prompts = _prompts(6, seed=1) + [[7]]
+    prompts = _prompts(6, seed=1) + _prompts(1, seed=2, low=600, high=600) + [[7]]  # 599 rows: 256 at a time
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=3), use_tqdm=False)
     for out, prompt in zip(outs, prompts):
         _check(out, prompt, _hf_logprobs(reference, prompt), 3)
