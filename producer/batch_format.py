@@ -134,6 +134,9 @@ def request_job(url: str, body: dict) -> tuple[dict, str | None]:
     if error is not None:
         return {}, error
     if echo:  # the prompt's tokens come back with their texts (and logprobs, as many top ones as the completion's)
+        if body.get("max_tokens") == 0 and not isinstance(body["max_tokens"], bool):
+            return {}, ("echo with max_tokens 0 (the prompt alone) is answered online (POST /v1/completions); "
+                        "give a batch line max_tokens of at least 1")
         sampling["prompt_logprobs"] = logprobs or 0
     schema, error = _response_format(body.get("response_format"))
     if error is not None:

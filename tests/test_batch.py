@@ -55,6 +55,7 @@ def ran(tmp_path_factory):
         request("echo", "/v1/completions", prompt=IDS, echo=True, logprobs=1, max_tokens=2, temperature=0,
                 ignore_eos=True),
         request("chat-echo", "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], echo=True),
+        request("echo-zero", "/v1/completions", prompt=IDS, echo=True, logprobs=1, max_tokens=0),
     ]
     (d / "in.jsonl").write_text("\n".join(lines) + "\n")
     rc = main(["batch", str(d / "in.jsonl"), "-o", str(d / "out.jsonl"), "--device", "cpu"])
@@ -66,7 +67,7 @@ def test_one_output_line_per_input_line_in_order(ran):
     assert rc == 0
     assert [o["custom_id"] for o in out] == ["chat", None, "ids", "bad-url", "two", "unknown", "negative", "text",
                                              "noop", *NOT_HONOURED, "chat-n", "text-n", *RESPONSE_FORMATS,
-                                             "top-without-logprobs", "echo", "chat-echo"]
+                                             "top-without-logprobs", "echo", "chat-echo", "echo-zero"]
     assert len({o["id"] for o in out}) == len(out)
 
 
@@ -93,7 +94,7 @@ def test_completion_equals_the_engine_alone(ran):
 
 @pytest.mark.parametrize("index, message", [
     (1, "not JSON"), (3, "url must be one of"), (5, "unsupported body fields: frobnicate"), (6, "max_tokens"),
-    (-3, "top_logprobs needs logprobs=true"),
+    (-4, "top_logprobs needs logprobs=true"), (-1, "echo with max_tokens 0 (the prompt alone) is answered online"),
 ])
 def test_bad_lines_become_error_lines(ran, index, message):
     _, out = ran
@@ -207,7 +208,7 @@ def test_user_mistake_is_one_line_without_traceback(tmp_path, capsys, case, mess
 
 def test_a_completion_with_echo_starts_with_its_scored_prompt(ran):
     _, out = ran
-    echo, chat_echo = out[-2], out[-1]
+    echo, chat_echo = out[-3], out[-2]
     choice = echo["response"]["body"]["choices"][0]
     lp = choice["logprobs"]
     assert len(lp["tokens"]) == len(IDS) + 2 and choice["text"] == "".join(lp["tokens"])
