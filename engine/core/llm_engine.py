@@ -9,7 +9,8 @@ from tqdm.auto import tqdm
 from engine.config import EngineConfig
 from engine.core.beam_search import BeamSearch
 from engine.core.block_manager import BlockManager
-from engine.core.outputs import RequestOutput, StepResult, StepStats, request_output
+from engine.core.outputs import EmbeddingOutput, RequestOutput, StepResult, StepStats, request_output
+from engine.core.pooling import Pooling, PooledState, check_dimensions, pooled_positions, read_pooling
 from engine.core.prompt_logprobs import prompt_spans
 from engine.core.scheduler import ScheduledBatch, Scheduler
 from engine.core.sequence import Sequence, SequenceGroup
@@ -52,6 +53,7 @@ class LLMEngine:
         # async scheduling: the launch whose tokens are still on their way (resolved in the next step)
         self.async_scheduling = bool(config.async_scheduling)
         self._inflight: _InFlight | None = None
+        self._pooling: Pooling | None = None  # the model's, read at its first embedding request
         self._scoring: set[str] = set()  # requests whose prompt logprobs are not all in yet
         self._shut_down = False
 
@@ -72,6 +74,9 @@ class LLMEngine:
         each step's new text (`new_text`), not only the final text. Raises ValueError for bad input,
         leaving the engine as it was."""
         self._check_open()
+        if not self.runner.has_lm_head:
+            raise ValueError(f"model {self.config.model!r} has no LM head (an embedding checkpoint): it cannot "
+                             "generate; use embed()")
         params = _as_params(sampling_params)
         prepared = self.prepare_prompt(prompt)
         token_ids = self._check_length(prepared.token_ids if isinstance(prepared, MultimodalPrompt) else prepared)
@@ -86,6 +91,31 @@ class LLMEngine:
         self.requests[request_id] = group
         if group.prompt_logprobs is not None and not group.prompt_logprobs.done:
             self._scoring.add(request_id)
+        self.scheduler.add(group.first)
+        return request_id
+
+    def add_embed_request(self, prompt: str | list[int], dimensions: int | None = None,
+                          request_id: str | None = None) -> str:
+        """Queue one embedding request (text, through the tokenizer with its own post-processing, or token
+        ids); returns its id. Its output, an EmbeddingOutput, comes once, finished. dimensions: keep the
+        first this many values, L2-normalised again (matryoshka). Raises ValueError for bad input."""
+        self._check_open()
+        if self._pooling is None:
+            self._pooling = read_pooling(self.config.model_dir)
+        dimensions = check_dimensions(dimensions, self.config.text_config.hidden_size)
+        if self.images is not None:
+            raise ValueError(f"model {self.config.model!r} is a vision-language model; embeddings need a text model")
+        token_ids = self._encode(prompt)
+        if len(token_ids) > self.config.max_model_len:
+            raise ValueError(f"input has {len(token_ids)} tokens; max_model_len is {self.config.max_model_len}")
+        if request_id is None:
+            request_id = f"req-{next(self._request_ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        group = SequenceGroup(request_id, token_ids, SamplingParams(temperature=0, max_tokens=1),
+                              self.config.kvcache_block_size)
+        group.first.pooling = PooledState(self._pooling, dimensions)
+        self.requests[request_id] = group
         self.scheduler.add(group.first)
         return request_id
 
@@ -284,6 +314,9 @@ class LLMEngine:
         it from the device meanwhile). The runner executes the model, then (a step with constrained rows)
         the engine computes their masks (_masks, which may collect the launch in flight into `collected`),
         then the runner samples."""
+        pooled = [(seq, seq.num_computed_tokens, n) for seq, n in zip(batch.seqs, batch.num_tokens)
+                  if seq.pooling is not None and pooled_positions(seq.pooling.pooling.method, seq.num_computed_tokens,
+                                                                  seq.num_computed_tokens + n, seq.num_tokens)]
         scored = [(seq, start, count) for _, seq, start, count in spans]
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
@@ -298,7 +331,7 @@ class LLMEngine:
         if inputs.sampling is not None and inputs.sampling.grammar_rows:
             masks = self._masks(sampled, inputs.sampling.grammar_rows, finished_only, collected)
         tokens = self.runner.sample_tokens(executed, masks)
-        return _InFlight(batch, sampled, positions, tokens, scored)
+        return _InFlight(batch, sampled, positions, tokens, pooled, executed.pooled, scored)
 
     def _masks(self, sampled: list[Sequence], index: list[int], finished_only: bool,
                collected: list[RequestOutput]) -> GrammarMasks:
@@ -322,8 +355,25 @@ class LLMEngine:
         token_ids, logprobs = step.tokens.result()
         if step.scored:
             self._take_prompt_scores(step.scored, step.tokens.prompt_result())
-        return self._postprocess(step.batch, step.sampled, step.positions, token_ids, logprobs, finished_only,
-                                 tokens_placed)
+        outputs = self._postprocess(step.batch, step.sampled, step.positions, token_ids, logprobs, finished_only,
+                                    tokens_placed)
+        if step.pooled:
+            outputs += self._take_pooled(step.pooled, step.pooled_sums.result())
+        return outputs
+
+    def _take_pooled(self, chunks: list[tuple[Sequence, int, int]], sums) -> list[EmbeddingOutput]:
+        """Add each embedding chunk's pooled sum to its request's; the requests whose prompt is done finish
+        (after _postprocess entered their blocks in the prefix cache)."""
+        outputs, now = [], time.monotonic()
+        for (seq, start, n), chunk_sum in zip(chunks, sums):
+            if seq.is_finished:  # aborted meanwhile
+                continue
+            seq.pooling.add(chunk_sum, start)
+            if start + n == seq.num_tokens:
+                self._finish(seq, "stop", now)
+                seq.group.finished_time = now
+                outputs.append(self._output(seq.group))
+        return outputs
 
     def _take_prompt_scores(self, scored: list[tuple[Sequence, int, int]], scores) -> None:
         """Each scored chunk's rows of the step's prompt logprobs into its request's (before its outputs are
@@ -463,10 +513,19 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - decoding its text raised
             return self._fail(group, e)
 
-    def _output(self, group: SequenceGroup) -> RequestOutput:
+    def _output(self, group: SequenceGroup) -> RequestOutput | EmbeddingOutput:
         if group.is_finished:
             self.requests.pop(group.request_id, None)
             self._scoring.discard(group.request_id)
+        first = group.first
+        if first.pooling is not None:
+            done = first.finish_reason == "stop"
+            return EmbeddingOutput(
+                request_id=group.request_id, prompt_token_ids=group.prompt_token_ids,
+                embedding=first.pooling.embedding(first.num_tokens) if done else None,
+                finish_reason=first.finish_reason, error=group.error, num_cached_tokens=first.num_cached_tokens,
+                arrival_time=first.arrival_time, first_scheduled_time=first.first_scheduled_time,
+                finished_time=group.finished_time)
         return request_output(group, self.tokenizer)
 
     # ---- batch API --------------------------------------------------------------------------------
@@ -492,9 +551,31 @@ class LLMEngine:
                 self.abort(rid)
             self._aborted.clear()
             raise
+        return self._run(ids, "Generating", use_tqdm)
+
+    def embed(self, inputs: str | list[str] | list[int] | list[list[int]], dimensions: int | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingOutput]:
+        """Embed every input (text, or token ids) with an embedding model; one EmbeddingOutput per input, in
+        order, with `.embedding`. Pooling and normalisation are the model's (engine/core/pooling.py);
+        dimensions: keep the first this many values, L2-normalised again (matryoshka)."""
+        if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]
+        ids: list[str] = []
+        try:
+            for item in inputs:
+                ids.append(self.add_embed_request(item, dimensions))
+        except Exception:
+            for rid in ids:
+                self.abort(rid)
+            self._aborted.clear()
+            raise
+        return self._run(ids, "Embedding", use_tqdm)
+
+    def _run(self, ids: list[str], desc: str, use_tqdm: bool) -> list:
+        """Step until the requests `ids` are finished; their outputs in that order."""
         wanted = set(ids)
         results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        bar = tqdm(total=len(ids), desc=desc, dynamic_ncols=True, disable=not use_tqdm)
         prefill = decode = 0  # tokens and seconds of steps that did mostly prefill / mostly decode
         prefill_s = decode_s = 1e-9
         while len(results) < len(ids):
@@ -547,11 +628,12 @@ class LLMEngine:
 
 
 class _InFlight:
-    """A launched step whose sampled tokens are still on their way to the host."""
+    """A launched step whose sampled tokens (and pooled sums) are still on their way to the host."""
 
     def __init__(self, batch: ScheduledBatch, sampled: list[Sequence], positions: list[int], tokens,
-                 scored: list[tuple[Sequence, int, int]]):
+                 pooled: list[tuple[Sequence, int, int]], pooled_sums, scored: list[tuple[Sequence, int, int]]):
         self.batch, self.sampled, self.positions, self.tokens = batch, sampled, positions, tokens
+        self.pooled, self.pooled_sums = pooled, pooled_sums  # embedding chunks: (seq, start, length), their sums
         self.scored = scored  # prompt chunks whose first rows score prompt tokens: (seq, start, rows)
 
 

@@ -70,6 +70,24 @@ class RequestOutput:
 
 
 @dataclass
+class EmbeddingOutput:
+    """An embedding request's output (LLMEngine.embed, add_embed_request): it comes once, finished."""
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float] | None         # None when it was aborted or failed
+    finished: bool = True
+    finish_reason: str | None = "stop"    # "stop" | "abort"
+    error: str | None = None
+    num_cached_tokens: int = 0
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    finished_time: float | None = None
+
+    def __getitem__(self, key: str):
+        return getattr(self, key)
+
+
+@dataclass
 class StepStats:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0

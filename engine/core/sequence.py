@@ -52,6 +52,7 @@ class Sequence:
         self.grammar = None            # engine.grammar.GrammarState of a constrained (structured output) request
         self.multimodal = None         # engine.multimodal.MultimodalInputs of a prompt with images (seed 003)
         self.mrope_position_delta = 0  # M-RoPE: a token past the prompt rotates at its index + this (seed 001)
+        self.pooling = None            # engine.core.pooling.PooledState of an embedding request (never sampled)
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -96,6 +97,12 @@ class Sequence:
         """Completion tokens whose values are known (a launch in flight leaves a -1 at the end)."""
         ids = self.completion_token_ids
         return len(ids) - 1 if ids and ids[-1] < 0 else len(ids)
+
+    @property
+    def reuses_cached_prefix(self) -> bool:
+        """Whether its admission may take prompt blocks from the prefix cache (mean and CLS pooling need
+        every position's hidden state, which a hit does not compute)."""
+        return (self.pooling is None or self.pooling.reuses_cached_prefix) and not self.scores_prompt
 
     @property
     def scores_prompt(self) -> bool:

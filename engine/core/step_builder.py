@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine.core.pooling import pooled_positions
 from engine.core.scheduler import ScheduledBatch
 from engine.core.sequence import Sequence
 from engine.runner import ImageSlice, SamplingRows, StepInputs
@@ -50,7 +51,7 @@ class StepBuilder:
 
     def _forward_inputs(self, batch: ScheduledBatch, scored: list) -> StepInputs:
         if (not batch.forks and all(n == 1 for n in batch.num_tokens)
-                and all(s.num_uncomputed_tokens == 1 for s in batch.seqs)):
+                and all(s.num_uncomputed_tokens == 1 and s.pooling is None for s in batch.seqs)):
             return self._decode_inputs(batch)
         input_ids: list[int] = []
         positions: list[int] = []
@@ -58,9 +59,16 @@ class StepBuilder:
         cu_q, lens_k, logits_indices = [0], [], []
         bs = self.block_size
         pending_rows, pending_src = [], []
+        pooled_rows, pooled_segments = [], []
         for seq, n in zip(batch.seqs, batch.num_tokens):
             start = seq.num_computed_tokens
             end = start + n
+            if seq.pooling is not None:  # an embedding request: its rows are pooled, never sampled
+                rows = [len(input_ids) + p - start
+                        for p in pooled_positions(seq.pooling.pooling.method, start, end, seq.num_tokens)]
+                if rows:
+                    pooled_segments += [pooled_segments[-1] + 1 if pooled_segments else 0] * len(rows)
+                    pooled_rows += rows
             if end == seq.num_tokens and seq.token_ids[-1] < 0:
                 pending_rows.append(len(input_ids) + n - 1)
                 pending_src.append(seq.pending_index)
@@ -70,7 +78,7 @@ class StepBuilder:
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             cu_q.append(cu_q[-1] + n)
             lens_k.append(end)
-            if end == seq.num_tokens:  # sampled, once for it and once for each sequence forked from it
+            if end == seq.num_tokens and seq.pooling is None:  # sampled, once for it and each forked from it
                 logits_indices += [cu_q[-1] - 1] * (1 + len(batch.forks.get(seq.seq_id, ())))
         width = max(len(s.block_table) for s in batch.seqs)
         tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in batch.seqs]
@@ -84,6 +92,10 @@ class StepBuilder:
             max_seqlen_q=max(batch.num_tokens), max_seqlen_k=max(lens_k),
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
             **_pending(pending_rows, pending_src))
+        if pooled_rows:
+            inputs.pooled_rows = torch.tensor(pooled_rows, dtype=torch.int64)
+            inputs.pooled_segments = torch.tensor(pooled_segments, dtype=torch.int64)
+            inputs.num_pooled = pooled_segments[-1] + 1
         if scored:
             _score_prompts(inputs, scored, cu_q)
         if self.uses_mrope and any(s.multimodal is not None for s in batch.seqs):

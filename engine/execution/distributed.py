@@ -102,6 +102,7 @@ class TPDriver:
         self.ctx = self.runner.ctx
         self.sampler = self.runner.sampler
         self.uses_mrope = self.runner.uses_mrope
+        self.has_lm_head = self.runner.has_lm_head
 
     @property
     def worker_pids(self) -> list[int]:
@@ -619,9 +620,10 @@ def _config_kwargs(config: EngineConfig) -> dict:
     return kwargs
 
 
-# what only rank 0 reads: the sampling (the other ranks get the plan), the sampled sequences' ends, the scored
-# prompt tokens
-_RANK0_ONLY = {"sampling", "suppressed", "finished_seq_ids", "prompt_next_ids", "num_prompt_top"}
+# what only rank 0 reads: the sampling (the other ranks get the plan), the sampled sequences' ends, the pooled
+# rows, the scored prompt tokens
+_RANK0_ONLY = {"sampling", "suppressed", "finished_seq_ids", "pooled_rows", "pooled_segments", "num_pooled",
+               "prompt_next_ids", "num_prompt_top"}
 
 
 def _to_wire(inputs: StepInputs) -> dict:

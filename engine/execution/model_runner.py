@@ -55,7 +55,7 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = model_class(hf.architectures)(hf, tp, self.ctx).to(self.dtype)
         self.model.eval()
-        load_weights(self.model, config.model_dir, config.load_format, config.seed)
+        self.has_lm_head = load_weights(self.model, config.model_dir, config.load_format, config.seed)
         # M-RoPE (engine/inputs/multimodal.py): positions past a prompt with images are offset by its delta
         self.uses_mrope = getattr(self.model, "uses_mrope", False)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -281,14 +281,15 @@ class ModelRunner:
             tokens, logits = self.sampler.replay_graph(graphs, inputs, st)
             return Executed(st, tokens, logits)
         hidden = self.forward(inputs)
+        pooled = self._pool(hidden, inputs) if inputs.num_pooled else None
         prompt = self.score_prompt(hidden, inputs)
         if st is None:
-            return Executed(None, SampledTokens([]), prompt=prompt)
+            return Executed(None, SampledTokens([]), pooled=pooled, prompt=prompt)
         if plan is not None and plan.sharded:
             return Executed(st, self.sampler.sample_shards(self.local_logits(hidden, inputs), self.tp, plan,
                                                            st.temperatures, self.model.lm_head.vocab_start),
-                            prompt=prompt)
-        return Executed(st, None, self.compute_logits(hidden, inputs), prompt=prompt)
+                            pooled=pooled, prompt=prompt)
+        return Executed(st, None, self.compute_logits(hidden, inputs), pooled, prompt)
 
     @torch.inference_mode()
     def score_prompt(self, hidden: torch.Tensor, inputs: StepInputs) -> list[torch.Tensor] | None:
@@ -310,6 +311,11 @@ class ModelRunner:
             return None
         return [torch.cat(part) for part in zip(*pieces)]
 
+    def _pool(self, hidden: torch.Tensor, inputs: StepInputs) -> "PooledSums":
+        """The sums of the step's pooled rows (embedding requests), in float32, on their way to the host."""
+        rows = hidden[self._to_device(inputs.pooled_rows)].float()
+        sums = torch.zeros(inputs.num_pooled, rows.shape[1], dtype=torch.float32, device=rows.device)
+        return PooledSums(sums.index_add_(0, self._to_device(inputs.pooled_segments), rows))
 
     @torch.inference_mode()
     def sample_tokens(self, handle: "Executed", masks: GrammarMasks | None) -> SampledTokens:
@@ -345,7 +351,25 @@ class Executed:
     sampling: SamplingTensors | None
     tokens: SampledTokens | None
     logits: torch.Tensor | None = None
+    pooled: "PooledSums | None" = None  # the embedding requests' pooled rows
     prompt: list[torch.Tensor] | None = None  # its prompt logprobs (score_prompt), where it scored any
+
+
+class PooledSums:
+    """A step's pooled sums [P, H] on their way to the host (engine/runner.py's PooledHandle)."""
+
+    def __init__(self, sums: torch.Tensor):
+        self.event = None
+        self.sums = sums
+        if sums.is_cuda:
+            self.sums = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True).copy_(sums, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def result(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.sums
 
 
 def prefill_inputs(tokens: list[list[int]], block_size: int, blocks_per_seq: int) -> StepInputs:

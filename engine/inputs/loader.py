@@ -10,14 +10,18 @@ from safetensors import safe_open
 from torch import nn
 
 
-def load_weights(model: nn.Module, model_dir: str, load_format: str, seed: int = 0) -> None:
+def load_weights(model: nn.Module, model_dir: str, load_format: str, seed: int = 0) -> bool:
+    """Load the model's weights; whether it has an LM head (an embedding checkpoint may have none)."""
     if load_format == "dummy":
         load_dummy_weights(model, seed)
-    else:
-        load_safetensors(model, model_dir)
+        return True
+    return load_safetensors(model, model_dir)
 
 
-def load_safetensors(model: nn.Module, model_dir: str) -> None:
+def load_safetensors(model: nn.Module, model_dir: str) -> bool:
+    """The checkpoint's tensors into `model`; whether it has an LM head (tied, or an lm_head tensor). A
+    checkpoint of the bare decoder (a `Qwen3Model` as embedding models publish it: no `model.` prefix, no
+    lm_head) loads into the decoder."""
     files = sorted(glob(str(Path(model_dir) / "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors files in {model_dir}; use load_format='dummy' for random weights")
@@ -33,6 +37,8 @@ def load_safetensors(model: nn.Module, model_dir: str) -> None:
                 if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
                     continue
                 target, shard_id = _target_name(_renamed(name, renamed), packed)
+                if target not in params and f"model.{target}" in params:  # the bare decoder's layout
+                    target = f"model.{target}"
                 param = params.get(target)
                 if param is None:
                     raise ValueError(_no_place(name, model))
@@ -46,9 +52,10 @@ def load_safetensors(model: nn.Module, model_dir: str) -> None:
                 else:
                     param.weight_loader(param, tensor, shard_id)
                 loaded.add(target)
-    missing = {n for n in params if n not in loaded} - ({"lm_head.weight"} if model.tie_word_embeddings else set())
+    missing = {n for n in params if n not in loaded} - {"lm_head.weight"}
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights for: {', '.join(sorted(missing)[:5])}")
+    return model.tie_word_embeddings or "lm_head.weight" in loaded
 
 
 # the tensors quantized checkpoints carry beside (or instead of) their weights

@@ -16,6 +16,10 @@ MODEL_REGISTRY = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
+    # the bare decoders, as sentence-transformers saves embedding models (no LM head unless tied)
+    "LlamaModel": LlamaForCausalLM,
+    "Qwen2Model": Qwen2ForCausalLM,
+    "Qwen3Model": Qwen3ForCausalLM,
 }
 
 
