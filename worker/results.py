@@ -19,6 +19,7 @@ from producer import protocol as p
 from producer.connection import UNAVAILABLE
 
 from .consumer import Consumer, InFlight, Job
+from .embeddings import JobEmbeddings
 from .messages import JobHandedBack, JobStarted, StepOutputs
 from .scripts import WorkerScripts
 
@@ -186,6 +187,12 @@ class ResultWriter:
             queue_s=round(queue_s, 6),
             ttft_s=round(out.first_token_time - out.arrival_time, 6) if out.first_token_time else None,
             e2e_s=round(queue_s + (out.finished_time or time.monotonic()) - out.arrival_time, 6))
+        if isinstance(out, JobEmbeddings):
+            result = p.JobResult(
+                job_id=job.job_id, status=status, finish_reason=out.finish_reason, error=error,
+                usage=p.Usage(prompt_tokens=len(out.prompt_token_ids), cached_tokens=out.num_cached_tokens),
+                timings=timings, embeddings=out.embeddings, attempts=job.attempt, worker=self.settings.worker_name)
+            return self._finish_op(job, status, result.model_dump_json(), end)
         completions = getattr(out, "outputs", None) or []
         outputs = None
         if len(completions) > 1:
