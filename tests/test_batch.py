@@ -37,7 +37,7 @@ def ran(tmp_path_factory):
                 max_tokens=6, temperature=0, ignore_eos=True),
         "this is not json",
         request("ids", "/v1/completions", prompt=IDS, max_completion_tokens=7, temperature=0, ignore_eos=True),
-        request("bad-url", "/v1/embeddings", input="x"),
+        request("bad-url", "/v1/moderations", input="x"),
         request("two", "/v1/completions", prompt="a", n=2, max_tokens=8),
         request("unknown", "/v1/completions", prompt="a", frobnicate=3),
         request("negative", "/v1/completions", prompt="a", max_tokens=-4),

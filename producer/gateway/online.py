@@ -1,4 +1,4 @@
-"""Online requests: `POST /v1/chat/completions` and `POST /v1/completions`.
+"""Online requests: `POST /v1/chat/completions`, `POST /v1/completions` and `POST /v1/embeddings`.
 
 Each request is one job: its body becomes the job as a batch line's does (`producer.batch_format`), it is
 enqueued with the request timeout as its deadline, and the answer is its result in the endpoint's shape;
@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .. import protocol as p
-from ..batch_format import request_job, response_body, usage_body
+from ..batch_format import EMBEDDINGS, request_job, response_body, usage_body
 from ..client import build_job, submit_call
 from .errors import APIError, error_body, invalid
 from .offload import Offload
@@ -39,6 +39,8 @@ class Online:
         self.metrics, self.offload = metrics, offload
 
     async def answer(self, request: Request, url: str, body: dict) -> Response:
+        if url == EMBEDDINGS:
+            return await self._embed(request, body)
         stream, include_usage = _stream_options(body)
         chat = url == "/v1/chat/completions"
         job_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -56,6 +58,18 @@ class Online:
         if not result.ok:
             raise _failed(result.status, result.error)
         return JSONResponse(response_body(url, result, with_logprobs, self.model_name, prompt_only))
+
+    async def _embed(self, request: Request, body: dict) -> Response:
+        """An embeddings request: one embedding job, its vectors in OpenAI's shape."""
+        job_id = f"embd-{uuid.uuid4().hex}"
+        built = await self.offload(_build_embedding, body, job_id, self.timeout_s)
+        keys, args = submit_call(self.client.keys, [built])
+        await self.client.scripts.submit(keys=keys, args=args)
+        result = await self._wait(request, job_id, time.monotonic() + self.timeout_s, self.client.result)
+        if not result.ok:
+            raise _failed(result.status, result.error)
+        return JSONResponse(response_body(EMBEDDINGS, result, False, self.model_name,
+                                          base64_vectors=body.get("encoding_format") == "base64"))
 
     async def _wait(self, request: Request, job_id: str, deadline: float, read):
         """`read(job_id, timeout=...)` (the result, or the first token delta) by WAIT_SLICE_S slices, checking
@@ -187,6 +201,17 @@ def _build(url: str, body: dict, job_id: str, stream: bool, deadline_s: float) -
                       "stream: false)", "stream")
     try:
         return build_job(**{**job, "job_id": job_id, "stream": stream, "deadline_s": deadline_s}), sampling
+    except ValueError as e:
+        raise invalid(str(e)) from None
+
+
+def _build_embedding(body: dict, job_id: str, deadline_s: float) -> tuple[str, int, str]:
+    """The validated embedding job of an embeddings request body; 400 if it cannot run."""
+    job, error = request_job(EMBEDDINGS, body)
+    if error is not None:
+        raise invalid(error)
+    try:
+        return build_job(**{**job, "job_id": job_id, "deadline_s": deadline_s})
     except ValueError as e:
         raise invalid(str(e)) from None
 
