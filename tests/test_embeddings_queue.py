@@ -196,3 +196,23 @@ def test_redline_batch_file_mixing_chat_and_embedding_lines(tmp_path, model_dir,
     assert body["object"] == "list" and close([d["embedding"] for d in body["data"]], full)
     assert close([out["emb-16"]["response"]["body"]["data"][0]["embedding"]], short[1:2])
     assert out["emb-bad"]["response"] is None and "at least 1 item" in out["emb-bad"]["error"]["message"]
+
+
+def test_redline_submit_embed_prints_one_vector_a_line(url, engine, model_dir, expected, capsys):
+    import json
+
+    from worker.cli import main
+    full, short = expected
+    queue = new_queue()
+    with worker_thread(url, queue, engine, model=str(model_dir)):
+        rc = main(["submit", "--embed", TEXTS[0], "--embed", TEXTS[1], "--redis-url", url, "--queue", queue,
+                   "--timeout", "120"])
+        out = capsys.readouterr().out
+        rc16 = main(["submit", "--embed", TEXTS[1], "--dimensions", "16", "--redis-url", url, "--queue", queue,
+                     "--timeout", "120"])
+        out16 = capsys.readouterr().out
+    assert rc == rc16 == 0
+    assert close([json.loads(x) for x in out.splitlines()], full[:2])
+    assert close([json.loads(out16)], short[1:2])
+    assert main(["submit", "--embed", "x", "--max-tokens", "3", "--redis-url", url, "--queue", queue]) == 2
+    assert "--embed takes no prompt" in capsys.readouterr().err
