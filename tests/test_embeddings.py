@@ -176,3 +176,18 @@ def test_embedding_requests_beside_generation_leave_its_tokens_unchanged(tmp_pat
         llm.shutdown()
     assert [done[r].token_ids for r in gen_ids] == alone
     assert min(cosines(vectors([done[r] for r in emb_ids]), ref)) > 0.9999
+
+
+def test_embed_bench_runs_and_its_floor_counts_the_multiplied_parameters(capsys):
+    from engine.config import load_hf_config
+    from worker import bench_embed, bench_engine
+    from worker.cli import main
+    assert main(["bench", "--embed", "--model", "tiny", "--num-texts", "24", "--max-text-len", "80",
+                 "--device", "cpu"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["workload"] == "embed" and record["num_texts"] == 24 and record["tokens"] >= 24 * 50
+    shape = load_hf_config(bench_engine.resolve_model("qwen3-embedding-0.6b"))
+    assert shape.architectures == ["Qwen3ForCausalLM"] and shape.hidden_size == 1024
+    multiplied = bench_engine.count_parameters(shape) - shape.vocab_size * shape.hidden_size
+    assert 430e6 < multiplied < 450e6  # Qwen3-0.6B's decoder: 0.44 B parameters outside its embedding table
+    assert bench_embed.floor_seconds(shape, 1_000_000, 1e15) == pytest.approx(2 * multiplied * 1e6 / 1e15)
