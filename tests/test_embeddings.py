@@ -158,11 +158,12 @@ def test_legacy_pooling_config_reads_as_published():
 
 
 def test_embedding_requests_beside_generation_leave_its_tokens_unchanged(tmp_path):
-    """Embedding rows are pooled and never sampled: generated tokens are those of the same prompts alone."""
+    """Embedding rows are pooled and never sampled: generated tokens are those of the same prompts alone. Async
+    scheduling, as on GPUs: pooled sums are collected a step after their launch, with sampled tokens in flight."""
     model = make_embedding_model(tmp_path, "mean")
     prompts = ["one two three", "four five six seven"]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    llm = LLM(str(model), device="cpu", kvcache_block_size=16, max_num_batched_tokens=24)
+    llm = LLM(str(model), device="cpu", kvcache_block_size=16, max_num_batched_tokens=24, async_scheduling=True)
     try:
         alone = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         ref = vectors(llm.embed(TEXTS, use_tqdm=False))
@@ -191,3 +192,31 @@ def test_embed_bench_runs_and_its_floor_counts_the_multiplied_parameters(capsys)
     multiplied = bench_engine.count_parameters(shape) - shape.vocab_size * shape.hidden_size
     assert 430e6 < multiplied < 450e6  # Qwen3-0.6B's decoder: 0.44 B parameters outside its embedding table
     assert bench_embed.floor_seconds(shape, 1_000_000, 1e15) == pytest.approx(2 * multiplied * 1e6 / 1e15)
+
+
+def test_tensor_parallel_embeddings_equal_one_rank(tmp_path):
+    """Rank 0 pools its whole hidden states; the other ranks get no pooled rows. Async scheduling too."""
+    model = make_embedding_model(tmp_path, "mean")
+    ref = reference(model, TEXTS)
+    llm = LLM(str(model), device="cpu", tensor_parallel_size=2, kvcache_block_size=16, max_num_batched_tokens=32,
+              async_scheduling=True)
+    try:
+        outs = llm.embed(TEXTS, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert min(cosines(vectors(outs), ref)) > 0.9999
+
+
+def test_an_aborted_embedding_request_reports_abort_without_a_vector(st_model):
+    llm = LLM(str(st_model), device="cpu", kvcache_block_size=16, max_num_batched_tokens=16)
+    try:
+        rid = llm.add_embed_request(TEXTS[1])  # several chunks: still running after one step
+        llm.step()
+        assert llm.abort(rid)
+        outs = [o for o in llm.step().outputs if o.request_id == rid]
+        assert not llm.has_unfinished()
+        again = llm.embed(TEXTS[1], use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
+    assert [(o.finished, o.finish_reason, o.embedding) for o in outs] == [(True, "abort", None)]
+    assert again.finish_reason == "stop" and len(again.embedding) == 64
