@@ -1,9 +1,8 @@
 """LLM.embed against sentence-transformers on tiny random Qwen3 embedding models saved as sentence-transformers
-saves them (last-token and mean pooling, then Normalize), and the checkpoint layouts embedding models publish."""
+saves them (last-token, mean and CLS pooling, then Normalize), and the checkpoint layouts embedding models publish."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -40,7 +39,7 @@ def make_embedding_model(root: Path, pooling: str, normalize: bool = True) -> Pa
     return out
 
 
-@pytest.fixture(scope="module", params=["lasttoken", "mean"])
+@pytest.fixture(scope="module", params=["lasttoken", "mean", "cls"])
 def st_model(request, tmp_path_factory) -> Path:
     return make_embedding_model(tmp_path_factory.mktemp(request.param), request.param)
 
@@ -74,7 +73,7 @@ def test_embeddings_equal_sentence_transformers_with_chunks_and_prefix_cache_hit
     if st_model.name == "st-lasttoken":
         assert long_cached >= 32  # served from the cache, the last token computed
     else:
-        assert long_cached == 0  # mean pooling needs every position computed
+        assert long_cached == 0  # mean and CLS pooling need positions a cache hit skips
     assert first[0].prompt_token_ids[-1] == first[2].prompt_token_ids[-1]  # <|endoftext|> appended and pooled
 
 
@@ -220,3 +219,17 @@ def test_an_aborted_embedding_request_reports_abort_without_a_vector(st_model):
         llm.shutdown()
     assert [(o.finished, o.finish_reason, o.embedding) for o in outs] == [(True, "abort", None)]
     assert again.finish_reason == "stop" and len(again.embedding) == 64
+
+
+def test_a_corpus_larger_than_the_engine_window_comes_back_in_order(st_model):
+    texts = [f"text number {i} " * (1 + i % 5) for i in range(40)]
+    ref = reference(st_model, texts)
+    llm = LLM(str(st_model), device="cpu", max_num_seqs=2)  # 8 requests in the engine at once
+    try:
+        outs = llm.embed(texts, use_tqdm=False)
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            llm.embed(texts[:20] + [[10**6]], use_tqdm=False)  # a bad input late in the corpus
+        assert not llm.has_unfinished() and not llm.requests
+    finally:
+        llm.shutdown()
+    assert min(cosines(vectors(outs), ref)) > 0.9999

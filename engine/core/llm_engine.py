@@ -25,6 +25,10 @@ from engine.sampling.grammar_mask import MaskBuilder
 from engine.sampling.params import BeamSearchParams, SamplingParams, constraint
 
 
+# LLM.embed keeps at most this many requests per sequence slot in the engine, adding the rest as they finish
+EMBED_WINDOW_PER_SLOT = 4
+
+
 class LLMEngine:
     """Continuous-batching engine. Drive it with add_request/step, or call generate for a whole batch."""
 
@@ -315,8 +319,7 @@ class LLMEngine:
         the engine computes their masks (_masks, which may collect the launch in flight into `collected`),
         then the runner samples."""
         pooled = [(seq, seq.num_computed_tokens, n) for seq, n in zip(batch.seqs, batch.num_tokens)
-                  if seq.pooling is not None and pooled_positions(seq.pooling.pooling.method, seq.num_computed_tokens,
-                                                                  seq.num_computed_tokens + n, seq.num_tokens)]
+                  if seq.pooling is not None]
         scored = [(seq, start, count) for _, seq, start, count in spans]
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
@@ -358,17 +361,21 @@ class LLMEngine:
         outputs = self._postprocess(step.batch, step.sampled, step.positions, token_ids, logprobs, finished_only,
                                     tokens_placed)
         if step.pooled:
-            outputs += self._take_pooled(step.pooled, step.pooled_sums.result())
+            outputs += self._take_pooled(step.pooled, step.pooled_sums)
         return outputs
 
-    def _take_pooled(self, chunks: list[tuple[Sequence, int, int]], sums) -> list[EmbeddingOutput]:
-        """Add each embedding chunk's pooled sum to its request's; the requests whose prompt is done finish
-        (after _postprocess entered their blocks in the prefix cache)."""
+    def _take_pooled(self, chunks: list[tuple[Sequence, int, int]], pooled_sums) -> list[EmbeddingOutput]:
+        """Add each embedding chunk's pooled sum (a chunk with rows to pool has one, in order) to its request's;
+        the requests whose prompt is done finish (after _postprocess entered their blocks in the prefix cache)."""
+        sums = iter(pooled_sums.result() if pooled_sums is not None else ())
         outputs, now = [], time.monotonic()
-        for (seq, start, n), chunk_sum in zip(chunks, sums):
+        for seq, start, n in chunks:
+            state = seq.pooling
+            chunk_sum = next(sums) if pooled_positions(state.pooling.method, start, start + n, seq.num_tokens) else None
             if seq.is_finished:  # aborted meanwhile
                 continue
-            seq.pooling.add(chunk_sum, start)
+            if chunk_sum is not None:
+                state.add(chunk_sum, start)
             if start + n == seq.num_tokens:
                 self._finish(seq, "stop", now)
                 seq.group.finished_time = now
@@ -547,29 +554,47 @@ class LLMEngine:
             for prompt, sp in zip(prompts, sampling_params):
                 ids.append(self.add_request(prompt, sp))
         except Exception:
-            for rid in ids:
-                self.abort(rid)
-            self._aborted.clear()
+            self._drop(ids)
             raise
         return self._run(ids, "Generating", use_tqdm)
+
+    def _drop(self, ids: list[str]) -> None:
+        """Abort these requests and forget them: their outputs are never reported."""
+        for rid in ids:
+            self.abort(rid)
+            self.requests.pop(rid, None)
+            self._scoring.discard(rid)
+        self._aborted.clear()
 
     def embed(self, inputs: str | list[str] | list[int] | list[list[int]], dimensions: int | None = None,
               use_tqdm: bool = True) -> list[EmbeddingOutput]:
         """Embed every input (text, or token ids) with an embedding model; one EmbeddingOutput per input, in
         order, with `.embedding`. Pooling and normalisation are the model's (engine/core/pooling.py);
-        dimensions: keep the first this many values, L2-normalised again (matryoshka)."""
+        dimensions: keep the first this many values, L2-normalised again (matryoshka). The inputs are added
+        as the engine works through them (at most EMBED_WINDOW_PER_SLOT x max_num_seqs in the engine at once),
+        so a corpus's host work overlaps its steps; a bad input raises ValueError and drops the others."""
         if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
             inputs = [inputs]
+        window = EMBED_WINDOW_PER_SLOT * self.config.max_num_seqs
         ids: list[str] = []
+        wanted: set[str] = set()
+        results: dict[str, EmbeddingOutput] = {}
+        bar = tqdm(total=len(inputs), desc="Embedding", dynamic_ncols=True, disable=not use_tqdm)
         try:
-            for item in inputs:
-                ids.append(self.add_embed_request(item, dimensions))
+            while len(results) < len(inputs):
+                while len(ids) < len(inputs) and len(self.requests) < window:
+                    ids.append(self.add_embed_request(inputs[len(ids)], dimensions))
+                    wanted.add(ids[-1])
+                for out in self.step(finished_only=True).finished:
+                    if out.request_id in wanted:
+                        results[out.request_id] = out
+                        bar.update(1)
         except Exception:
-            for rid in ids:
-                self.abort(rid)
-            self._aborted.clear()
+            self._drop(ids)
             raise
-        return self._run(ids, "Embedding", use_tqdm)
+        finally:
+            bar.close()
+        return [results[rid] for rid in ids]
 
     def _run(self, ids: list[str], desc: str, use_tqdm: bool) -> list:
         """Step until the requests `ids` are finished; their outputs in that order."""

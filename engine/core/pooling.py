@@ -98,7 +98,7 @@ def pooled_positions(method: str, start: int, end: int, num_tokens: int) -> rang
     if method == "mean":
         return range(start, end)
     if method == "cls":
-        return range(0, 1) if start == 0 else range(0)
+        return range(1) if start == 0 else range(0)
     return range(num_tokens - 1, num_tokens) if end == num_tokens else range(0)
 
 
