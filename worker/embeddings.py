@@ -32,6 +32,7 @@ class EmbeddingJobs:
     def __init__(self) -> None:
         self.outputs: dict[str, list] = {}  # job id -> its inputs' outputs so far (None until in)
         self.request_job: dict[str, tuple[str, int]] = {}  # engine request id -> (job id, input index)
+        self.dropped: set[str] = set()  # inputs of a job that failed to start: their abort outputs are dropped
 
     def start(self, engine, job_id: str, inputs: list, dimensions: int | None) -> None:
         """Add the job's inputs to the engine; raises ValueError (nothing left in the engine) for a bad one."""
@@ -42,6 +43,7 @@ class EmbeddingJobs:
         except ValueError as e:
             for rid in added:
                 engine.abort(rid)
+            self.dropped.update(added)
             raise ValueError(f"input {len(added)}: {e}") if len(inputs) > 1 else e from None
         self.outputs[job_id] = [None] * len(inputs)
         for i, rid in enumerate(added):
@@ -59,13 +61,16 @@ class EmbeddingJobs:
 
     def collect(self, outputs: list) -> list:
         """A step's outputs with its embedding inputs' outputs replaced by each job whose inputs are all in."""
-        if not self.request_job:
+        if not self.request_job and not self.dropped:
             return outputs
         kept = []
         for out in outputs:
             place = self.request_job.pop(out.request_id, None)
             if place is None:
-                kept.append(out)
+                if out.request_id in self.dropped:
+                    self.dropped.discard(out.request_id)
+                else:
+                    kept.append(out)
                 continue
             job_id, i = place
             held = self.outputs[job_id]
