@@ -82,9 +82,19 @@ class StepInputs:
     image_rows: torch.Tensor | None = None
     images: list[ImageSlice] = field(default_factory=list)
     sampling: SamplingRows | None = None  # None: nothing is sampled
+    # embedding sequences' rows to pool (engine/core/pooling.py): the hidden states of input rows pooled_rows,
+    # summed in float32 into num_pooled vectors, row i into vector pooled_segments[i] (ascending)
+    pooled_rows: torch.Tensor | None = None
+    pooled_segments: torch.Tensor | None = None
+    num_pooled: int = 0
     suppressed: list[tuple[int, int]] = field(default_factory=list)  # (row, token): min_tokens' masked stops
     finished_seq_ids: list[int] = field(default_factory=list)        # their sampling state is freed
     finished_request_ids: list[str] = field(default_factory=list)    # their images' embeddings are freed
+    # prompt logprobs: input rows whose raw logits score the prompt token after them (every rank computes
+    # their logits), and rank 0's: those tokens and the most top logprobs a row asks for
+    prompt_rows: torch.Tensor | None = None
+    prompt_next_ids: torch.Tensor | None = None
+    num_prompt_top: int = 0
 
     @property
     def is_decode(self) -> bool:
@@ -109,6 +119,15 @@ class TokensHandle(Protocol):
     def result(self) -> tuple[list[int], tuple]:
         """(token ids, (their logprobs, top logprobs or None, top ids or None)), waiting for the device."""
 
+    def prompt_result(self) -> tuple[list, list, list | None, list | None] | None:
+        """The step's prompt logprobs, one per StepInputs.prompt_rows row: (logprobs, ranks, top logprobs
+        or None, top ids or None), waiting for the device; None where the step scored no prompt token."""
+
+
+class PooledHandle(Protocol):
+    def result(self) -> torch.Tensor:
+        """The step's pooled sums [num_pooled, hidden size], float32 on the host, waiting for the device."""
+
 
 class Runner(Protocol):
     """What the engine calls to run steps; see the module's docstring."""
@@ -116,10 +135,11 @@ class Runner(Protocol):
     device: torch.device
     num_kvcache_blocks: int
     uses_mrope: bool
+    has_lm_head: bool  # False: an embedding checkpoint without one (it cannot generate)
 
     def execute_model(self, inputs: StepInputs) -> object:
         """Queue the step's forward pass (and the sampling where it can run with it); a handle for
-        sample_tokens."""
+        sample_tokens, whose `pooled` is a PooledHandle of the step's pooled rows (None without)."""
 
     def sample_tokens(self, handle: object, masks: GrammarMasks | None) -> TokensHandle:
         """Queue the sampling of an executed step (nothing where it already ran), with the masks of its

@@ -1,9 +1,12 @@
 """The OpenAI Batch API's line format: an input line as a job, a result as an output line.
 
-Each input line is a request `{"custom_id", "method": "POST", "url": "/v1/chat/completions" or
-"/v1/completions", "body": {...}}`; each output line is `{"id", "custom_id", "response": {"status_code",
-"request_id", "body"}, "error"}` with a chat.completion or text_completion body: one choice per completion
-(n of them), each with its logprobs in the endpoint's own shape when asked for. `response_format`
+Each input line is a request `{"custom_id", "method": "POST", "url": "/v1/chat/completions",
+"/v1/completions" or "/v1/embeddings", "body": {...}}`; each output line is `{"id", "custom_id", "response":
+{"status_code", "request_id", "body"}, "error"}` with a chat.completion, text_completion or embeddings `list`
+body (an embeddings line is one embedding job: `input` a text, texts, token ids or token-id lists,
+`dimensions`, `encoding_format` float or base64); a completion's body has one choice per completion
+(n of them), each with its logprobs in the endpoint's own shape when asked for; a completion with `echo: true`
+starts with its prompt (its tokens' texts, and logprobs: the job asks `sampling.prompt_logprobs`). `response_format`
 becomes a structured-output constraint: `{"type": "json_object"}` any JSON object, `{"type":
 "json_schema", "json_schema": {"name", "schema", "strict"}}` that schema (enforced whatever `strict` says).
 A line that cannot run gets an error line of its own.
@@ -13,13 +16,18 @@ The HTTP gateway (`producer.gateway`) uses the same mapping for its online reque
 """
 from __future__ import annotations
 
+import base64
 import json
+import struct
 import time
 from dataclasses import dataclass, field
 
 from engine.sampling.params import nesting_exceeds
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+EMBEDDINGS = "/v1/embeddings"
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", EMBEDDINGS)
+EMBEDDING_FIELDS = {"input", "dimensions", "encoding_format"}
+ENCODING_FORMATS = ("float", "base64")  # base64: each vector's little-endian float32 bytes, as OpenAI sends them
 # request body field -> wire sampling field (logprobs and top_logprobs: _logprobs, as each endpoint means them)
 SAMPLING_FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
                    "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed", "stop": "stop",
@@ -29,7 +37,7 @@ SAMPLING_FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tok
 LOGPROB_FIELDS = {"logprobs", "top_logprobs"}
 # body fields not honoured yet -> the values that mean the same as leaving them out (null always does);
 # honouring one is moving it to SAMPLING_FIELDS (and its output into output_line)
-NOT_YET = {"stream": (False,), "echo": (False,), "tools": ([],), "tool_choice": ("none",)}
+NOT_YET = {"stream": (False,), "tools": ([],), "tool_choice": ("none",)}
 ANY_JSON_OBJECT = {"type": "object"}  # response_format {"type": "json_object"}
 INFORMATIONAL = {"model", "user", "metadata"}  # accepted and not used: the worker's model answers
 INPUTS = {"messages", "prompt"}
@@ -45,6 +53,7 @@ class BatchLine:
     job: dict = field(default_factory=dict)
     error: str | None = None  # the line cannot run: why
     with_logprobs: bool = False  # the request asked for logprobs: its choices carry them
+    base64: bool = False  # an embeddings request asked for encoding_format base64
 
 
 def parse_line(raw: str, endpoint: str | None = None) -> BatchLine:
@@ -71,6 +80,7 @@ def parse_line(raw: str, endpoint: str | None = None) -> BatchLine:
     else:
         line.job, line.error = request_job(line.url, body)
         line.with_logprobs = line.job.get("sampling", {}).get("logprobs") is not None
+        line.base64 = line.url == EMBEDDINGS and body.get("encoding_format") == "base64"
     return line
 
 
@@ -111,8 +121,10 @@ def _is_noop(value, noops: tuple) -> bool:
 
 def request_job(url: str, body: dict) -> tuple[dict, str | None]:
     """(The job for the request body of one endpoint, as `Client.submit` takes it; or why it cannot run)."""
+    if url == EMBEDDINGS:
+        return embedding_job(body)
     unknown = sorted(set(body) - set(SAMPLING_FIELDS) - LOGPROB_FIELDS - set(NOT_YET) - INFORMATIONAL - INPUTS
-                     - {"response_format"})
+                     - {"response_format", "echo"})
     if unknown:
         more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
         return {}, f"unsupported body fields: {', '.join(u[:30] for u in unknown[:5])}{more}"
@@ -129,6 +141,14 @@ def request_job(url: str, body: dict) -> tuple[dict, str | None]:
         return {}, error
     if logprobs is not None:
         sampling["logprobs"] = logprobs
+    echo, error = _echo(url, body.get("echo"))
+    if error is not None:
+        return {}, error
+    if echo:  # the prompt's tokens come back with their texts (and logprobs, as many top ones as the completion's)
+        if body.get("max_tokens") == 0 and not isinstance(body["max_tokens"], bool):
+            return {}, ("echo with max_tokens 0 (the prompt alone) is answered online (POST /v1/completions); "
+                        "give a batch line max_tokens of at least 1")
+        sampling["prompt_logprobs"] = logprobs or 0
     schema, error = _response_format(body.get("response_format"))
     if error is not None:
         return {}, error
@@ -148,6 +168,34 @@ def request_job(url: str, body: dict) -> tuple[dict, str | None]:
         else:
             return {}, "a completion needs a prompt: a string or a list of token ids"
     return job, None
+
+
+def embedding_job(body: dict) -> tuple[dict, str | None]:
+    """(The embedding job of an embeddings request body; or why it cannot run). The inputs' own bounds are
+    JobSpec's, checked when the job is built."""
+    unknown = sorted(set(body) - EMBEDDING_FIELDS - INFORMATIONAL)
+    if unknown:
+        return {}, f"unsupported body fields: {', '.join(u[:30] for u in unknown[:5])}"
+    if body.get("encoding_format") not in (None, *ENCODING_FORMATS):
+        return {}, f"encoding_format must be float or base64, got {_shown(body['encoding_format'])}"
+    if "input" not in body:
+        return {}, "an embedding needs input: a string, a list of strings, token ids or a list of token-id lists"
+    from .protocol import embed_inputs
+    job = {"embed": embed_inputs(body["input"]), "stream": False}
+    if body.get("dimensions") is not None:
+        job["dimensions"] = body["dimensions"]
+    return job, None
+
+
+def _echo(url: str, value) -> tuple[bool, str | None]:
+    """(Whether a completion echoes its prompt; or an error)."""
+    if value is None or value is False:
+        return False, None
+    if value is not True:
+        return False, f"echo must be true or false, got {_shown(value)}"
+    if url != "/v1/completions":
+        return False, "echo is a completions field (/v1/completions)"
+    return True, None
 
 
 def _response_format(value) -> tuple[dict | None, str | None]:
@@ -201,27 +249,52 @@ def output_line(line: BatchLine, request_id: str, result=None, error: str | None
     if error is not None:
         out["error"] = {"code": getattr(result, "status", None) or "invalid_request", "message": error}
         return out
-    body = response_body(line.url, result, line.with_logprobs, model)
+    body = response_body(line.url, result, line.with_logprobs, model, base64_vectors=line.base64)
     out["response"] = {"status_code": 200, "request_id": result.job_id, "body": body}
     return out
 
 
-def response_body(url: str, result, with_logprobs: bool, model: str = "redline") -> dict:
-    """A succeeded job's result as the endpoint's response: a chat.completion or a text_completion."""
+def response_body(url: str, result, with_logprobs: bool, model: str = "redline", prompt_only: bool = False,
+                  base64_vectors: bool = False) -> dict:
+    """A succeeded job's result as the endpoint's response: a chat.completion, a text_completion, or an
+    embeddings list (base64_vectors: encoding_format base64). A completion whose result has prompt_logprobs
+    (echo: true) starts with its prompt: its text and, with logprobs, its tokens (the first one's logprob
+    null); prompt_only (echo with max_tokens 0): the prompt alone, its generated token left out."""
+    if url == EMBEDDINGS:
+        return embeddings_body(result, model, base64_vectors)
     chat = url == "/v1/chat/completions"
+    echoed = None if chat else result.prompt_logprobs
     completions = result.outputs or [result]
     choices = []
     for i, c in enumerate(completions):
+        entries, text, finish_reason = c.logprobs or [], c.text, c.finish_reason
+        if prompt_only:
+            entries, text, finish_reason = [], "", "length"
+        if echoed is not None:
+            entries = echoed + entries
+            text = "".join(_token(e) for e in echoed) + text
         logprobs = None
         if with_logprobs:
-            logprobs = _chat_logprobs(c.logprobs) if chat else _completion_logprobs(c.logprobs)
+            logprobs = _chat_logprobs(entries) if chat else _completion_logprobs(entries)
         if chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": logprobs, "finish_reason": c.finish_reason})
+            choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                            "logprobs": logprobs, "finish_reason": finish_reason})
         else:
-            choices.append({"index": i, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason})
+            choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
+    usage = usage_body(result)
+    if prompt_only:
+        usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
     return {"id": result.job_id, "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": choices, "usage": usage_body(result)}
+            "created": int(time.time()), "model": model, "choices": choices, "usage": usage}
+
+
+def embeddings_body(result, model: str, base64_vectors: bool = False) -> dict:
+    """An embedding job's result as OpenAI's embeddings response."""
+    def encoded(vector: list[float]):
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode() if base64_vectors else vector
+    data = [{"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(result.embeddings)]
+    tokens = result.usage.prompt_tokens
+    return {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
 def usage_body(result) -> dict:
@@ -230,7 +303,8 @@ def usage_body(result) -> dict:
 
 
 def _token(entry: dict) -> str:
-    return entry.get("token", str(entry.get("token_id", "")))
+    token = entry.get("token")
+    return token if token is not None else str(entry.get("token_id", ""))
 
 
 def _chat_logprobs(entries: list | None) -> dict:
@@ -246,7 +320,8 @@ def _chat_logprobs(entries: list | None) -> dict:
 
 def _completion_logprobs(entries: list | None) -> dict:
     """A completion choice's logprobs: {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}],
-    "text_offset"} (offsets into the completion's text)."""
+    "text_offset"} (offsets into the choice's text). An echoed prompt's first token, which nothing scores,
+    has a null logprob and null top logprobs."""
     entries = entries or []
     tokens = [_token(e) for e in entries]
     offsets, at = [], 0
@@ -254,5 +329,6 @@ def _completion_logprobs(entries: list | None) -> dict:
         offsets.append(at)
         at += len(token)
     return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{_token(t): t["logprob"] for t in e.get("top_logprobs", [])} for e in entries],
+            "top_logprobs": [None if e["logprob"] is None
+                             else {_token(t): t["logprob"] for t in e.get("top_logprobs", [])} for e in entries],
             "text_offset": offsets}

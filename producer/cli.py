@@ -26,6 +26,9 @@ def register(subparsers) -> None:
     given.add_argument("--chat", metavar="TEXT", help="one user message, through the model's chat template")
     given.add_argument("--messages", metavar="JSON", help='chat messages: [{"role": "user", "content": "..."}]')
     given.add_argument("--token-ids", metavar="IDS", help="prompt token ids, comma-separated")
+    given.add_argument("--embed", metavar="TEXT", action="append",
+                       help="embed this text (repeatable; an embedding model's worker): prints one JSON vector a line")
+    submit.add_argument("--dimensions", type=int, help="with --embed: keep each vector's first N values, renormalised")
     s = submit.add_argument_group("sampling")
     s.add_argument("--max-tokens", type=int)
     s.add_argument("--temperature", type=float, help="0 is greedy")
@@ -95,6 +98,14 @@ def _client(args: argparse.Namespace) -> Client:
 def _job(args: argparse.Namespace) -> dict:
     job: dict = {"job_id": args.job_id, "priority": args.priority, "deadline_s": args.deadline,
                  "stream": args.stream}
+    sampling = {k: getattr(args, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+                                              "stop", "ignore_eos", "json_schema", "regex", "choice")}
+    if args.embed is not None:
+        if args.prompt is not None or args.stream or any(v is not None for v in sampling.values()):
+            raise UsageError("--embed takes no prompt, --stream or sampling flags")
+        return {**job, "stream": False, "embed": args.embed, "dimensions": args.dimensions}
+    if args.dimensions is not None:
+        raise UsageError("--dimensions goes with --embed")
     if args.chat is not None:
         job["messages"] = [{"role": "user", "content": args.chat}]
     elif args.messages is not None:
@@ -111,9 +122,7 @@ def _job(args: argparse.Namespace) -> dict:
     elif args.prompt is not None:
         job["prompt"] = sys.stdin.read() if args.prompt == "-" else args.prompt
     else:
-        raise UsageError("give a prompt, --chat, --messages or --token-ids")
-    sampling = {k: getattr(args, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-                                              "stop", "ignore_eos", "json_schema", "regex", "choice")}
+        raise UsageError("give a prompt, --chat, --messages, --token-ids or --embed")
     if args.json_schema is not None and args.json_schema.startswith("@"):
         sampling["json_schema"] = _read_schema(args.json_schema[1:])
     job["sampling"] = {k: v for k, v in sampling.items() if v is not None}
@@ -162,6 +171,9 @@ def _print_result(client: Client, job_id: str, args: argparse.Namespace, text: b
         return 1
     if args.json:
         print(result.model_dump_json())
+    elif result.embeddings is not None:
+        for vector in result.embeddings:
+            print(json.dumps(vector))
     elif text:
         print(result.text)
     if not result.ok:

@@ -29,6 +29,10 @@ RESULTS_FEED_MAXLEN = 100_000  # the results feed keeps about this many recent e
 MAX_ERROR_PROBLEMS = 5  # a validation error names at most this many problems, then how many more
 MAX_ERROR_CHARS = 1000  # and is cut to this length: one bad entry never makes a large result
 JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
+# an embedding job's bounds: inputs (OpenAI's limit per request), characters of a text, ids of a token list
+MAX_EMBED_INPUTS = 2048
+MAX_EMBED_TEXT_CHARS = 65_536
+MAX_EMBED_TOKENS = 65_536
 
 QUEUED, RUNNING = "queued", "running"
 SUCCEEDED, FAILED, CANCELLED, EXPIRED = "succeeded", "failed", "cancelled", "expired"
@@ -170,14 +174,24 @@ class ChatMessage(BaseModel):
 
 
 class JobSpec(_Strict):
-    """What a producer asks for: exactly one of prompt, messages or prompt_token_ids."""
+    """What a producer asks for: exactly one of prompt, messages or prompt_token_ids; or embed, an embedding
+    job (its sampling unset)."""
 
     model_config = ConfigDict(json_schema_extra={"oneOf": [  # the one-input rule, for JSON Schema readers
         {"required": [name], "properties": {name: {"type": kind}}}
-        for name, kind in (("prompt", "string"), ("messages", "array"), ("prompt_token_ids", "array"))]})
+        for name, kind in (("prompt", "string"), ("messages", "array"), ("prompt_token_ids", "array"),
+                           ("embed", "array"))]})
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     prompt_token_ids: list[Annotated[int, Field(ge=0, le=sampling_params.INT64_MAX)]] | None = None
+    # an embedding job, for a worker serving an embedding model: its inputs (each a text or token ids), one
+    # vector each in the result's `embeddings`; dimensions keeps each vector's first values (renormalised)
+    embed: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_EMBED_TEXT_CHARS)]],
+                     Field(min_length=1, max_length=MAX_EMBED_INPUTS)] | Annotated[
+        list[Annotated[list[Annotated[int, Field(ge=0, le=sampling_params.INT64_MAX)]],
+                       Field(min_length=1, max_length=MAX_EMBED_TOKENS)]],
+        Field(min_length=1, max_length=MAX_EMBED_INPUTS)] | None = None
+    dimensions: int | None = Field(None, ge=1, le=MAX_EMBED_TOKENS)
     sampling: Sampling = Field(default_factory=Sampling)
     priority: int = 0
     deadline_s: float | None = Field(None, gt=0)  # seconds after enqueue; later → expired, never run
@@ -185,9 +199,13 @@ class JobSpec(_Strict):
 
     @model_validator(mode="after")
     def _one_input(self) -> "JobSpec":
-        given = [n for n in ("prompt", "messages", "prompt_token_ids") if getattr(self, n) is not None]
+        given = [n for n in ("prompt", "messages", "prompt_token_ids", "embed") if getattr(self, n) is not None]
         if len(given) != 1:
-            raise ValueError(f"give exactly one of prompt, messages, prompt_token_ids (got {given or 'none'})")
+            raise ValueError(f"give exactly one of prompt, messages, prompt_token_ids, embed (got {given or 'none'})")
+        if self.embed is None and self.dimensions is not None:
+            raise ValueError("dimensions goes with embed")
+        if self.embed is not None and "sampling" in self.model_fields_set:
+            raise ValueError("an embedding job takes no sampling")
         if self.prompt_token_ids is not None and not self.prompt_token_ids:
             raise ValueError("prompt_token_ids is empty")
         if self.messages is not None and not self.messages:
@@ -197,6 +215,16 @@ class JobSpec(_Strict):
         if self.priority not in PRIORITIES:
             raise ValueError(f"priority {self.priority} is not one of {sorted(PRIORITIES)}")
         return self
+
+
+def embed_inputs(value):
+    """OpenAI's embeddings `input` (a text, a list of texts, token ids, or a list of token-id lists) as the list
+    JobSpec.embed takes; anything else is left for JobSpec to refuse."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return [value]
+    return value
 
 
 class Usage(BaseModel):
@@ -239,6 +267,11 @@ class JobResult(BaseModel):
     logprobs: list | None = None  # per token: token_id, token (its text), logprob, top ({id: logprob}), top_logprobs
     cumulative_logprob: float | None = None  # the sum of the completion's token logprobs
     outputs: list[Completion] | None = None
+    # with sampling prompt_logprobs=N, one entry per prompt token: token_id, token (its text), logprob and rank
+    # (null for the first token, which nothing scores), top_logprobs ([{token_id, token, logprob, rank}], the
+    # top N, best first; [] for the first token)
+    prompt_logprobs: list | None = None
+    embeddings: list[list[float]] | None = None  # an embedding job's vectors, one per input, in order
     attempts: int = 0
     worker: str | None = None
 

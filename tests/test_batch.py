@@ -11,7 +11,7 @@ IDS = [11, 12, 13, 14, 15]
 # body fields at the value that changes nothing, and at one that redline does not honour yet
 NOOPS = dict(n=1, presence_penalty=0, frequency_penalty=0.0, logprobs=False, top_logprobs=None, stream=False,
              response_format={"type": "text"}, model="m", user="u", metadata={"k": "v"})
-NOT_HONOURED = {"tools": [{"type": "function", "function": {"name": "f"}}], "stream": True, "echo": True}
+NOT_HONOURED = {"tools": [{"type": "function", "function": {"name": "f"}}], "stream": True}
 ITEM = {"type": "object", "additionalProperties": False, "required": ["sku", "qty"], "properties": {
     "sku": {"type": "string", "pattern": "^[A-Z]{3}[0-9]{2}$"}, "qty": {"type": "integer", "minimum": 1, "maximum": 9}}}
 RESPONSE_FORMATS = {  # custom_id -> (url, response_format)
@@ -37,7 +37,7 @@ def ran(tmp_path_factory):
                 max_tokens=6, temperature=0, ignore_eos=True),
         "this is not json",
         request("ids", "/v1/completions", prompt=IDS, max_completion_tokens=7, temperature=0, ignore_eos=True),
-        request("bad-url", "/v1/embeddings", input="x"),
+        request("bad-url", "/v1/moderations", input="x"),
         request("two", "/v1/completions", prompt="a", n=2, max_tokens=8),
         request("unknown", "/v1/completions", prompt="a", frobnicate=3),
         request("negative", "/v1/completions", prompt="a", max_tokens=-4),
@@ -52,6 +52,10 @@ def ran(tmp_path_factory):
           for name, (url, fmt) in RESPONSE_FORMATS.items()],
         request("top-without-logprobs", "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}],
                 top_logprobs=2),
+        request("echo", "/v1/completions", prompt=IDS, echo=True, logprobs=1, max_tokens=2, temperature=0,
+                ignore_eos=True),
+        request("chat-echo", "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], echo=True),
+        request("echo-zero", "/v1/completions", prompt=IDS, echo=True, logprobs=1, max_tokens=0),
     ]
     (d / "in.jsonl").write_text("\n".join(lines) + "\n")
     rc = main(["batch", str(d / "in.jsonl"), "-o", str(d / "out.jsonl"), "--device", "cpu"])
@@ -63,7 +67,7 @@ def test_one_output_line_per_input_line_in_order(ran):
     assert rc == 0
     assert [o["custom_id"] for o in out] == ["chat", None, "ids", "bad-url", "two", "unknown", "negative", "text",
                                              "noop", *NOT_HONOURED, "chat-n", "text-n", *RESPONSE_FORMATS,
-                                             "top-without-logprobs"]
+                                             "top-without-logprobs", "echo", "chat-echo", "echo-zero"]
     assert len({o["id"] for o in out}) == len(out)
 
 
@@ -90,7 +94,7 @@ def test_completion_equals_the_engine_alone(ran):
 
 @pytest.mark.parametrize("index, message", [
     (1, "not JSON"), (3, "url must be one of"), (5, "unsupported body fields: frobnicate"), (6, "max_tokens"),
-    (-1, "top_logprobs needs logprobs=true"),
+    (-4, "top_logprobs needs logprobs=true"), (-1, "echo with max_tokens 0 (the prompt alone) is answered online"),
 ])
 def test_bad_lines_become_error_lines(ran, index, message):
     _, out = ran
@@ -200,3 +204,15 @@ def test_user_mistake_is_one_line_without_traceback(tmp_path, capsys, case, mess
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_completion_with_echo_starts_with_its_scored_prompt(ran):
+    _, out = ran
+    echo, chat_echo = out[-3], out[-2]
+    choice = echo["response"]["body"]["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(IDS) + 2 and choice["text"] == "".join(lp["tokens"])
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(isinstance(v, float) for v in lp["token_logprobs"][1:])
+    assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
+    assert chat_echo["response"] is None and "echo is a completions field" in chat_echo["error"]["message"]

@@ -151,7 +151,7 @@ def test_a_file_that_is_not_jsonl_makes_a_failed_batch(client):
     assert "is not JSONL" in batch.errors.data[0].message and batch.errors.data[0].code == "invalid_file"
 
 
-@pytest.mark.parametrize("change, param", [({"endpoint": "/v1/embeddings"}, "endpoint"),
+@pytest.mark.parametrize("change, param", [({"endpoint": "/v1/moderations"}, "endpoint"),
                                            ({"completion_window": "soon"}, "completion_window"),
                                            ({"input_file_id": "file-none"}, None)])
 def test_a_bad_batch_request_is_an_openai_error(client, change, param):
@@ -293,7 +293,7 @@ def test_a_request_no_worker_takes_is_answered_504_and_cancelled(stack):
 @pytest.mark.parametrize("extra, message", [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools="),
     ({"frobnicate": 1}, "unsupported body fields: frobnicate"),
-    ({"best_of": 2, "stream": True}, "stream: true takes completions without best_of or logprobs"),
+    ({"best_of": 2, "stream": True}, "stream: true takes completions without best_of, logprobs or echo"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"response_format": {"type": "xml"}}, "response_format must be"),
 ])

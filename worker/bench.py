@@ -55,6 +55,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
     opts = build_parser().parse_args(args.args)
     args.debug = getattr(args, "debug", False) or opts.debug  # the top-level error handler reads it
+    if getattr(opts, "embed", False) and opts.through_queue:
+        raise ValueError("--embed measures the engine alone; leave out --through-queue")
     if opts.celery and not opts.through_queue:
         raise ValueError("--celery compares Celery tasks with the queue's jobs: add --through-queue")
     if not opts.through_queue:

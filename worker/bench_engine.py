@@ -65,6 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r = parser.add_argument_group("record")
     r.add_argument("--commit", default=None,
                    help="the commit the JSON record names (default: git rev-parse --short HEAD of this checkout)")
+    from worker import bench_embed  # its module imports this one
+    bench_embed.add_arguments(parser)
 
 
 def resolve_model(model: str) -> str:
@@ -321,6 +323,9 @@ def run(args: argparse.Namespace) -> dict:
     if getattr(args, "caption_images", False):
         from worker import bench_vision
         return bench_vision.run(args)
+    if getattr(args, "embed", False):
+        from worker import bench_embed
+        return bench_embed.run(args)
     check_arguments(args)
     prompts, params = make_workload(args)
     llm = build_llm(args)

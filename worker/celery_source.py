@@ -40,6 +40,8 @@ from .consumer import Job
 log = logging.getLogger("redline.worker")
 
 TASK_NAME = "redline.generate"
+EMBED_TASK_NAME = "redline.embed"  # kwargs {"input": text(s) or token ids, "dimensions": N}: an embedding model's
+EMBED_KWARGS = ("input", "dimensions", "priority", "deadline_s")
 JOB_ID_PREFIX = "celery-"  # a task's job id in the engine, the logs and its JobResult: celery-<task id>
 POLL_S = 0.02  # the thread comes round at least this often: acks, room for a held task, stopping
 RESTORE_EVERY_S = 1.0  # how often an idle thread has kombu look for dead workers' messages to put back
@@ -128,21 +130,28 @@ def priority_level(message_priority) -> int:
     return 2 if message_priority <= 2 else 1 if message_priority <= 5 else 0
 
 
-def job_spec(body, message_priority, max_job_bytes: int) -> p.JobSpec:
-    """The job a `redline.generate` task asks for; ValueError saying why for one that cannot run."""
+def job_spec(body, message_priority, max_job_bytes: int, task: str = TASK_NAME) -> p.JobSpec:
+    """The job a `redline.generate` (or `redline.embed`) task asks for; ValueError saying why for one that
+    cannot run."""
     try:
         args, kwargs, _embed = body
     except (TypeError, ValueError):
         raise ValueError("the message body is not Celery's (args, kwargs, embed): send it with Celery 4 or later "
                          "(task protocol 2)") from None
     if args:
-        raise ValueError(f"{TASK_NAME} takes keyword arguments only (send_task(..., kwargs={{...}})); "
+        raise ValueError(f"{task} takes keyword arguments only (send_task(..., kwargs={{...}})); "
                          f"got {len(args)} positional")
     if not isinstance(kwargs, dict):
         raise ValueError("the task's kwargs are not a mapping")
     if kwargs.get("stream"):
         raise ValueError("stream is not available through Celery: .get() returns the whole result")
     fields = {**kwargs, "stream": False}
+    if task == EMBED_TASK_NAME:
+        unknown = sorted(set(kwargs) - set(EMBED_KWARGS))
+        if unknown or "input" not in kwargs:
+            raise ValueError(f"{task} takes the kwargs {', '.join(EMBED_KWARGS)} (input required); got {sorted(kwargs)}")
+        fields = {k: v for k, v in kwargs.items() if k != "input"}
+        fields.update(embed=p.embed_inputs(kwargs["input"]), stream=False)
     fields.setdefault("priority", priority_level(message_priority))
     raw = json.dumps(fields)
     if len(raw) > max_job_bytes:
@@ -321,14 +330,15 @@ class CelerySource:
         """Settle a task that cannot run; line the others up for the engine."""
         from celery import states
 
-        if headers.get("task") != TASK_NAME:
+        if headers.get("task") not in (TASK_NAME, EMBED_TASK_NAME):
             from celery.exceptions import NotRegistered
 
-            error = f"task {headers.get('task')!r} is not registered: redline workers run only {TASK_NAME!r}"
+            error = (f"task {headers.get('task')!r} is not registered: redline workers run only {TASK_NAME!r} and "
+                     f"{EMBED_TASK_NAME!r}")
             self._settle_now(message, task_id, p.FAILED, error, NotRegistered(error))
             return
         try:
-            spec = job_spec(body, message.properties.get("priority"), self.settings.max_job_bytes)
+            spec = job_spec(body, message.properties.get("priority"), self.settings.max_job_bytes, headers["task"])
             eta = _time(headers.get("eta"))
             if eta is not None and eta > datetime.now(timezone.utc):
                 raise ValueError(f"{TASK_NAME} runs when a worker takes it: send it without eta or countdown")

@@ -12,6 +12,7 @@ from engine.sampling.params import SamplingParams
 from producer import protocol as p
 
 from .consumer import InFlight, Job
+from .embeddings import EmbeddingJobs
 from .flow import Capacity, Drain
 from .messages import AbortJob, JobEnded, JobHandedBack, JobStarted, RunJob, StepOutputs
 from .prepare import Preparation
@@ -33,6 +34,7 @@ class EngineLoop:
         self.capacity, self.drain, self.outbox, self.metrics = capacity, drain, outbox, metrics
         self.reader, self.sources = reader, sources  # the sources of jobs: done once they hand over no more
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.embeddings = EmbeddingJobs()  # embedding jobs: one engine request per input
         self.stats = StatsLog()
 
     def run(self) -> None:
@@ -45,8 +47,9 @@ class EngineLoop:
                 result = engine.step(finished_only=True)
                 self.metrics.observe_step(result.stats)
                 self.stats.observe(result)
-                if result.outputs:
-                    self.outbox.put(StepOutputs(result.outputs))
+                outputs = self.embeddings.collect(result.outputs)
+                if outputs:
+                    self.outbox.put(StepOutputs(outputs))
             elif self._drained():
                 return
             self.capacity.publish(engine.num_free_slots(), received)
@@ -77,7 +80,7 @@ class EngineLoop:
                 received += 1
                 self._start(message.job)
             elif isinstance(message, AbortJob):
-                self.engine.abort(message.job_id)
+                self._abort(message.job_id)
             try:
                 message = self.inbox.get_nowait()
             except queue.Empty:
@@ -98,14 +101,10 @@ class EngineLoop:
             return
         spec = job.spec
         try:
-            prompt = spec.prompt_token_ids or spec.prompt
-            if job.prompt is not None:
-                prompt, job.prompt = job.prompt, None
-            elif spec.messages is not None:
-                prompt = self.engine.encode_chat([m.model_dump() for m in spec.messages])
-            # checked at admission (the constraint's compile check on the preparation threads): not again here
-            params = SamplingParams.from_checked(spec.sampling.model_dump(exclude_none=True))
-            self.engine.add_request(prompt, params, request_id=job.job_id, stream=spec.stream)
+            if spec.embed is not None:
+                self.embeddings.start(self.engine, job.job_id, spec.embed, spec.dimensions)
+            else:
+                self._add_request(job)
         except ValueError as e:
             self.outbox.put(JobEnded(job, p.FAILED, str(e)))
             return
@@ -118,10 +117,25 @@ class EngineLoop:
         job.handed_at = time.monotonic()
         self.metrics.observe_queue_time(job.queue_s + job.handed_at - job.admitted_at)
 
+    def _add_request(self, job: Job) -> None:
+        spec = job.spec
+        prompt = spec.prompt_token_ids or spec.prompt
+        if job.prompt is not None:
+            prompt, job.prompt = job.prompt, None
+        elif spec.messages is not None:
+            prompt = self.engine.encode_chat([m.model_dump() for m in spec.messages])
+        # checked at admission (the constraint's compile check on the preparation threads): not again here
+        params = SamplingParams.from_checked(spec.sampling.model_dump(exclude_none=True))
+        self.engine.add_request(prompt, params, request_id=job.job_id, stream=spec.stream)
+
     def _hand_back_running(self) -> None:
         for job in self.preparation.take_all():
             self.outbox.put(JobHandedBack(job))
         for job in self.in_flight.jobs():
             if job.abort_reason is None and job.handed_at is not None:
                 job.abort_reason = "handback"
-                self.engine.abort(job.job_id)
+                self._abort(job.job_id)
+
+    def _abort(self, job_id: str) -> None:
+        if not self.embeddings.abort(self.engine, job_id):
+            self.engine.abort(job_id)

@@ -19,6 +19,7 @@ from producer import protocol as p
 from producer.connection import UNAVAILABLE
 
 from .consumer import Consumer, InFlight, Job
+from .embeddings import JobEmbeddings
 from .messages import JobHandedBack, JobStarted, StepOutputs
 from .scripts import WorkerScripts
 
@@ -186,6 +187,12 @@ class ResultWriter:
             queue_s=round(queue_s, 6),
             ttft_s=round(out.first_token_time - out.arrival_time, 6) if out.first_token_time else None,
             e2e_s=round(queue_s + (out.finished_time or time.monotonic()) - out.arrival_time, 6))
+        if isinstance(out, JobEmbeddings):
+            result = p.JobResult(
+                job_id=job.job_id, status=status, finish_reason=out.finish_reason, error=error,
+                usage=p.Usage(prompt_tokens=len(out.prompt_token_ids), cached_tokens=out.num_cached_tokens),
+                timings=timings, embeddings=out.embeddings, attempts=job.attempt, worker=self.settings.worker_name)
+            return self._finish_op(job, status, result.model_dump_json(), end)
         completions = getattr(out, "outputs", None) or []
         outputs = None
         if len(completions) > 1:
@@ -200,6 +207,7 @@ class ResultWriter:
                                        cached_tokens=out.num_cached_tokens),
             timings=timings, logprobs=out.logprobs,
             cumulative_logprob=getattr(out, "cumulative_logprob", None), outputs=outputs,
+            prompt_logprobs=prompt_logprobs_entries(out, job.spec.sampling.prompt_logprobs if job.spec else None),
             attempts=job.attempt, worker=self.settings.worker_name)
         return self._finish_op(job, status, result.model_dump_json(), end)
 
@@ -266,3 +274,21 @@ class ResultWriter:
             log.warning("%d jobs were taken over by other workers (this worker stalled past the claim "
                         "timeout); stopping them here", len(lost))
             self.on_lost(lost)
+
+
+def prompt_logprobs_entries(out, num_top: int | None) -> list[dict] | None:
+    """The engine's prompt logprobs as the wire carries them (protocol.JobResult.prompt_logprobs): one entry
+    per prompt token, naming the token, with its num_top best; None where the job did not ask for them."""
+    scored = getattr(out, "prompt_logprobs", None)
+    if scored is None:
+        return None
+    texts = out.prompt_token_texts or [None] * len(out.prompt_token_ids)
+    entries = [{"token_id": out.prompt_token_ids[0], "token": texts[0], "logprob": None, "rank": None,
+                "top_logprobs": []}]
+    for token_id, text, entry in zip(out.prompt_token_ids[1:], texts[1:], scored[1:]):
+        best = sorted(entry.items(), key=lambda item: -item[1].logprob)[:num_top or 0]
+        entries.append({"token_id": token_id, "token": text, "logprob": entry[token_id].logprob,
+                        "rank": entry[token_id].rank,
+                        "top_logprobs": [{"token_id": t, "token": lp.decoded_token, "logprob": lp.logprob,
+                                          "rank": lp.rank} for t, lp in best]})
+    return entries

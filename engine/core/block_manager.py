@@ -101,7 +101,7 @@ class BlockManager:
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest computed prefix of `seq` already in the cache."""
         hits: list[int] = []
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not seq.reuses_cached_prefix:
             return hits
         prefix_hash = LONG_ROPE_ROOT if self.takes_long_rope(seq) else -1
         # the last token is always computed, so a prompt never hits in full

@@ -9,7 +9,9 @@ from tqdm.auto import tqdm
 from engine.config import EngineConfig
 from engine.core.beam_search import BeamSearch
 from engine.core.block_manager import BlockManager
-from engine.core.outputs import RequestOutput, StepResult, StepStats, request_output
+from engine.core.outputs import EmbeddingOutput, RequestOutput, StepResult, StepStats, request_output
+from engine.core.pooling import Pooling, PooledState, check_dimensions, pooled_positions, read_pooling
+from engine.core.prompt_logprobs import prompt_spans
 from engine.core.scheduler import ScheduledBatch, Scheduler
 from engine.core.sequence import Sequence, SequenceGroup
 from engine.core.step_builder import StepBuilder
@@ -23,6 +25,10 @@ from engine.runner import GrammarMasks, Runner, StepInputs
 from engine.sampling.grammar import GrammarCache
 from engine.sampling.grammar_mask import MaskBuilder
 from engine.sampling.params import BeamSearchParams, SamplingParams, constraint
+
+
+# LLM.embed keeps at most this many requests per sequence slot in the engine, adding the rest as they finish
+EMBED_WINDOW_PER_SLOT = 4
 
 
 class LLMEngine:
@@ -58,6 +64,8 @@ class LLMEngine:
         # async scheduling: the launch whose tokens are still on their way (resolved in the next step)
         self.async_scheduling = bool(config.async_scheduling)
         self._inflight: _InFlight | None = None
+        self._pooling: Pooling | None = None  # the model's, read at its first embedding request
+        self._scoring: set[str] = set()  # requests whose prompt logprobs are not all in yet
         self._shut_down = False
 
     def _make_runner(self, config: EngineConfig) -> Runner:
@@ -77,6 +85,9 @@ class LLMEngine:
         each step's new text (`new_text`), not only the final text. Raises ValueError for bad input,
         leaving the engine as it was."""
         self._check_open()
+        if not self.runner.has_lm_head:
+            raise ValueError(f"model {self.config.model!r} has no LM head (an embedding checkpoint): it cannot "
+                             "generate; use embed()")
         params = _as_params(sampling_params)
         prepared = self.prepare_prompt(prompt)
         token_ids = self._check_length(prepared.token_ids if isinstance(prepared, MultimodalPrompt) else prepared)
@@ -88,6 +99,33 @@ class LLMEngine:
         if isinstance(prepared, MultimodalPrompt):
             group.first.multimodal = prepared.multimodal
             group.first.mrope_position_delta = prepared.multimodal.mrope_position_delta
+        self.requests[request_id] = group
+        if group.prompt_logprobs is not None and not group.prompt_logprobs.done:
+            self._scoring.add(request_id)
+        self.scheduler.add(group.first)
+        return request_id
+
+    def add_embed_request(self, prompt: str | list[int], dimensions: int | None = None,
+                          request_id: str | None = None) -> str:
+        """Queue one embedding request (text, through the tokenizer with its own post-processing, or token
+        ids); returns its id. Its output, an EmbeddingOutput, comes once, finished. dimensions: keep the
+        first this many values, L2-normalised again (matryoshka). Raises ValueError for bad input."""
+        self._check_open()
+        if self._pooling is None:
+            self._pooling = read_pooling(self.config.model_dir)
+        dimensions = check_dimensions(dimensions, self.config.text_config.hidden_size)
+        if self.images is not None:
+            raise ValueError(f"model {self.config.model!r} is a vision-language model; embeddings need a text model")
+        token_ids = self._encode(prompt)
+        if len(token_ids) > self.config.max_model_len:
+            raise ValueError(f"input has {len(token_ids)} tokens; max_model_len is {self.config.max_model_len}")
+        if request_id is None:
+            request_id = f"req-{next(self._request_ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        group = SequenceGroup(request_id, token_ids, SamplingParams(temperature=0, max_tokens=1),
+                              self.config.kvcache_block_size)
+        group.first.pooling = PooledState(self._pooling, dimensions)
         self.requests[request_id] = group
         self.scheduler.add(group.first)
         return request_id
@@ -256,8 +294,9 @@ class LLMEngine:
             stats.num_decode_tokens = sum(1 for s, n in zip(batch.seqs, batch.num_tokens)
                                           if n == 1 and s.num_completion_tokens > 0 and s.num_uncomputed_tokens == 1)
             stats.num_prefill_tokens = batch.total_tokens - stats.num_decode_tokens
-            inputs = self.steps.build(batch, to_sample)
-            launched = self._launch(batch, to_sample, inputs, finished_only, outputs)
+            spans = prompt_spans(batch) if self._scoring else []  # no per-sequence check on most steps
+            inputs = self.steps.build(batch, to_sample, spans)
+            launched = self._launch(batch, to_sample, inputs, finished_only, outputs, spans)
             if not self.async_scheduling:  # a synchronous step is a launch collected at once
                 outputs += self._collect(launched, finished_only)
                 launched = None
@@ -282,12 +321,15 @@ class LLMEngine:
                 seq.grammar.restart()
 
     def _launch(self, batch: ScheduledBatch, sampled: list[Sequence], inputs: StepInputs, finished_only: bool,
-                collected: list[RequestOutput]) -> "_InFlight":
+                collected: list[RequestOutput], spans: list) -> "_InFlight":
         """Queue the step on the device and advance the sequences as if it were done; each sampled
         sequence gets a -1 placeholder, filled when the step is collected (the next step's inputs take
         it from the device meanwhile). The runner executes the model, then (a step with constrained rows)
         the engine computes their masks (_masks, which may collect the launch in flight into `collected`),
         then the runner samples."""
+        pooled = [(seq, seq.num_computed_tokens, n) for seq, n in zip(batch.seqs, batch.num_tokens)
+                  if seq.pooling is not None]
+        scored = [(seq, start, count) for _, seq, start, count in spans]
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
         positions = []
@@ -301,7 +343,7 @@ class LLMEngine:
         if inputs.sampling is not None and inputs.sampling.grammar_rows:
             masks = self._masks(sampled, inputs.sampling.grammar_rows, finished_only, collected)
         tokens = self.runner.sample_tokens(executed, masks)
-        return _InFlight(batch, sampled, positions, tokens)
+        return _InFlight(batch, sampled, positions, tokens, pooled, executed.pooled, scored)
 
     def _masks(self, sampled: list[Sequence], index: list[int], finished_only: bool,
                collected: list[RequestOutput]) -> GrammarMasks:
@@ -323,8 +365,46 @@ class LLMEngine:
 
     def _collect(self, step: "_InFlight", finished_only: bool, tokens_placed=None) -> list[RequestOutput]:
         token_ids, logprobs = step.tokens.result()
-        return self._postprocess(step.batch, step.sampled, step.positions, token_ids, logprobs, finished_only,
-                                 tokens_placed)
+        if step.scored:
+            self._take_prompt_scores(step.scored, step.tokens.prompt_result())
+        outputs = self._postprocess(step.batch, step.sampled, step.positions, token_ids, logprobs, finished_only,
+                                    tokens_placed)
+        if step.pooled:
+            outputs += self._take_pooled(step.pooled, step.pooled_sums)
+        return outputs
+
+    def _take_pooled(self, chunks: list[tuple[Sequence, int, int]], pooled_sums) -> list[EmbeddingOutput]:
+        """Add each embedding chunk's pooled sum (a chunk with rows to pool has one, in order) to its request's;
+        the requests whose prompt is done finish (after _postprocess entered their blocks in the prefix cache)."""
+        sums = iter(pooled_sums.result() if pooled_sums is not None else ())
+        outputs, now = [], time.monotonic()
+        for seq, start, n in chunks:
+            state = seq.pooling
+            chunk_sum = next(sums) if pooled_positions(state.pooling.method, start, start + n, seq.num_tokens) else None
+            if seq.is_finished:  # aborted meanwhile
+                continue
+            if chunk_sum is not None:
+                state.add(chunk_sum, start)
+            if start + n == seq.num_tokens:
+                self._finish(seq, "stop", now)
+                seq.group.finished_time = now
+                outputs.append(self._output(seq.group))
+        return outputs
+
+    def _take_prompt_scores(self, scored: list[tuple[Sequence, int, int]], scores) -> None:
+        """Each scored chunk's rows of the step's prompt logprobs into its request's (before its outputs are
+        built)."""
+        logprobs, ranks, top_values, top_ids = scores
+        row = 0
+        for seq, start, count in scored:
+            end, group = row + count, seq.group
+            if not seq.is_finished:
+                group.prompt_logprobs.add(start, logprobs[row:end], ranks[row:end],
+                                          None if top_values is None else top_values[row:end],
+                                          None if top_ids is None else top_ids[row:end])
+                if group.prompt_logprobs.done:
+                    self._scoring.discard(group.request_id)
+            row = end
 
     def _postprocess(self, batch: ScheduledBatch, sampled: list[Sequence], positions: list[int],
                      token_ids: list[int], logprobs, finished_only: bool, tokens_placed=None):
@@ -449,9 +529,19 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - decoding its text raised
             return self._fail(group, e)
 
-    def _output(self, group: SequenceGroup) -> RequestOutput:
+    def _output(self, group: SequenceGroup) -> RequestOutput | EmbeddingOutput:
         if group.is_finished:
             self.requests.pop(group.request_id, None)
+            self._scoring.discard(group.request_id)
+        first = group.first
+        if first.pooling is not None:
+            done = first.finish_reason == "stop"
+            return EmbeddingOutput(
+                request_id=group.request_id, prompt_token_ids=group.prompt_token_ids,
+                embedding=first.pooling.embedding(first.num_tokens) if done else None,
+                finish_reason=first.finish_reason, error=group.error, num_cached_tokens=first.num_cached_tokens,
+                arrival_time=first.arrival_time, first_scheduled_time=first.first_scheduled_time,
+                finished_time=group.finished_time)
         return request_output(group, self.tokenizer)
 
     # ---- batch API --------------------------------------------------------------------------------
@@ -473,13 +563,53 @@ class LLMEngine:
             for prompt, sp in zip(prompts, sampling_params):
                 ids.append(self.add_request(prompt, sp))
         except Exception:
-            for rid in ids:
-                self.abort(rid)
-            self._aborted.clear()
+            self._drop(ids)
             raise
+        return self._run(ids, "Generating", use_tqdm)
+
+    def _drop(self, ids: list[str]) -> None:
+        """Abort these requests and forget them: their outputs are never reported."""
+        for rid in ids:
+            self.abort(rid)
+            self.requests.pop(rid, None)
+            self._scoring.discard(rid)
+        self._aborted.clear()
+
+    def embed(self, inputs: str | list[str] | list[int] | list[list[int]], dimensions: int | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingOutput]:
+        """Embed every input (text, or token ids) with an embedding model; one EmbeddingOutput per input, in
+        order, with `.embedding`. Pooling and normalisation are the model's (engine/core/pooling.py);
+        dimensions: keep the first this many values, L2-normalised again (matryoshka). The inputs are added
+        as the engine works through them (at most EMBED_WINDOW_PER_SLOT x max_num_seqs in the engine at once),
+        so a corpus's host work overlaps its steps; a bad input raises ValueError and drops the others."""
+        if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]
+        window = EMBED_WINDOW_PER_SLOT * self.config.max_num_seqs
+        ids: list[str] = []
+        wanted: set[str] = set()
+        results: dict[str, EmbeddingOutput] = {}
+        bar = tqdm(total=len(inputs), desc="Embedding", dynamic_ncols=True, disable=not use_tqdm)
+        try:
+            while len(results) < len(inputs):
+                while len(ids) < len(inputs) and len(self.requests) < window:
+                    ids.append(self.add_embed_request(inputs[len(ids)], dimensions))
+                    wanted.add(ids[-1])
+                for out in self.step(finished_only=True).finished:
+                    if out.request_id in wanted:
+                        results[out.request_id] = out
+                        bar.update(1)
+        except Exception:
+            self._drop(ids)
+            raise
+        finally:
+            bar.close()
+        return [results[rid] for rid in ids]
+
+    def _run(self, ids: list[str], desc: str, use_tqdm: bool) -> list:
+        """Step until the requests `ids` are finished; their outputs in that order."""
         wanted = set(ids)
         results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        bar = tqdm(total=len(ids), desc=desc, dynamic_ncols=True, disable=not use_tqdm)
         prefill = decode = 0  # tokens and seconds of steps that did mostly prefill / mostly decode
         prefill_s = decode_s = 1e-9
         while len(results) < len(ids):
@@ -532,10 +662,13 @@ class LLMEngine:
 
 
 class _InFlight:
-    """A launched step whose sampled tokens are still on their way to the host."""
+    """A launched step whose sampled tokens (and pooled sums) are still on their way to the host."""
 
-    def __init__(self, batch: ScheduledBatch, sampled: list[Sequence], positions: list[int], tokens):
+    def __init__(self, batch: ScheduledBatch, sampled: list[Sequence], positions: list[int], tokens,
+                 pooled: list[tuple[Sequence, int, int]], pooled_sums, scored: list[tuple[Sequence, int, int]]):
         self.batch, self.sampled, self.positions, self.tokens = batch, sampled, positions, tokens
+        self.pooled, self.pooled_sums = pooled, pooled_sums  # embedding chunks: (seq, start, length), their sums
+        self.scored = scored  # prompt chunks whose first rows score prompt tokens: (seq, start, rows)
 
 
 class LLM(LLMEngine):

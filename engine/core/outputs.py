@@ -8,6 +8,18 @@ if TYPE_CHECKING:
     from engine.core.sequence import Sequence, SequenceGroup
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """A token's log-probability in a prompt_logprobs entry, as vLLM's: its rank in the vocabulary (1 is the
+    most likely) and its text (None without a tokenizer)."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+    def __getitem__(self, key: str):
+        return getattr(self, key)
+
+
 @dataclass
 class CompletionOutput:
     """One completion of a request (n > 1, best_of and beam search give several)."""
@@ -43,12 +55,35 @@ class RequestOutput:
     cumulative_logprob: float | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)  # n of them in index order (best_of, beam
     num_cached_tokens: int = 0                                      # search: best first)
+    # with prompt_logprobs, once every prompt token is scored: None for the first token, then per token
+    # {token_id: Logprob} of the token itself and the top prompt_logprobs, as vLLM's; and each prompt
+    # token's text (the first one's too; None without a tokenizer)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_token_texts: list[str] | None = None
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
 
     def __getitem__(self, key: str):  # outputs[i]["text"] works as in nano-vllm
+        return getattr(self, key)
+
+
+@dataclass
+class EmbeddingOutput:
+    """An embedding request's output (LLMEngine.embed, add_embed_request): it comes once, finished."""
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float] | None         # None when it was aborted or failed
+    finished: bool = True
+    finish_reason: str | None = "stop"    # "stop" | "abort"
+    error: str | None = None
+    num_cached_tokens: int = 0
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    finished_time: float | None = None
+
+    def __getitem__(self, key: str):
         return getattr(self, key)
 
 
@@ -89,13 +124,16 @@ def request_output(group: "SequenceGroup", tokenizer) -> RequestOutput:
         if group.params.best_of is not None:
             completions = _best_of(completions, group.params.n, with_text is not None)
     top, first = completions[0], group.first
+    prompt_logprobs = prompt_texts = None
+    if group.prompt_logprobs is not None and group.prompt_logprobs.done:
+        prompt_logprobs, prompt_texts = group.prompt_logprobs.output(tokenizer)
     return RequestOutput(
         request_id=group.request_id, prompt_token_ids=group.prompt_token_ids, token_ids=top.token_ids,
         new_token_ids=top.new_token_ids, finished=finished, finish_reason=top.finish_reason, text=top.text,
         new_text=top.new_text, error=group.error, logprobs=top.logprobs, cumulative_logprob=top.cumulative_logprob,
         outputs=completions, num_cached_tokens=first.num_cached_tokens, arrival_time=first.arrival_time,
         first_scheduled_time=first.first_scheduled_time, first_token_time=first.first_token_time,
-        finished_time=group.finished_time)
+        finished_time=group.finished_time, prompt_logprobs=prompt_logprobs, prompt_token_texts=prompt_texts)
 
 
 def _completion(seq: "Sequence", tokenizer, with_new_text: bool) -> CompletionOutput:

@@ -32,12 +32,13 @@ class ScheduledBatch:
 
     def sampled(self) -> list[Sequence]:
         """The sequences that get a token from this step, in the order of the step's logits rows: each whose
-        scheduled tokens reach its end, followed by those forked from it."""
+        scheduled tokens reach its end, followed by those forked from it (an embedding request gets none)."""
         if not self.forks:
-            return [s for s, n in zip(self.seqs, self.num_tokens) if s.num_computed_tokens + n == s.num_tokens]
+            return [s for s, n in zip(self.seqs, self.num_tokens)
+                    if s.num_computed_tokens + n == s.num_tokens and s.pooling is None]
         out = []
         for seq, n in zip(self.seqs, self.num_tokens):
-            if seq.num_computed_tokens + n == seq.num_tokens:
+            if seq.num_computed_tokens + n == seq.num_tokens and seq.pooling is None:
                 out.append(seq)
                 out += self.forks.get(seq.seq_id, ())
         return out

@@ -10,6 +10,7 @@ import time
 from enum import Enum, auto
 from itertools import count
 
+from engine.core.prompt_logprobs import PromptLogprobs
 from engine.sampling.params import SamplingParams
 
 _seq_ids = count()
@@ -54,6 +55,7 @@ class Sequence:
         self.grammar = None            # engine.grammar.GrammarState of a constrained (structured output) request
         self.multimodal = None         # engine.multimodal.MultimodalInputs of a prompt with images (seed 003)
         self.mrope_position_delta = 0  # M-RoPE: a token past the prompt rotates at its index + this (seed 001)
+        self.pooling = None            # engine.core.pooling.PooledState of an embedding request (never sampled)
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -100,6 +102,19 @@ class Sequence:
         return len(ids) - 1 if ids and ids[-1] < 0 else len(ids)
 
     @property
+    def reuses_cached_prefix(self) -> bool:
+        """Whether its admission may take prompt blocks from the prefix cache (mean and CLS pooling need
+        every position's hidden state, which a hit does not compute)."""
+        return (self.pooling is None or self.pooling.reuses_cached_prefix) and not self.scores_prompt
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its steps score its prompt's tokens (prompt_logprobs, until every one is scored): the
+        logits of every prompt position are needed, so a prefix-cache hit would skip some."""
+        scores = self.group.prompt_logprobs if self.group is not None else None
+        return scores is not None and not scores.done
+
+    @property
     def admission_width(self) -> int:
         """Sequence slots its admission takes: a group's first sequence will fork into all of them."""
         group = self.group
@@ -143,6 +158,8 @@ class SequenceGroup:
         self.forked = self.width == 1  # the first sequence forks into the others once (for beams: the first step)
         # sampling: every sequence, by index; beam search: the running beams
         self.seqs = [Sequence(token_ids, params, block_size, request_id, self)]
+        self.prompt_logprobs = (None if params.prompt_logprobs is None
+                                else PromptLogprobs(self.seqs[0].prompt_token_ids, params.prompt_logprobs))
         self.error: str | None = None
         self.finished_time: float | None = None
         self.streams = False  # added with stream=True: every step's tokens are reported, not just the end

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine.core.pooling import pooled_positions
 from engine.core.scheduler import ScheduledBatch
 from engine.core.sequence import Sequence
 from engine.runner import ImageSlice, SamplingRows, StepInputs
@@ -34,9 +35,10 @@ class StepBuilder:
         if seq.multimodal is not None:
             self.finished_request_ids.append(seq.request_id)
 
-    def build(self, batch: ScheduledBatch, sampled: list[Sequence]) -> StepInputs:
-        """The step's inputs, before the engine advances its sequences."""
-        inputs = self._forward_inputs(batch)
+    def build(self, batch: ScheduledBatch, sampled: list[Sequence], scored: list = ()) -> StepInputs:
+        """The step's inputs, before the engine advances its sequences; scored: its sequences' rows that score
+        prompt tokens (engine/core/prompt_logprobs.py's prompt_spans)."""
+        inputs = self._forward_inputs(batch, scored)
         if batch.block_copies:
             inputs.block_copies = torch.tensor(batch.block_copies, dtype=torch.int64).T.contiguous()
         if sampled:
@@ -51,9 +53,9 @@ class StepBuilder:
 
     # ---- the forward pass -------------------------------------------------------------------------
 
-    def _forward_inputs(self, batch: ScheduledBatch) -> StepInputs:
+    def _forward_inputs(self, batch: ScheduledBatch, scored: list) -> StepInputs:
         if (not batch.forks and all(n == 1 for n in batch.num_tokens)
-                and all(s.num_uncomputed_tokens == 1 for s in batch.seqs)):
+                and all(s.num_uncomputed_tokens == 1 and s.pooling is None for s in batch.seqs)):
             return self._decode_inputs(batch)
         input_ids: list[int] = []
         positions: list[int] = []
@@ -61,9 +63,16 @@ class StepBuilder:
         cu_q, lens_k, logits_indices = [0], [], []
         bs = self.block_size
         pending_rows, pending_src = [], []
+        pooled_rows, pooled_segments = [], []
         for seq, n in zip(batch.seqs, batch.num_tokens):
             start = seq.num_computed_tokens
             end = start + n
+            if seq.pooling is not None:  # an embedding request: its rows are pooled, never sampled
+                rows = [len(input_ids) + p - start
+                        for p in pooled_positions(seq.pooling.pooling.method, start, end, seq.num_tokens)]
+                if rows:
+                    pooled_segments += [pooled_segments[-1] + 1 if pooled_segments else 0] * len(rows)
+                    pooled_rows += rows
             if end == seq.num_tokens and seq.token_ids[-1] < 0:
                 pending_rows.append(len(input_ids) + n - 1)
                 pending_src.append(seq.pending_index)
@@ -74,7 +83,7 @@ class StepBuilder:
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             cu_q.append(cu_q[-1] + n)
             lens_k.append(end)
-            if end == seq.num_tokens:  # sampled, once for it and once for each sequence forked from it
+            if end == seq.num_tokens and seq.pooling is None:  # sampled, once for it and each forked from it
                 logits_indices += [cu_q[-1] - 1] * (1 + len(batch.forks.get(seq.seq_id, ())))
         width = max(len(s.block_table) for s in batch.seqs)
         tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in batch.seqs]
@@ -88,6 +97,12 @@ class StepBuilder:
             max_seqlen_q=max(batch.num_tokens), max_seqlen_k=max(lens_k),
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
             **_pending(pending_rows, pending_src))
+        if pooled_rows:
+            inputs.pooled_rows = torch.tensor(pooled_rows, dtype=torch.int64)
+            inputs.pooled_segments = torch.tensor(pooled_segments, dtype=torch.int64)
+            inputs.num_pooled = pooled_segments[-1] + 1
+        if scored:
+            _score_prompts(inputs, scored, cu_q)
         if self.uses_mrope and any(s.multimodal is not None for s in batch.seqs):
             _place_images(batch, inputs)
         return inputs
@@ -165,6 +180,18 @@ def _pending(rows: list[int], src: list[int]) -> dict:
     if not rows:
         return {}
     return {"pending_rows": torch.tensor(rows, dtype=torch.int64), "pending_src": torch.tensor(src, dtype=torch.int64)}
+
+
+def _score_prompts(inputs: StepInputs, spans: list, cu_q: list[int]) -> None:
+    """The input rows that score prompt tokens (prompt_logprobs), the tokens they score and the most top
+    logprobs one asks for."""
+    rows, next_ids = [], []
+    for i, seq, start, count in spans:
+        rows += range(cu_q[i], cu_q[i] + count)
+        next_ids += seq.prompt_token_ids[start + 1:start + 1 + count]
+    inputs.prompt_rows = torch.tensor(rows, dtype=torch.int64)
+    inputs.prompt_next_ids = torch.tensor(next_ids, dtype=torch.int64)
+    inputs.num_prompt_top = max(seq.group.prompt_logprobs.num_top for _, seq, _, _ in spans)
 
 
 def _place_images(batch: ScheduledBatch, inputs: StepInputs) -> None:

@@ -102,6 +102,7 @@ class TPDriver:
         self.ctx = self.runner.ctx
         self.sampler = self.runner.sampler
         self.uses_mrope = self.runner.uses_mrope
+        self.has_lm_head = self.runner.has_lm_head
 
     @property
     def worker_pids(self) -> list[int]:
@@ -162,6 +163,10 @@ class TPStep:
             workers.fail(e, "during a step")
         # every rank finished its part of the step, so rank 0's own work of it waits on no peer: blocking is safe
         return self._tokens.result()
+
+    def prompt_result(self):
+        """Rank 0's prompt logprobs of the step, as ModelRunner's; after result(), which waits for the ranks."""
+        return self._tokens.prompt_result()
 
 
 @dataclass
@@ -532,6 +537,7 @@ def _serve(runner: ModelRunner, conn: Connection) -> None:
         _, wire, sampling = message
         inputs = _from_wire(wire)
         hidden = runner.forward(inputs)
+        runner.score_prompt(hidden, inputs)  # its part of the prompt rows' logits gathers, as rank 0's execute
         if sampling:
             runner.join_sampling(hidden, inputs, sampling)
         if runner.device.type == "cuda":
@@ -614,8 +620,10 @@ def _config_kwargs(config: EngineConfig) -> dict:
     return kwargs
 
 
-# what only rank 0 reads: the sampling (the other ranks get the plan) and the sampled sequences' ends
-_RANK0_ONLY = {"sampling", "suppressed", "finished_seq_ids"}
+# what only rank 0 reads: the sampling (the other ranks get the plan), the sampled sequences' ends, the pooled
+# rows, the scored prompt tokens
+_RANK0_ONLY = {"sampling", "suppressed", "finished_seq_ids", "pooled_rows", "pooled_segments", "num_pooled",
+               "prompt_next_ids", "num_prompt_top"}
 
 
 def _to_wire(inputs: StepInputs) -> dict:

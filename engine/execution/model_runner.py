@@ -17,9 +17,12 @@ from engine.layers.fusion import PlainTorch
 from engine.layers.parallel import TPGroup
 from engine.models import model_class
 from engine.runner import GrammarMasks, ImageSlice, StepInputs
-from engine.sampling.sampler import SampledTokens, Sampler, SamplingTensors, StepSampling
+from engine.sampling.sampler import PromptScores, SampledTokens, Sampler, SamplingTensors, StepSampling, score_prompt
 
 CPU_KV_CACHE_BYTES = 2 << 30
+# prompt rows whose logits are made at once: 256 float32 rows of a 152k vocabulary are 156 MB, what a decode step
+# of 256 rows with logprobs makes too (the KV cache's sizing leaves no room measured for more)
+PROMPT_SCORE_ROWS = 256
 
 
 @contextmanager
@@ -66,7 +69,7 @@ class ModelRunner:
         with torch.device(self.device), default_float_dtype(self.dtype):
             self.model = model_class(hf.architectures)(hf, tp, self.ctx).to(self.dtype)
         self.model.eval()
-        load_weights(self.model, config.model_dir, config.load_format, config.seed)
+        self.has_lm_head = load_weights(self.model, config.model_dir, config.load_format, config.seed)
         # M-RoPE (engine/inputs/multimodal.py): positions past a prompt with images are offset by its delta
         self.uses_mrope = getattr(self.model, "uses_mrope", False)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -285,28 +288,60 @@ class ModelRunner:
         its plan (Sampler.plan), as the other ranks were sent it: a sharded step samples here."""
         graphs = self.graphs
         if (st is not None and graphs is not None and graphs.samples and inputs.is_decode
-                and inputs.samples_every_row and graphs.fits(inputs)):
+                and inputs.samples_every_row and inputs.prompt_rows is None and graphs.fits(inputs)):
             self.copy_blocks(inputs)
             if inputs.finished_request_ids:
                 self._forget_images(inputs.finished_request_ids)
             tokens, logits = self.sampler.replay_graph(graphs, inputs, st)
             return Executed(st, tokens, logits)
         hidden = self.forward(inputs)
+        pooled = self._pool(hidden, inputs) if inputs.num_pooled else None
+        prompt = self.score_prompt(hidden, inputs)
         if st is None:
-            return Executed(None, SampledTokens([]))
+            return Executed(None, SampledTokens([]), pooled=pooled, prompt=prompt)
         if plan is not None and plan.sharded:
             return Executed(st, self.sampler.sample_shards(self.local_logits(hidden, inputs), self.tp, plan,
-                                                           st.temperatures, self.model.lm_head.vocab_start))
-        return Executed(st, None, self.compute_logits(hidden, inputs))
+                                                           st.temperatures, self.model.lm_head.vocab_start),
+                            pooled=pooled, prompt=prompt)
+        return Executed(st, None, self.compute_logits(hidden, inputs), pooled, prompt)
+
+    @torch.inference_mode()
+    def score_prompt(self, hidden: torch.Tensor, inputs: StepInputs) -> list[torch.Tensor] | None:
+        """The step's prompt logprobs (sampler.score_prompt) from the raw logits of inputs.prompt_rows,
+        PROMPT_SCORE_ROWS at a time; None without such rows, and on ranks other than 0, which take part in
+        the LM head's gathers only (every rank calls it, before the step's sampling)."""
+        if inputs.prompt_rows is None:
+            return None
+        rows = self._to_device(inputs.prompt_rows)
+        next_ids = None if inputs.prompt_next_ids is None else self._to_device(inputs.prompt_next_ids)
+        pieces = []
+        with self.layer_mode:
+            for start in range(0, len(inputs.prompt_rows), PROMPT_SCORE_ROWS):
+                end = start + PROMPT_SCORE_ROWS
+                logits = self.model.compute_logits(hidden[rows[start:end]])
+                if next_ids is not None:
+                    pieces.append(score_prompt(logits, next_ids[start:end], inputs.num_prompt_top))
+        if next_ids is None:
+            return None
+        return [torch.cat(part) for part in zip(*pieces)]
+
+    def _pool(self, hidden: torch.Tensor, inputs: StepInputs) -> "PooledSums":
+        """The sums of the step's pooled rows (embedding requests), in float32, on their way to the host."""
+        rows = hidden[self._to_device(inputs.pooled_rows)].float()
+        sums = torch.zeros(inputs.num_pooled, rows.shape[1], dtype=torch.float32, device=rows.device)
+        return PooledSums(sums.index_add_(0, self._to_device(inputs.pooled_segments), rows))
 
     @torch.inference_mode()
     def sample_tokens(self, handle: "Executed", masks: GrammarMasks | None) -> SampledTokens:
         """Queue the sampling of an executed step, the masks applied to its constrained rows; its tokens
         (those the graph sampled, if it did)."""
-        if handle.tokens is not None:
-            return handle.tokens
-        with self.layer_mode:
-            return self.sampler.sample(handle.logits, handle.sampling, masks)
+        tokens = handle.tokens
+        if tokens is None:
+            with self.layer_mode:
+                tokens = self.sampler.sample(handle.logits, handle.sampling, masks)
+        if handle.prompt is not None:
+            tokens.prompt = PromptScores(handle.prompt)
+        return tokens
 
     @torch.inference_mode()
     def join_sampling(self, hidden: torch.Tensor, inputs: StepInputs, plan: StepSampling) -> None:
@@ -330,6 +365,25 @@ class Executed:
     sampling: SamplingTensors | None
     tokens: SampledTokens | None
     logits: torch.Tensor | None = None
+    pooled: "PooledSums | None" = None  # the embedding requests' pooled rows
+    prompt: list[torch.Tensor] | None = None  # its prompt logprobs (score_prompt), where it scored any
+
+
+class PooledSums:
+    """A step's pooled sums [P, H] on their way to the host (engine/runner.py's PooledHandle)."""
+
+    def __init__(self, sums: torch.Tensor):
+        self.event = None
+        self.sums = sums
+        if sums.is_cuda:
+            self.sums = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True).copy_(sums, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def result(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.sums
 
 
 def prefill_inputs(tokens: list[list[int]], block_size: int, blocks_per_seq: int) -> StepInputs:

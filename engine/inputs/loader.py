@@ -10,14 +10,18 @@ from safetensors import safe_open
 from torch import nn
 
 
-def load_weights(model: nn.Module, model_dir: str, load_format: str, seed: int = 0) -> None:
+def load_weights(model: nn.Module, model_dir: str, load_format: str, seed: int = 0) -> bool:
+    """Load the model's weights; whether it has an LM head (an embedding checkpoint may have none)."""
     if load_format == "dummy":
         load_dummy_weights(model, seed)
-    else:
-        load_safetensors(model, model_dir)
+        return True
+    return load_safetensors(model, model_dir)
 
 
-def load_safetensors(model: nn.Module, model_dir: str) -> None:
+def load_safetensors(model: nn.Module, model_dir: str) -> bool:
+    """The checkpoint's tensors into `model`; whether it has an LM head (tied, or an lm_head tensor). A
+    checkpoint of the bare decoder (a `Qwen3Model` as embedding models publish it: no `model.` prefix, no
+    lm_head) loads into the decoder."""
     files = sorted(glob(str(Path(model_dir) / "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors files in {model_dir}; use load_format='dummy' for random weights")
@@ -36,6 +40,8 @@ def load_safetensors(model: nn.Module, model_dir: str) -> None:
                     continue
                 ours = _renamed(name, renamed)
                 target, shard_id = own_target(ours) or _target_name(ours, packed)
+                if target not in params and f"model.{target}" in params:  # the bare decoder's layout
+                    target = f"model.{target}"
                 param = params.get(target)
                 if param is None:
                     raise ValueError(_no_place(name, model))
@@ -49,13 +55,14 @@ def load_safetensors(model: nn.Module, model_dir: str) -> None:
                 else:
                     param.weight_loader(param, tensor, shard_id)
                 loaded.setdefault(target, set()).add(shard_id)
-    missing = {n for n in params if n not in loaded} - ({"lm_head.weight"} if model.tie_word_embeddings else set())
+    missing = {n for n in params if n not in loaded} - {"lm_head.weight"}
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights for: {', '.join(sorted(missing)[:5])}")
     for name, shard_ids in loaded.items():  # a parameter of many shards (stacked experts) says which it lacks
         lacking = getattr(params[name], "missing_shards", lambda ids: [])(shard_ids)
         if lacking:
             raise ValueError(f"checkpoint in {model_dir} lacks {name} for: {', '.join(lacking[:5])}")
+    return model.tie_word_embeddings or "lm_head.weight" in loaded
 
 
 # the tensors quantized checkpoints carry beside (or instead of) their weights

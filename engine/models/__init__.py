@@ -23,6 +23,10 @@ MODEL_REGISTRY = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    # the bare decoders, as sentence-transformers saves embedding models (no LM head unless tied)
+    "LlamaModel": LlamaForCausalLM,
+    "Qwen2Model": Qwen2ForCausalLM,
+    "Qwen3Model": Qwen3ForCausalLM,
 }
 
 

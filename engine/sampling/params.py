@@ -111,6 +111,8 @@ class SamplingParams:
     choice: list[str] | None = _spec(
         None, "choices", f"a non-empty list of at most {MAX_CHOICES:,} non-empty strings, {MAX_CHOICE_CHARS:,} "
         "characters in all", max_items=MAX_CHOICES, schema={"minItems": 1, "items": {"minLength": 1}})
+    prompt_logprobs: int | None = _spec(None, "int", f"null or an integer in [0, {MAX_LOGPROBS}]",
+                                        lambda v: 0 <= v <= MAX_LOGPROBS, ge=0, le=MAX_LOGPROBS)
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -184,6 +184,7 @@ class SampledTokens:
 
     def __init__(self, parts: list[torch.Tensor], event: torch.cuda.Event | None = None):
         self.event = event
+        self.prompt: PromptScores | None = None  # the step's prompt logprobs, where it scored prompt tokens
         if parts and parts[0].is_cuda:
             self.parts = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True).copy_(p, non_blocking=True)
                           for p in parts]
@@ -212,6 +213,22 @@ class SampledTokens:
         lists = [p.tolist() for p in self.parts]
         top = lists[2:] or [None, None]
         return lists[0], (lists[1], top[0], top[1])
+
+    def prompt_result(self):
+        """The step's prompt scores (PromptScores.result), or None where it scored none."""
+        return None if self.prompt is None else self.prompt.result()
+
+
+class PromptScores(SampledTokens):
+    """A step's prompt logprobs (score_prompt's parts) on their way to the host."""
+
+    def result(self):
+        """(logprobs [P], ranks [P], top logprobs [P, N] or None, their ids or None) as lists."""
+        if self.event is not None:
+            self.event.synchronize()
+        lists = [p.tolist() for p in self.parts]
+        top = lists[2:] or [None, None]
+        return lists[0], lists[1], top[0], top[1]
 
 
 # ---- inside the decode graph (engine/execution/cuda_graphs.py) ----------------------------------------------
@@ -362,6 +379,21 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     top = logprobs.topk(num_top, dim=-1)
     return chosen, top.values, top.indices
+
+
+def score_prompt(logits: torch.Tensor, next_ids: torch.Tensor, num_top: int) -> list[torch.Tensor]:
+    """Prompt logprobs from rows of raw logits [P, V] (no temperature, penalty, bias or mask: the model's own
+    distribution, as vLLM reports them), each row scoring the prompt token after it, next_ids [P]: that
+    token's logprob [P] float32, its rank [P] int64 (how many tokens score at least as high: 1 is the most
+    likely, ties counted ahead, as vLLM ranks) and, with num_top > 0, the top num_top logprobs and their
+    ids [P, num_top]."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, next_ids.unsqueeze(1))
+    parts = [chosen.squeeze(1), (logprobs >= chosen).sum(dim=-1)]
+    if num_top > 0:
+        top = logprobs.topk(num_top, dim=-1)
+        parts += [top.values, top.indices]
+    return parts
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

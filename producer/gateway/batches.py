@@ -156,7 +156,7 @@ class BatchStore:
         except Exception as e:  # noqa: BLE001 - an input no line check foresaw fails its batch, never loops it
             log.exception("batch %s: its input could not be prepared", batch_id)
             return await self._fail(batch_id, f"the input could not be prepared: {type(e).__name__}: {str(e)[:200]}")
-        summaries = [[line.custom_id, line.url, line.error, line.with_logprobs] for line in batch.lines]
+        summaries = [[line.custom_id, line.url, line.error, line.with_logprobs, line.base64] for line in batch.lines]
         await self.redis.hset(self.keys.batch(batch_id), mapping={"lines": json.dumps(summaries),
                                                                   "total": len(lines)})
         for start in range(0, len(jobs), SUBMIT_CHUNK):
@@ -324,8 +324,9 @@ class BatchStore:
     def _output_rows(self, batch_id: str, summaries: list, results: list, expired: bool) -> tuple[bytes, bytes, bool]:
         """(The output file, the error file, whether a job expired): one line per input line, in order."""
         outputs, errors, any_expired = [], [], False
-        for i, ((custom_id, url, error, with_logprobs), raw) in enumerate(zip(summaries, results)):
-            line = BatchLine(custom_id, url, error=error, with_logprobs=with_logprobs)
+        for i, ((custom_id, url, error, with_logprobs, *rest), raw) in enumerate(zip(summaries, results)):
+            # rest: base64 (a batch summarised before embeddings has none)
+            line = BatchLine(custom_id, url, error=error, with_logprobs=with_logprobs, base64=bool(rest and rest[0]))
             result = p.JobResult.model_validate_json(raw) if raw and error is None else None
             lost = "its job's result expired or was lost" if result is None and error is None else None
             row = output_line(line, f"{batch_id}-{i}", result, lost, self.model_name)

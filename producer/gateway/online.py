@@ -1,4 +1,4 @@
-"""Online requests: `POST /v1/chat/completions` and `POST /v1/completions`.
+"""Online requests: `POST /v1/chat/completions`, `POST /v1/completions` and `POST /v1/embeddings`.
 
 Each request is one job: its body becomes the job as a batch line's does (`producer.batch_format`), it is
 enqueued with the request timeout as its deadline, and the answer is its result in the endpoint's shape;
@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .. import protocol as p
-from ..batch_format import request_job, response_body, usage_body
+from ..batch_format import EMBEDDINGS, request_job, response_body, usage_body
 from ..client import build_job, submit_call
 from .errors import APIError, error_body, invalid
 from .offload import Offload
@@ -39,9 +39,14 @@ class Online:
         self.metrics, self.offload = metrics, offload
 
     async def answer(self, request: Request, url: str, body: dict) -> Response:
+        if url == EMBEDDINGS:
+            return await self._embed(request, body)
         stream, include_usage = _stream_options(body)
         chat = url == "/v1/chat/completions"
         job_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        prompt_only = _prompt_only(url, body)
+        if prompt_only:  # the engine generates at least one token: one is made, and left out of the answer
+            body = {**body, "max_tokens": 1}
         built, sampling = await self.offload(_build, url, body, job_id, stream, self.timeout_s)
         with_logprobs = sampling.get("logprobs") is not None
         keys, args = submit_call(self.client.keys, [built])
@@ -52,7 +57,19 @@ class Online:
         result = await self._wait(request, job_id, deadline, self.client.result)
         if not result.ok:
             raise _failed(result.status, result.error)
-        return JSONResponse(response_body(url, result, with_logprobs, self.model_name))
+        return JSONResponse(response_body(url, result, with_logprobs, self.model_name, prompt_only))
+
+    async def _embed(self, request: Request, body: dict) -> Response:
+        """An embeddings request: one embedding job, its vectors in OpenAI's shape."""
+        job_id = f"embd-{uuid.uuid4().hex}"
+        built = await self.offload(_build_embedding, body, job_id, self.timeout_s)
+        keys, args = submit_call(self.client.keys, [built])
+        await self.client.scripts.submit(keys=keys, args=args)
+        result = await self._wait(request, job_id, time.monotonic() + self.timeout_s, self.client.result)
+        if not result.ok:
+            raise _failed(result.status, result.error)
+        return JSONResponse(response_body(EMBEDDINGS, result, False, self.model_name,
+                                          base64_vectors=body.get("encoding_format") == "base64"))
 
     async def _wait(self, request: Request, job_id: str, deadline: float, read):
         """`read(job_id, timeout=...)` (the result, or the first token delta) by WAIT_SLICE_S slices, checking
@@ -179,13 +196,31 @@ def _build(url: str, body: dict, job_id: str, stream: bool, deadline_s: float) -
     if error is not None:
         raise invalid(error)
     sampling = job["sampling"]
-    if stream and (sampling.get("best_of") is not None or sampling.get("logprobs") is not None):
-        raise invalid("stream: true takes completions without best_of or logprobs (leave them out, or set "
+    if stream and any(sampling.get(name) is not None for name in ("best_of", "logprobs", "prompt_logprobs")):
+        raise invalid("stream: true takes completions without best_of, logprobs or echo (leave them out, or set "
                       "stream: false)", "stream")
     try:
         return build_job(**{**job, "job_id": job_id, "stream": stream, "deadline_s": deadline_s}), sampling
     except ValueError as e:
         raise invalid(str(e)) from None
+
+
+def _build_embedding(body: dict, job_id: str, deadline_s: float) -> tuple[str, int, str]:
+    """The validated embedding job of an embeddings request body; 400 if it cannot run."""
+    job, error = request_job(EMBEDDINGS, body)
+    if error is not None:
+        raise invalid(error)
+    try:
+        return build_job(**{**job, "job_id": job_id, "deadline_s": deadline_s})
+    except ValueError as e:
+        raise invalid(str(e)) from None
+
+
+def _prompt_only(url: str, body: dict) -> bool:
+    """Whether a completion echoes its prompt with max_tokens 0: the prompt scored, nothing generated."""
+    tokens = body.get("max_tokens")
+    return (url == "/v1/completions" and body.get("echo") is True and tokens == 0
+            and not isinstance(tokens, bool))
 
 
 def _stream_options(body: dict) -> tuple[bool, bool]:
