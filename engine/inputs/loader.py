@@ -9,12 +9,19 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine.layers.quant import QuantMethod, after_loading, quantize_linears
 
-def load_weights(model: nn.Module, model_dir: str, load_format: str, seed: int = 0) -> None:
+
+def load_weights(model: nn.Module, model_dir: str, load_format: str, seed: int = 0,
+                 quantization: QuantMethod | None = None) -> None:
+    """quantization: the checkpoint's (EngineConfig.quantization): the linears it quantizes hold its tensors."""
+    if quantization is not None:
+        quantize_linears(model, quantization)
     if load_format == "dummy":
         load_dummy_weights(model, seed)
     else:
         load_safetensors(model, model_dir)
+    after_loading(model)
 
 
 def load_safetensors(model: nn.Module, model_dir: str) -> None:
@@ -66,8 +73,9 @@ QUANTIZED_TENSOR_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale", 
 
 def _no_place(name: str, model: nn.Module) -> str:
     if name.endswith(QUANTIZED_TENSOR_SUFFIXES):
-        return (f"checkpoint tensor {name!r} belongs to a quantized checkpoint; quantized checkpoints are not "
-                "supported yet: use the model's float (bf16/fp16) checkpoint")
+        return (f"checkpoint tensor {name!r} is a quantized layer's, and this engine runs that layer of "
+                f"{type(model).__name__} in float only, or config.json has no quantization_config: use the "
+                "model's float (bf16/fp16) checkpoint")
     return f"checkpoint tensor {name!r} has no place in {type(model).__name__}"
 
 
@@ -101,6 +109,8 @@ def load_dummy_weights(model: nn.Module, seed: int) -> None:
         gen = torch.Generator(device=param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         if name.endswith("norm.weight"):
             full = torch.ones(full_shape, device=param.device, dtype=param.dtype)
+        elif hasattr(param, "dummy_value"):  # a quantized layer's scale: its weight's values stand as they are
+            full = torch.full(full_shape, param.dummy_value, device=param.device, dtype=param.dtype)
         else:
             full = torch.empty(full_shape, device=param.device, dtype=torch.float32)
             full.normal_(0.0, 0.02, generator=gen)
