@@ -1,0 +1,156 @@
+"""y = x @ W (+ bias) with W an int4 weight in groups along K (W4A16: AWQ, GPTQ, compressed-tensors
+pack-quantized, all repacked at load into one layout, engine/layers/quant/int4.py):
+
+    qweight int32 [K / 8, N]    nibble j (bits 4j..4j+3) of qweight[i, n] is q[8i + j, n], in 0..15
+    scales        [K / G, N]    the checkpoint's float dtype
+    zeros   uint8 [K / G, N]    W[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]
+
+Two kernels, both reading each packed weight once and dequantizing it in registers (never a float copy of W
+in memory), accumulating in float32 and rounding once:
+
+  _gemm_kernel (prefill, more than GEMV_MAX_ROWS rows): tiles of BLOCK_M rows by BLOCK_N columns; each K step
+    unpacks a [BLOCK_K, BLOCK_N] weight tile, scales it, casts it to x's dtype and feeds tl.dot.
+  _gemv_kernel (decode, 1 to GEMV_MAX_ROWS rows): each program owns BLOCK_N columns and one of SPLIT_K slices
+    of K; it unpacks, scales and multiplies-adds on the CUDA cores (a [rows, BLOCK_K, BLOCK_N] product summed
+    over K), and the slices' float32 partial sums are added in a fixed order after it (deterministic, unlike
+    atomics). Split-K gives a decode step's narrow projections enough programs to fill the GPU.
+
+A tile of BLOCK_K rows lies in one group when BLOCK_K divides G (the usual G = 128): one row of scales and
+zeros per tile; smaller groups load them per row. GPTQ's desc_act (g_idx) is handled at load by reordering K
+(engine/layers/quant/int4.py), so these kernels only see groups of consecutive rows.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.common import interpreted, num_sms
+
+GEMV_MAX_ROWS = 16
+# the GEMV's [rows, BLOCK_K, BLOCK_N] product held in registers: at most this many elements a program
+GEMV_TILE = 8192
+
+
+@triton.jit
+def _dequant_tile(q_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, n_mask, K, N, GROUP: tl.constexpr,
+                  ONE_GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The float32 [BLOCK_K, BLOCK_N] tile W[k0 + offs_k, offs_n] (rows past K are 0)."""
+    rows = k0 + offs_k
+    k_mask = rows < K
+    mask = k_mask[:, None] & n_mask[None, :]
+    packed = tl.load(q_ptr + (rows[:, None] // 8).to(tl.int64) * N + offs_n[None, :], mask=mask, other=0)
+    q = ((packed >> ((rows[:, None] % 8) * 4)) & 0xF).to(tl.float32)
+    if ONE_GROUP:  # the whole tile in group k0 // GROUP
+        g = k0 // GROUP
+        s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)[None, :]
+    else:
+        g = (rows // GROUP).to(tl.int64)
+        s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=mask, other=0).to(tl.float32)
+    return tl.where(mask, (q - z) * s, 0.0)
+
+
+@triton.jit
+def _gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_om,
+                 GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(x_ptrs, mask=m_mask[:, None] & (offs_k[None, :] < K - k0), other=0.0)
+        w = _dequant_tile(q_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, n_mask, K, N, GROUP, GROUP % BLOCK_K == 0,
+                          BLOCK_K)
+        if UPCAST:  # the interpreter's dot has no bf16: float32, exact for these products' inputs
+            acc += tl.dot(a.to(tl.float32), w, input_precision="ieee")
+        elif a.dtype == tl.float32:
+            acc += tl.dot(a, w, input_precision="ieee")
+        else:
+            acc += tl.dot(a, w.to(a.dtype))
+        x_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, part_ptr, M, N, K, stride_xm, k_per_split,
+                 GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """part[split, m, n]: the float32 sum over this program's slice of K of x[m, k] * W[k, n]."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    n_mask = offs_n < N
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    first = split * k_per_split
+    for k0 in range(first, tl.minimum(first + k_per_split, K), BLOCK_K):
+        w = _dequant_tile(q_ptr, s_ptr, z_ptr, k0, offs_k, offs_n, n_mask, K, N, GROUP, GROUP % BLOCK_K == 0,
+                          BLOCK_K)
+        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + k0 + offs_k[None, :],
+                    mask=m_mask[:, None] & (offs_k[None, :] < K - k0), other=0.0).to(tl.float32)
+        acc += tl.sum(x[:, :, None] * w[None, :, :], axis=1)
+    part_ptrs = part_ptr + (split * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
+    tl.store(part_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+
+
+def gemm_blocks(rows: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the prefill kernel. Chosen from the shapes, not yet
+    tuned on a GPU."""
+    if interpreted():
+        return 16, 32, 32, 4, 1
+    return (64 if rows <= 64 else 128), 128, 64, 8, 3
+
+
+def gemv_blocks(rows: int, n: int, k: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K) of the decode kernel: a [BLOCK_M, BLOCK_K, BLOCK_N] product of at most
+    GEMV_TILE elements, and K split until there are about two programs per SM."""
+    block_m = triton.next_power_of_2(max(rows, 1))
+    block_n = 32 if interpreted() else 64
+    block_k = max(8, min(128, GEMV_TILE // (block_m * block_n)))
+    column_programs = triton.cdiv(n, block_n)
+    steps = triton.cdiv(k, block_k)
+    split = max(1, min(steps, 2 * num_sms(device) // column_programs))
+    return block_m, block_n, block_k, split
+
+
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W [K, N] (+ bias), W given by (qweight, scales, zeros) as the module's docstring lays out;
+    in x's dtype (into `out` [rows, N] where given)."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, k = x.shape
+    n = qweight.shape[1]
+    if out is None:
+        out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out.view(*shape[:-1], n)
+    if rows <= GEMV_MAX_ROWS:
+        block_m, block_n, block_k, split = gemv_blocks(rows, n, k, x.device)
+        k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+        split = triton.cdiv(k, k_per_split)
+        parts = torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
+        _gemv_kernel[(triton.cdiv(n, block_n), split)](
+            x, qweight, scales, zeros, parts, rows, n, k, x.stride(0), k_per_split, GROUP=group_size,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        total = parts.sum(dim=0)
+        if bias is not None:
+            total += bias.float()
+        out.copy_(total)
+    else:
+        block_m, block_n, block_k, warps, stages = gemm_blocks(rows)
+        _gemm_kernel[(triton.cdiv(rows, block_m), triton.cdiv(n, block_n))](
+            x, qweight, scales, zeros, bias if bias is not None else scales, out, rows, n, k, x.stride(0),
+            out.stride(0), GROUP=group_size, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=block_k, UPCAST=interpreted() and x.dtype != torch.float32, num_warps=warps, num_stages=stages)
+    return out.view(*shape[:-1], n)

@@ -1,0 +1,62 @@
+"""Cases for the int4 kernels (engine/kernels/int4_gemm.py) under the Triton interpreter, each against the
+dequantized weight in torch (engine/layers/quant/int4.py dequantize), into NaN-poisoned outputs. Run by
+tests/test_quant_int4.py with TRITON_INTERPRET=1. Prints one JSON object: {case: outcome}.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.kernels import int4_gemm  # noqa: E402
+from engine.layers.quant.int4 import dequantize, pack_int4  # noqa: E402
+
+
+def weights(k: int, n: int, group: int, seed: int, scale_dtype=torch.float16):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.uint8)
+    zeros = torch.randint(0, 16, (k // group, n), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(k // group, n, generator=gen) * 0.02 + 0.001).to(scale_dtype)
+    return pack_int4(q, 0), scales, zeros
+
+
+def case(rows: int, k: int, n: int, group: int, dtype=torch.float32, bias: bool = False, seed: int = 0) -> dict:
+    qweight, scales, zeros = weights(k, n, group, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    want = x.float() @ dequantize(qweight, scales, zeros, dtype).float()
+    if b is not None:
+        want += b.float()
+    out = torch.full((rows + 3, n), float("nan"), dtype=dtype)
+    got = int4_gemm.int4_linear(x, qweight, scales, zeros, group, b, out=out[:rows])
+    err = (got.float() - want).abs().max().item() if rows else 0.0
+    scale = want.abs().max().item() if rows else 1.0
+    return {"relative_error": err / max(scale, 1e-6), "unwritten": int(torch.isnan(out[:rows]).any(1).sum()),
+            "tail_untouched": bool(torch.isnan(out[rows:]).all()), "same_storage": got.data_ptr() == out.data_ptr()}
+
+
+CASES = {
+    "gemv_one_row": lambda: case(1, 256, 96, 128),
+    "gemv_three_rows_bias": lambda: case(3, 256, 72, 128, bias=True),
+    "gemv_sixteen_rows_small_groups": lambda: case(16, 192, 40, 32),
+    "gemv_per_channel": lambda: case(2, 96, 48, 96),
+    "gemm_seventeen_rows": lambda: case(17, 256, 72, 128, bias=True),
+    "gemm_ragged_rows_small_groups": lambda: case(45, 160, 56, 32),
+    "gemv_bf16": lambda: case(4, 256, 64, 128, dtype=torch.bfloat16),
+    "gemm_bf16": lambda: case(33, 256, 64, 128, dtype=torch.bfloat16),
+    "no_rows": lambda: case(0, 128, 32, 128),
+}
+
+
+def main() -> None:
+    names = sys.argv[1:] or list(CASES)
+    print(json.dumps({name: CASES[name]() for name in names}))
+
+
+if __name__ == "__main__":
+    main()

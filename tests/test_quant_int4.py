@@ -1,0 +1,113 @@
+"""Int4 checkpoints (AWQ gemm, GPTQ sym/asym/desc_act, compressed-tensors pack-quantized; engine/layers/quant/int4.py)
+and their kernels (engine/kernels/int4_gemm.py).
+
+Kernels under the Triton interpreter (tests/quant_int4_cases.py): the decode GEMV (1 to 16 rows, split-K) and the
+prefill GEMM against the dequantized weight in torch, groups of 128 (one per tile) and smaller (per row),
+per-channel, biases, fp32 and bf16, every output row written (NaN-poisoned) and nothing past them. Each kernel
+also compiles for sm_90 as the wrapper launches it on the Qwen3-8B shape, without a GPU. The packing helpers
+invert each other and follow each format's documented layout.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.layers.quant import int4
+from tests.interpreter import run_under_interpreter
+
+CASES = Path(__file__).with_name("quant_int4_cases.py")
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+
+def test_int4_packing_round_trips_along_either_dimension_and_in_awq_order():
+    values = torch.randint(0, 16, (16, 24), dtype=torch.uint8)
+    assert torch.equal(int4.unpack_int4(int4.pack_int4(values, 0), 0), values)
+    assert torch.equal(int4.unpack_int4(int4.pack_int4(values, 1), 1), values)
+    packed = int4.awq_pack(values)
+    assert torch.equal(int4.awq_unpack(packed), values)
+    # AWQ: nibble j of each int32 holds column AWQ_ORDER[j] of its eight
+    for j, column in enumerate(int4.AWQ_ORDER):
+        assert torch.equal((packed[:, 0] >> (4 * j)) & 0xF, values[:, column].int())
+
+
+def test_gptq_group_order_sorts_act_order_features_and_refuses_unequal_groups():
+    g_idx = torch.arange(16) // 4
+    assert int4.group_order(g_idx, 4) is None
+    shuffled = g_idx[torch.randperm(16, generator=torch.Generator().manual_seed(0))]
+    perm = int4.group_order(shuffled, 4)
+    assert torch.equal(shuffled[perm], g_idx)
+    with pytest.raises(ValueError, match="4 input features in each group"):
+        int4.group_order(torch.tensor([0, 0, 0, 1, 1, 1, 1, 1]), 4)
+
+
+@pytest.fixture(scope="module")
+def kernel_results() -> dict:
+    return run_under_interpreter(CASES)
+
+
+@needs_triton
+@pytest.mark.parametrize("case", ["gemv_one_row", "gemv_three_rows_bias", "gemv_sixteen_rows_small_groups",
+                                  "gemv_per_channel", "gemm_seventeen_rows", "gemm_ragged_rows_small_groups"])
+def test_int4_kernels_equal_the_dequantized_product_in_float32(kernel_results, case):
+    outcome = kernel_results[case]
+    assert outcome["unwritten"] == 0 and outcome["tail_untouched"] and outcome["same_storage"]
+    assert outcome["relative_error"] <= 1e-5
+
+
+@needs_triton
+@pytest.mark.parametrize("case", ["gemv_bf16", "gemm_bf16"])
+def test_int4_kernels_in_bfloat16_stay_within_its_rounding(kernel_results, case):
+    outcome = kernel_results[case]
+    assert outcome["unwritten"] == 0 and outcome["tail_untouched"]
+    assert outcome["relative_error"] <= 2e-2
+
+
+@needs_triton
+def test_int4_kernels_take_no_rows(kernel_results):
+    assert kernel_results["no_rows"]["relative_error"] == 0.0
+
+
+def _launches(call) -> list:
+    from triton.runtime.jit import JITFunction
+
+    launches, original = [], JITFunction.run
+
+    def record(self, *args, grid, warmup, **kwargs):
+        launches.append((self, args, kwargs))
+    JITFunction.run = record
+    try:
+        call()
+    finally:
+        JITFunction.run = original
+    return launches
+
+
+@needs_triton
+@pytest.mark.parametrize("rows", [1, 16, 512])
+def test_int4_kernels_compile_for_hopper_on_the_8b_shape(rows, monkeypatch):
+    """The GEMV (1 and 16 rows) and the GEMM (512 rows) on Qwen3-8B's gate/up projection (K 4096, N 2 x 12288,
+    groups of 128, bf16) compile for sm_90 within the H100's shared memory, with the GPU's block sizes."""
+    from engine.kernels import int4_gemm
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+    import kernel_ir
+
+    monkeypatch.setattr(int4_gemm, "interpreted", lambda: False)
+    monkeypatch.setattr(int4_gemm, "num_sms", lambda device: 132)
+    k, n, group = 4096, 24576, 128
+    x = torch.empty(rows, k, dtype=torch.bfloat16)
+    qweight = torch.empty(k // 8, n, dtype=torch.int32)
+    scales = torch.empty(k // group, n, dtype=torch.float16)
+    zeros = torch.empty(k // group, n, dtype=torch.uint8)
+    launches = _launches(lambda: int4_gemm.int4_linear(x, qweight, scales, zeros, group))
+    assert len(launches) == 1
+    for kernel, args, kwargs in launches:
+        try:
+            compiled = kernel_ir.compile_for(kernel, args, kwargs, 90)
+        except ImportError as e:
+            pytest.skip(f"cannot compile for sm_90 here: {e}")
+        assert compiled.metadata.shared <= 227 * 1024, kernel.fn.__name__
