@@ -105,7 +105,7 @@ def _target_name(name: str, packed: dict) -> tuple[str, object]:
 def load_dummy_weights(model: nn.Module, seed: int) -> None:
     """Random weights that depend only on (seed, parameter name), never on the tensor-parallel layout."""
     for name, param in model.named_parameters():
-        full_shape = getattr(param, "full_shape", param.shape)
+        full_shape = getattr(param, "full_shape", None) or param.shape  # None: a per-tensor scale's
         gen = torch.Generator(device=param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         if name.endswith("norm.weight"):
             full = torch.ones(full_shape, device=param.device, dtype=param.dtype)

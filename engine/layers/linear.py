@@ -48,9 +48,11 @@ class _Linear(nn.Module):
 
     def quantize(self, method) -> None:
         """Hold the checkpoint's quantized tensors (`method` registers them) in place of the float weight."""
+        device = self.weight.device
         del self.weight
         self.quant = method
-        method.create_weights(self)
+        with torch.device(device):
+            method.create_weights(self)
 
 
 class ReplicatedLinear(_Linear):

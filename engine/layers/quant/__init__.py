@@ -21,11 +21,13 @@ from torch import nn
 # quant_method → "module:class" under engine.layers.quant; the class is built from the quantization_config
 METHODS = {
     "fp8": "fp8:Fp8Method",
+    "awq": "int4:AwqMethod",
+    "gptq": "int4:GptqMethod",
 }
 # compressed-tensors `format` → "module:class", built from the quantization_config and its one config group
 COMPRESSED_TENSORS_FORMATS = {
     "float-quantized": "fp8:CompressedTensorsFp8Method",
-    "naive-quantized": "fp8:CompressedTensorsFp8Method",  # fp8 weights saved unpacked: the same tensors
+    "pack-quantized": "int4:CompressedTensorsInt4Method",
 }
 
 
@@ -63,6 +65,21 @@ def _matches(name: str, pattern: str) -> bool:
     if pattern.startswith("re:"):
         return re.match(pattern[3:], name) is not None
     return name == pattern or name.endswith("." + pattern) or name.startswith(pattern + ".")
+
+
+def single_config_group(config: dict) -> tuple[dict, dict | None]:
+    """(weights, input_activations) of a compressed-tensors config's one scheme for its linear layers: config
+    groups that target them must all be alike."""
+    groups = [g for g in (config.get("config_groups") or {}).values() if isinstance(g, dict)]
+    if not groups:
+        raise ValueError("the compressed-tensors quantization_config has no config_groups")
+    schemes = {repr((g.get("weights"), g.get("input_activations"))) for g in groups}
+    if len(schemes) > 1:
+        raise ValueError(f"the compressed-tensors checkpoint mixes {len(schemes)} schemes across its config groups; "
+                         "supported: one scheme for every quantized linear layer")
+    if not isinstance(groups[0].get("weights"), dict):
+        raise ValueError("the compressed-tensors config group quantizes no weights; supported: quantized weights")
+    return groups[0]["weights"], groups[0].get("input_activations")
 
 
 def _build(spec: str, *args) -> QuantMethod:
