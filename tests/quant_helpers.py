@@ -178,16 +178,18 @@ def int4_groups(weight: torch.Tensor, group_size: int, sym: bool, order: torch.T
 def int4_format(fmt: str, group_size: int = 32, sym: bool = False, desc_act: bool = False, seed: int = 0) -> Format:
     """fmt "awq" (AutoAWQ gemm: qweight [K, N/8] and qzeros packed along N in AWQ's order, fp16 scales),
     "gptq" (qweight [K/8, N], qzeros [K/G, N/8] stored minus one as the original format does, scales, g_idx;
-    desc_act: each weight's input features grouped in a random order of its own) or "compressed-tensors"
+    desc_act: input features grouped in a random order, one per input size, as GPTQ's act order is one for
+    the projections of one input) or "compressed-tensors"
     (pack-quantized: weight_packed [N, K/8] of q + 8 signed, weight_scale [N, K/G], weight_zero_point
     [N/8, K/G] when asymmetric, weight_shape)."""
     from engine.layers.quant.int4 import awq_pack, pack_int4
 
     gen = torch.Generator().manual_seed(seed)
+    orders = {}  # by input features: projections of one input (q, k, v; gate, up) share GPTQ's act order
 
     def quantize(weight):
         n, k = weight.shape
-        order = torch.randperm(k, generator=gen) if desc_act else torch.arange(k)
+        order = orders.setdefault(k, torch.randperm(k, generator=gen)) if desc_act else torch.arange(k)
         q, zeros, scales = int4_groups(weight, group_size, sym, order)
         g_idx = torch.empty(k, dtype=torch.int32)
         g_idx[order] = (torch.arange(k) // group_size).to(torch.int32)

@@ -111,3 +111,34 @@ def test_int4_kernels_compile_for_hopper_on_the_8b_shape(rows, monkeypatch):
         except ImportError as e:
             pytest.skip(f"cannot compile for sm_90 here: {e}")
         assert compiled.metadata.shared <= 227 * 1024, kernel.fn.__name__
+
+
+# ---- checkpoints in each format, through the engine -----------------------------------------------------
+
+PROMPTS = [[5, 17, 230, 41, 9], [300, 12, 77, 401, 2, 60, 18, 250, 3, 99, 140], [7] * 3, list(range(20, 60))]
+MAX_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def float_checkpoint(tmp_path_factory) -> Path:
+    from tests.conftest import make_checkpoint
+    return make_checkpoint("qwen3", tmp_path_factory.mktemp("int4-float"))
+
+
+def _greedy(model_dir: Path, **kwargs) -> list[list[int]]:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", kvcache_block_size=8, **kwargs)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq-sym", "gptq-asym", "gptq-desc-act", "ct-int4-sym", "ct-int4-asym"])
+def test_int4_checkpoint_gives_transformers_tokens_on_its_dequantized_weights(fmt, float_checkpoint, tmp_path):
+    """Every decoder projection quantized to int4 in groups of 32, as the format lays its tensors out: the engine
+    on the quantized checkpoint generates what transformers generates on the dequantized float weights."""
+    from tests.conftest import hf_greedy
+    from tests.quant_helpers import quantize_checkpoint
+
+    reference = quantize_checkpoint(float_checkpoint, tmp_path / fmt, fmt)
+    assert _greedy(tmp_path / fmt) == hf_greedy(reference, PROMPTS, MAX_NEW)
