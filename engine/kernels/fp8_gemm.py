@@ -34,8 +34,19 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, stride_q, str
     else:
         scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1e-12)
         tl.store(s_ptr + row * stride_s + group, scale)
-    q = tl.clamp(x / scale, -448.0, 448.0)
+    q = _round_to_e4m3(tl.clamp(x / scale, -448.0, 448.0))
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """float32 v (|v| <= 448) rounded to nearest even e4m3 value, still in float32: the cast to fp8 after it is
+    exact, so every conversion (the GPU's, the interpreter's) gives torch's values."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000  # 3 mantissa bits
+    normal = bits.to(tl.float32, bitcast=True)
+    subnormal = (v + 24576.0) - 24576.0  # below 2^-6 e4m3 steps by 2^-9, fp32's step at 1.5 x 2^14
+    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
 
 
 def quantize_rows(x: torch.Tensor, group: int | None = None,

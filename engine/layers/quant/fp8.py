@@ -54,7 +54,7 @@ class Fp8Method(QuantMethod):
         _register(layer, "weight", FP8, (1, 1), layer.full_shape)
         n_full, k_full = layer.full_shape
         if self.granularity == "block":
-            full = (-(-n_full // block_n), -(-k_full // block_k))
+            full = (sum(_units(size, block_n) for size in layer.part_sizes), _units(k_full, block_k))  # blocks per part
             _register(layer, self.scale_name, torch.float32, (block_n, block_k), full, dummy_value=1.0)
         elif self.granularity == "channel":
             _register(layer, self.scale_name, torch.float32, (1, 0), (n_full, 1), dummy_value=1.0)
