@@ -82,8 +82,8 @@ def test_weights_stay_fp8_and_dequantize_to_the_reference(floats, tmp_path):
     parts = [want[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]
     assert torch.equal(deq, torch.cat(parts))
     gate_up = layers[0].mlp.gate_up_proj
-    assert torch.equal(gate_up.quant.dequantized_weight(gate_up, torch.float32),
-                       torch.cat([want["model.layers.0.mlp.gate_proj.weight"], want["model.layers.0.mlp.up_proj.weight"]]))
+    gate_and_up = [want[f"model.layers.0.mlp.{p}_proj.weight"] for p in ("gate", "up")]
+    assert torch.equal(gate_up.quant.dequantized_weight(gate_up, torch.float32), torch.cat(gate_and_up))
     runner.shutdown()
 
 
@@ -205,3 +205,27 @@ def test_kernels_compile_for_hopper_on_the_8b_shape(rows, blockwise, monkeypatch
         except ImportError as e:  # a Triton without the CUDA backend
             pytest.skip(f"cannot compile for sm_90 here: {e}")
         assert compiled.metadata.shared <= 227 * 1024, kernel.fn.__name__
+
+
+# ---- the bench's quantized dummy weights -------------------------------------------------------------------
+
+def test_bench_runs_a_shipped_shape_with_dummy_fp8_weights(capsys):
+    """`--quantization fp8` gives the shape Qwen3-*-FP8's quantization_config and random fp8 weights."""
+    from engine.builtin import TINY_MODEL_DIR
+    from worker import bench_engine as bench
+
+    parser = bench.argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--model", str(TINY_MODEL_DIR), "--num-seqs", "3", "--min-input-len", "5",
+                              "--max-input-len", "20", "--min-output-len", "2", "--max-output-len", "6",
+                              "--max-token-id", "500", "--device", "cpu", "--max-model-len", "64",
+                              "--quantization", "fp8"])
+    llm = bench.build_llm(args)
+    qkv = llm.runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.quant.weight_block == (128, 128)
+    llm.shutdown()
+    record = bench.run(args)
+    _, params = bench.make_workload(args)
+    assert record["quantization"] == "fp8" and record["tokens"] == sum(sp.max_tokens for sp in params)
+    with pytest.raises(ValueError, match="^--quantization makes quantized dummy weights"):
+        bench.check_arguments(parser.parse_args(["--model", "tiny", "--load-format", "auto", "--quantization", "fp8"]))
