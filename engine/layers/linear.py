@@ -50,6 +50,8 @@ class _Linear(nn.Module):
         """Hold the checkpoint's quantized tensors (`method` registers them) in place of the float weight."""
         device = self.weight.device
         del self.weight
+        if device.type == "cuda":  # the float weight's segment goes back: kept, the smaller tensors would split it,
+            torch.cuda.empty_cache()  # and the KV cache's sizing would count its unused part as taken
         self.quant = method
         with torch.device(device):
             method.create_weights(self)
