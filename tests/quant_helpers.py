@@ -234,3 +234,51 @@ FORMATS.update({
     "ct-int4-sym": lambda: int4_format("compressed-tensors", sym=True),
     "ct-int4-asym": lambda: int4_format("compressed-tensors"),
 })
+
+
+# ---- MXFP4: gpt-oss's experts ----------------------------------------------------------------------------
+
+def mxfp4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(blocks uint8 [..., K / 32, 16], scales uint8 [..., K / 32], dequantized [..., K]) of weight [..., K]: each
+    block of 32 values along the last dimension gets the power of two that brings its largest magnitude to at most
+    6 (e8m0, biased by 127), and each value the nearest e2m1 value; two values a byte, the even one low."""
+    from engine.layers.quant.mxfp4 import E2M1_VALUES
+
+    table = torch.tensor(E2M1_VALUES)
+    w = weight.float().unflatten(-1, (-1, 32))
+    exponent = torch.ceil(torch.log2(w.abs().amax(-1).clamp(min=2.0 ** -100) / 6.0)).clamp(-127, 127)
+    scaled = w / torch.exp2(exponent)[..., None]
+    nibbles = (scaled[..., None] - table).abs().argmin(-1)  # ties to the lower index: +0 before -0
+    deq = table[nibbles] * torch.exp2(exponent)[..., None]
+    blocks = (nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (exponent + 127).to(torch.uint8), deq.flatten(-2)
+
+
+MXFP4_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+
+
+def quantize_mxfp4_checkpoint(src: Path, out: Path) -> Path:
+    """`src` (a float gpt-oss written by transformers) with its experts in MXFP4 as OpenAI publishes gpt-oss
+    (gate_up_proj_blocks [E, 2I, H/32, 16] and _scales [E, 2I, H/32] of gate_up_proj's transpose, down_proj_blocks
+    [E, H, I/32, 16] and _scales of down_proj's; biases in float) to `out`, and the dequantized float checkpoint
+    to `out`-dequantized; returns that reference's directory."""
+    out, reference = Path(out), Path(str(out) + "-dequantized")
+    for target in (out, reference):
+        shutil.copytree(src, target, dirs_exist_ok=True)
+        for f in target.glob("*.safetensors"):
+            f.unlink()
+    quantized, dequantized = {}, {}
+    for file in sorted(Path(src).glob("*.safetensors")):
+        for name, tensor in load_file(file).items():
+            if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+                blocks, scales, deq = mxfp4_quantize(tensor.transpose(1, 2))
+                quantized[f"{name}_blocks"], quantized[f"{name}_scales"] = blocks, scales
+                dequantized[name] = deq.transpose(1, 2).contiguous().to(tensor.dtype)
+            else:
+                quantized[name] = dequantized[name] = tensor
+    save_file(quantized, out / "model.safetensors", metadata={"format": "pt"})
+    save_file(dequantized, reference / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": MXFP4_NOT_CONVERTED}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return reference

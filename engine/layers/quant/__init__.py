@@ -23,6 +23,7 @@ METHODS = {
     "fp8": "fp8:Fp8Method",
     "awq": "int4:AwqMethod",
     "gptq": "int4:GptqMethod",
+    "mxfp4": "mxfp4:Mxfp4Method",
 }
 # compressed-tensors `format` → "module:class", built from the quantization_config and its one config group
 COMPRESSED_TENSORS_FORMATS = {
@@ -35,6 +36,7 @@ class QuantMethod:
     """One checkpoint's quantization. Subclasses set `name` and implement create_weights and apply."""
 
     name = "?"
+    quantizes_experts = False  # whether its MoE experts are quantized (create_experts registers them: MXFP4)
 
     def __init__(self, config: dict):
         self.config = config
@@ -119,7 +121,10 @@ def quantize_linears(model: nn.Module, method: QuantMethod) -> None:
     for ckpt_part, (param_part, _) in getattr(model, "packed_modules", {}).items():
         unpacked.setdefault(param_part, []).append(ckpt_part)
     prefixes = {ours: theirs for theirs, ours in getattr(model, "checkpoint_prefixes", {}).items()}
+    from engine.layers.moe import ExpertWeights
     for name, module in model.named_modules():
+        if isinstance(module, ExpertWeights) and method.quantizes_experts:
+            module.quantize(method)
         if not isinstance(module, _Linear):
             continue
         for ours, theirs in prefixes.items():
