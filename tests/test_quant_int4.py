@@ -142,3 +142,75 @@ def test_int4_checkpoint_gives_transformers_tokens_on_its_dequantized_weights(fm
 
     reference = quantize_checkpoint(float_checkpoint, tmp_path / fmt, fmt)
     assert _greedy(tmp_path / fmt) == hf_greedy(reference, PROMPTS, MAX_NEW)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fmt", ["awq", "ct-int4-asym"])
+def test_int4_checkpoint_at_tp2_gives_the_same_tokens(fmt, float_checkpoint, tmp_path):
+    """Each rank takes its columns of q/k/v and gate/up (zeros unpacked from N-packed words first) and its whole
+    groups of o_proj's and down_proj's input features (64 and 128, groups of 32)."""
+    from engine import LLM, SamplingParams
+    from tests.conftest import hf_greedy
+    from tests.quant_helpers import quantize_checkpoint
+    from tests.test_tp import assert_ranks_gone, generate_ids
+
+    reference = quantize_checkpoint(float_checkpoint, tmp_path / fmt, fmt)
+    llm = LLM(str(tmp_path / fmt), device="cpu", dtype="float32", tensor_parallel_size=2, kvcache_block_size=8)
+    pids = llm.runner.worker_pids
+    try:
+        got = generate_ids(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    finally:
+        llm.shutdown()
+    assert_ranks_gone(pids)
+    assert got == hf_greedy(reference, PROMPTS, MAX_NEW)
+
+
+def test_tp_size_that_splits_an_int4_group_is_refused_in_one_line(float_checkpoint, tmp_path):
+    """Groups of 64 over o_proj's 64 input features: two ranks would take half a group each."""
+    from engine import LLM
+    from tests.quant_helpers import int4_format, quantize_checkpoint
+
+    quantize_checkpoint(float_checkpoint, tmp_path / "gptq", int4_format("gptq", group_size=64))
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size 2 would split the gptq groups of 64[^\n]*$"):
+        LLM(str(tmp_path / "gptq"), device="cpu", tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, r"awq 4-bit version 'gemv'"),
+    ({"quant_method": "gptq", "bits": 8, "group_size": 128}, r"gptq 8-bit checkpoints are not supported"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"},
+     r"gptq checkpoint_format .marlin. is not supported"),
+])
+def test_unsupported_int4_variants_are_refused_in_one_line(float_checkpoint, tmp_path, config, message):
+    import json
+    import shutil
+
+    from engine import LLM
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(float_checkpoint, model_dir)
+    raw = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**raw, "quantization_config": config}))
+    with pytest.raises(ValueError, match=rf"^{message}[^\n]*$"):
+        LLM(str(model_dir), device="cpu", load_format="dummy")
+
+
+def test_dummy_int4_weights_are_packed_and_not_zero(float_checkpoint, tmp_path):
+    """A shape's config.json with a quantization_config and no weights (the bench's --quantization awq)."""
+    import json
+    import shutil
+
+    from engine import LLM
+    from worker.bench_engine import BENCH_QUANTIZATIONS
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(float_checkpoint, model_dir)
+    raw = json.loads((model_dir / "config.json").read_text())
+    config = {**BENCH_QUANTIZATIONS["awq"], "group_size": 32}
+    (model_dir / "config.json").write_text(json.dumps({**raw, "quantization_config": config}))
+    llm = LLM(str(model_dir), device="cpu", load_format="dummy", dtype="float32")
+    proj = llm.runner.model.model.layers[0].mlp.gate_up_proj
+    assert proj.qweight.dtype == torch.int32 and proj.qweight.shape == (64 // 8, 2 * 128)
+    weight = int4.dequantize(proj.qweight, proj.scales, proj.zeros, torch.float32)
+    assert torch.isfinite(weight).all() and weight.abs().max() > 0
+    assert len(_greedy(model_dir, load_format="dummy")[0]) == MAX_NEW

@@ -27,6 +27,10 @@ MEASURED_BANDWIDTH = {"H100": 3.02e12, "H200": 4.3e12}
 BENCH_QUANTIZATIONS = {
     "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
     "fp8-tensor": {"quant_method": "fp8", "activation_scheme": "dynamic"},
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+    "mxfp4": {"quant_method": "mxfp4",  # gpt-oss's experts, as OpenAI publishes them
+              "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                         "model.embed_tokens", "lm_head"]},
 }
 
 
@@ -70,7 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--device", default="auto")
     e.add_argument("--quantization", default=None, choices=sorted(BENCH_QUANTIZATIONS),
                    help="dummy weights quantized as the hub's checkpoints of that method are (fp8: Qwen3-*-FP8's "
-                        "block-wise fp8; fp8-tensor: one scale per tensor): random fp8 weights with unit scales")
+                        "block-wise fp8; fp8-tensor: one scale per tensor): random fp8 weights with unit scales; "
+                        "awq: int4 in groups of 128 (AWQ gemm); mxfp4: gpt-oss's MXFP4 experts")
     r = parser.add_argument_group("record")
     r.add_argument("--commit", default=None,
                    help="the commit the JSON record names (default: git rev-parse --short HEAD of this checkout)")
