@@ -244,11 +244,12 @@ def mxfp4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     6 (e8m0, biased by 127), and each value the nearest e2m1 value; two values a byte, the even one low."""
     from engine.layers.quant.mxfp4 import E2M1_VALUES
 
-    table = torch.tensor(E2M1_VALUES)
+    table = torch.tensor(E2M1_VALUES, device=weight.device)
+    midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=weight.device)
     w = weight.float().unflatten(-1, (-1, 32))
     exponent = torch.ceil(torch.log2(w.abs().amax(-1).clamp(min=2.0 ** -100) / 6.0)).clamp(-127, 127)
     scaled = w / torch.exp2(exponent)[..., None]
-    nibbles = (scaled[..., None] - table).abs().argmin(-1)  # ties to the lower index: +0 before -0
+    nibbles = torch.bucketize(scaled.abs(), midpoints) + 8 * (scaled < 0)  # magnitude's index, the sign bit
     deq = table[nibbles] * torch.exp2(exponent)[..., None]
     blocks = (nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).to(torch.uint8)
     return blocks, (exponent + 127).to(torch.uint8), deq.flatten(-2)
