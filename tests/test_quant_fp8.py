@@ -87,6 +87,33 @@ def test_weights_stay_fp8_and_dequantize_to_the_reference(floats, tmp_path):
     runner.shutdown()
 
 
+@pytest.mark.parametrize("fmt", ["fp8-block-16", "ct-fp8-channel", "ct-fp8-tensor"])
+def test_the_formats_own_readers_see_the_reference_weights(floats, tmp_path, fmt):
+    """The layouts tests/quant_helpers.py writes are the published ones: transformers (its fine-grained fp8
+    quantizer; compressed-tensors' library) reads each quantized linear as the reference's dequantized weight,
+    and the ignored one as its float weight."""
+    from transformers import AutoModelForCausalLM
+
+    if fmt.startswith("ct-"):
+        pytest.importorskip("compressed_tensors")
+    ignored = "model.layers.1.mlp.down_proj"
+    model_dir, reference = _quantized(floats, tmp_path, "qwen3", fmt, (ignored,))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    want = load_file(reference / "model.safetensors")
+    checked = 0
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] not in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                           "down_proj"):
+            continue
+        weight = module.weight.float()
+        if weight.dtype != module.weight.dtype:  # kept in fp8 (compressed-tensors): times its scale
+            assert name != ignored
+            weight = weight * module.weight_scale.float().reshape(-1, 1)
+        assert torch.equal(weight, want[name + ".weight"]), name
+        checked += 1
+    assert checked == 14
+
+
 @pytest.mark.parametrize("fmt", ["fp8-block-16", "ct-fp8-channel", "fp8-tensor"])
 def test_tensor_parallel_ranks_give_the_single_rank_tokens(floats, tmp_path, fmt):
     """TP=2 on gloo: each rank's slice of the weights and of their block / channel / per-part scales."""
