@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.fusion import _kernels_for as kernel_module
 from engine.layers.quant import QuantMethod, single_config_group
 
 FP8 = torch.float8_e4m3fn
@@ -228,6 +229,5 @@ def _fp8_capable(device: torch.device) -> bool:
 
 def _kernels_for(x: torch.Tensor):
     """engine.kernels.fp8_gemm where the product runs there: CUDA with fp8 tensor cores, outside PlainTorch."""
-    from engine.layers.fusion import _kernels_for as kernel_module
     kernels = kernel_module(x, None, "fp8_gemm")
     return kernels if kernels is not None and _fp8_capable(x.device) else None
