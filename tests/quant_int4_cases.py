@@ -48,6 +48,8 @@ CASES = {
     "gemm_seventeen_rows": lambda: case(17, 256, 72, 128, bias=True),
     "gemm_ragged_rows_small_groups": lambda: case(45, 160, 56, 32),
     "gemv_bf16": lambda: case(4, 256, 64, 128, dtype=torch.bfloat16),
+    "gemv_one_row_bf16": lambda: case(1, 512, 64, 128, dtype=torch.bfloat16),
+    "gemv_eight_rows_bf16": lambda: case(8, 256, 64, 32, dtype=torch.bfloat16, bias=True),
     "gemm_bf16": lambda: case(33, 256, 64, 128, dtype=torch.bfloat16),
     "no_rows": lambda: case(0, 128, 32, 128),
 }

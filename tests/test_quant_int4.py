@@ -59,7 +59,7 @@ def test_int4_kernels_equal_the_dequantized_product_in_float32(kernel_results, c
 
 
 @needs_triton
-@pytest.mark.parametrize("case", ["gemv_bf16", "gemm_bf16"])
+@pytest.mark.parametrize("case", ["gemv_bf16", "gemv_one_row_bf16", "gemv_eight_rows_bf16", "gemm_bf16"])
 def test_int4_kernels_in_bfloat16_stay_within_its_rounding(kernel_results, case):
     outcome = kernel_results[case]
     assert outcome["unwritten"] == 0 and outcome["tail_untouched"]
@@ -87,9 +87,9 @@ def _launches(call) -> list:
 
 
 @needs_triton
-@pytest.mark.parametrize("rows", [1, 16, 512])
+@pytest.mark.parametrize("rows", [1, 3, 16, 512])
 def test_int4_kernels_compile_for_hopper_on_the_8b_shape(rows, monkeypatch):
-    """The GEMV (1 and 16 rows) and the GEMM (512 rows) on Qwen3-8B's gate/up projection (K 4096, N 2 x 12288,
+    """The GEMV (1 and 3 rows on the CUDA cores, 16 on the tensor cores) and the GEMM (512 rows) on Qwen3-8B's gate/up projection (K 4096, N 2 x 12288,
     groups of 128, bf16) compile for sm_90 within the H100's shared memory, with the GPU's block sizes."""
     from engine.kernels import int4_gemm
 
