@@ -45,6 +45,7 @@ CASES = {
     "gemv_three_rows_bias": lambda: case(3, 256, 72, 128, bias=True),
     "gemv_sixteen_rows_small_groups": lambda: case(16, 192, 40, 32),
     "gemv_per_channel": lambda: case(2, 96, 48, 96),
+    "gemv_unsplit_bias": lambda: case(2, 128, 288, 32, bias=True),  # enough columns: one slice of K, no sum kernel
     "gemm_seventeen_rows": lambda: case(17, 256, 72, 128, bias=True),
     "gemm_ragged_rows_small_groups": lambda: case(45, 160, 56, 32),
     "gemv_bf16": lambda: case(4, 256, 64, 128, dtype=torch.bfloat16),

@@ -51,7 +51,7 @@ def kernel_results() -> dict:
 
 @needs_triton
 @pytest.mark.parametrize("case", ["gemv_one_row", "gemv_three_rows_bias", "gemv_sixteen_rows_small_groups",
-                                  "gemv_per_channel", "gemm_seventeen_rows", "gemm_ragged_rows_small_groups"])
+                                  "gemv_per_channel", "gemv_unsplit_bias", "gemm_seventeen_rows", "gemm_ragged_rows_small_groups"])
 def test_int4_kernels_equal_the_dequantized_product_in_float32(kernel_results, case):
     outcome = kernel_results[case]
     assert outcome["unwritten"] == 0 and outcome["tail_untouched"] and outcome["same_storage"]

@@ -13,9 +13,9 @@ float32 and rounding once:
     dequantizes a [BLOCK_K, BLOCK_N] weight tile, casts it to x's dtype and feeds tl.dot.
   _gemv_kernel (decode, 1 to GEMV_MAX_ROWS rows): each program owns BLOCK_N columns and one of SPLIT_K slices
     of K. Up to FMA_MAX_ROWS rows it multiplies-adds on the CUDA cores (one row: into a tile of partial sums
-    reduced once at the end); past them its 16-row tiles go to tl.dot. The slices' float32 partial sums are added
-    in a fixed order after it (deterministic, unlike atomics). Split-K gives a decode step's projections enough
-    programs to fill the GPU.
+    reduced once at the end); past them its 16-row tiles go to tl.dot. Split-K gives a decode step's projections
+    enough programs to fill the GPU: the slices' float32 partial sums are added in a fixed order by one small
+    kernel after it (deterministic, unlike atomics), with the bias; with one slice the GEMV writes the output.
 
 A tile of BLOCK_K rows lies in one group when BLOCK_K divides G (the usual G = 128): one row of scales and
 zeros per tile; smaller groups load them per row. GPTQ's desc_act (g_idx) is handled at load by reordering K
@@ -36,6 +36,7 @@ GEMV_MAX_ROWS = 16
 FMA_MAX_ROWS = 4
 # the GEMV's dequantized weight tile held in registers: this many elements a program
 GEMV_TILE = 8192
+SUM_BLOCK = 1024  # outputs a program of the split-K sum takes
 
 
 @triton.jit
@@ -94,10 +95,11 @@ def _dot(a, w, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, part_ptr, M, N, K, stride_xm, k_per_split,
+def _gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, part_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_om, k_per_split,
                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT: tl.constexpr, UPCAST: tl.constexpr):
-    """part[split, m, n]: the float32 sum over this program's slice of K of x[m, k] * W[k, n]. DOT: the rows
+                 DOT: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """part[split, m, n]: the float32 sum over this program's slice of K of x[m, k] * W[k, n]; with one slice
+    (SPLIT false), out[m, n] itself, plus the bias, in out's dtype. DOT: the rows
     against each tile on the tensor cores; else each row's multiply-adds on the CUDA cores (one row: into a tile of
     partial sums, reduced once after the loop, so no step waits on a reduction across threads)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -126,8 +128,29 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, part_ptr, M, N, K, stride_xm, k_per
                 acc += tl.where(offs_m[:, None] == m, row[None, :], 0.0)
     if BLOCK_M == 1:
         acc = tl.sum(tl.sum(acc_one, axis=1), axis=0)[None, :]
-    part_ptrs = part_ptr + (split * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
-    tl.store(part_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT:
+        tl.store(part_ptr + (split * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_parts_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om, num_parts, HAS_BIAS: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """out[m, n] = sum of part[:, m, n] in order (+ bias[n]), in out's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(num_parts):
+        total += tl.load(part_ptr + i * M * N + offs, mask=mask, other=0.0)
+    col = offs % N
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + col, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + (offs // N).to(tl.int64) * stride_om + col, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def gemm_blocks(rows: int) -> tuple[int, int, int, int, int]:
@@ -169,15 +192,16 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
         block_m, block_n, block_k, split = gemv_blocks(rows, n, k, x.device)
         k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
         split = triton.cdiv(k, k_per_split)
-        parts = torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
+        parts = torch.empty(split, rows, n, dtype=torch.float32, device=x.device) if split > 1 else out
+        placeholder = bias if bias is not None else scales
         _gemv_kernel[(triton.cdiv(n, block_n), split)](
-            x, qweight, scales, zeros, parts, rows, n, k, x.stride(0), k_per_split, GROUP=group_size,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=rows > FMA_MAX_ROWS,
-            UPCAST=interpreted() and x.dtype != torch.float32, num_warps=4)
-        total = parts.sum(dim=0)
-        if bias is not None:
-            total += bias.float()
-        out.copy_(total)
+            x, qweight, scales, zeros, parts, placeholder, out, rows, n, k, x.stride(0), out.stride(0), k_per_split,
+            GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=rows > FMA_MAX_ROWS,
+            UPCAST=interpreted() and x.dtype != torch.float32, SPLIT=split > 1, HAS_BIAS=bias is not None,
+            num_warps=4)
+        if split > 1:  # one small kernel: the slices' sums in order, the bias, the cast
+            _sum_parts_kernel[(triton.cdiv(rows * n, SUM_BLOCK),)](
+                parts, placeholder, out, rows, n, out.stride(0), split, HAS_BIAS=bias is not None, BLOCK=SUM_BLOCK)
     else:
         block_m, block_n, block_k, warps, stages = gemm_blocks(rows)
         _gemm_kernel[(triton.cdiv(rows, block_m), triton.cdiv(n, block_n))](
