@@ -120,6 +120,8 @@ class ExpertWeights(nn.Module):
         device = self.w13.device
         del self.w13, self.w2
         self.w13 = self.w2 = None  # the biases' loaders ask which parameter they load
+        if device.type == "cuda":  # the float experts' segments go back before the packed ones are made (as the
+            torch.cuda.empty_cache()  # quantized linears do): the KV cache's sizing then counts them free
         self.quant = method
         with torch.device(device):
             method.create_experts(self)
