@@ -40,6 +40,34 @@ def case(rows: int, k: int, n: int, group: int, dtype=torch.float32, bias: bool 
             "tail_untouched": bool(torch.isnan(out[rows:]).all()), "same_storage": got.data_ptr() == out.data_ptr()}
 
 
+def case_engine(fmt: str) -> dict:
+    """A tiny Qwen3 in `fmt` through the engine with every quantized projection on the int4 kernels (as on CUDA),
+    against transformers on the dequantized weights."""
+    import tempfile
+
+    from engine import LLM, SamplingParams
+    from engine.layers.quant import int4
+    from tests.conftest import hf_greedy, make_checkpoint
+    from tests.quant_helpers import quantize_checkpoint
+
+    calls = []
+
+    def kernels(x, weight, name):
+        calls.append(x.shape[0])
+        return int4_gemm
+
+    prompts = [[5, 17, 230, 41, 9], list(range(20, 60)), [300, 12, 77]]
+    with tempfile.TemporaryDirectory() as tmp:
+        base = make_checkpoint("qwen3", Path(tmp) / "float")
+        reference = quantize_checkpoint(base, Path(tmp) / fmt, fmt)
+        expected = hf_greedy(reference, prompts, 8)
+        int4._kernels_for = kernels
+        llm = LLM(str(Path(tmp) / fmt), device="cpu", dtype="float32", kvcache_block_size=8)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    return {"equal": [o.token_ids for o in outs] == expected, "gemv_calls": sum(r <= 16 for r in calls),
+            "gemm_calls": sum(r > 16 for r in calls)}
+
+
 CASES = {
     "gemv_one_row": lambda: case(1, 256, 96, 128),
     "gemv_three_rows_bias": lambda: case(3, 256, 72, 128, bias=True),
@@ -53,6 +81,8 @@ CASES = {
     "gemv_eight_rows_bf16": lambda: case(8, 256, 64, 32, dtype=torch.bfloat16, bias=True),
     "gemm_bf16": lambda: case(33, 256, 64, 128, dtype=torch.bfloat16),
     "no_rows": lambda: case(0, 128, 32, 128),
+    "engine_gptq_desc_act": lambda: case_engine("gptq-desc-act"),
+    "engine_awq": lambda: case_engine("awq"),
 }
 
 

@@ -2,7 +2,8 @@
 and their kernels (engine/kernels/int4_gemm.py).
 
 Kernels under the Triton interpreter (tests/quant_int4_cases.py): the decode GEMV (1 to 16 rows, split-K) and the
-prefill GEMM against the dequantized weight in torch, groups of 128 (one per tile) and smaller (per row),
+prefill GEMM against the dequantized weight in torch, and the engine on them (AWQ, GPTQ desc_act) giving
+transformers' tokens, groups of 128 (one per tile) and smaller (per row),
 per-channel, biases, fp32 and bf16, every output row written (NaN-poisoned) and nothing past them. Each kernel
 also compiles for sm_90 as the wrapper launches it on the Qwen3-8B shape, without a GPU. The packing helpers
 invert each other and follow each format's documented layout.
@@ -69,6 +70,13 @@ def test_int4_kernels_in_bfloat16_stay_within_its_rounding(kernel_results, case)
 @needs_triton
 def test_int4_kernels_take_no_rows(kernel_results):
     assert kernel_results["no_rows"]["relative_error"] == 0.0
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", ["gptq_desc_act", "awq"])
+def test_engine_on_the_int4_kernels_under_the_interpreter_gives_transformers_tokens(kernel_results, fmt):
+    outcome = kernel_results[f"engine_{fmt}"]
+    assert outcome["equal"] and outcome["gemv_calls"] > 0 and outcome["gemm_calls"] > 0
 
 
 def _launches(call) -> list:
