@@ -175,9 +175,11 @@ def int4_groups(weight: torch.Tensor, group_size: int, sym: bool, order: torch.T
     return q.to(torch.uint8), zeros.to(torch.uint8).t().contiguous(), scales.t().contiguous()
 
 
-def int4_format(fmt: str, group_size: int = 32, sym: bool = False, desc_act: bool = False, seed: int = 0) -> Format:
+def int4_format(fmt: str, group_size: int = 32, sym: bool = False, desc_act: bool = False, seed: int = 0,
+                gptq_v2: bool = False) -> Format:
     """fmt "awq" (AutoAWQ gemm: qweight [K, N/8] and qzeros packed along N in AWQ's order, fp16 scales),
-    "gptq" (qweight [K/8, N], qzeros [K/G, N/8] stored minus one as the original format does, scales, g_idx;
+    "gptq" (qweight [K/8, N], qzeros [K/G, N/8] stored minus one as the original format does (gptq_v2: as they
+    are), scales, g_idx;
     desc_act: input features grouped in a random order, one per input size, as GPTQ's act order is one for
     the projections of one input) or "compressed-tensors"
     (pack-quantized: weight_packed [N, K/8] of q + 8 signed, weight_scale [N, K/G], weight_zero_point
@@ -197,8 +199,8 @@ def int4_format(fmt: str, group_size: int = 32, sym: bool = False, desc_act: boo
         if fmt == "awq":
             tensors = {"qweight": awq_pack(q.t()), "qzeros": awq_pack(zeros), "scales": scales}
         elif fmt == "gptq":
-            stored = (zeros.int() - 1) & 0xF
-            read_zeros = stored + 1  # a zero of 0 reads back as 16: the original format's own convention
+            stored = zeros.int() if gptq_v2 else (zeros.int() - 1) & 0xF
+            read_zeros = stored if gptq_v2 else stored + 1  # v1: a zero of 0 reads back as 16, as its kernels read it
             tensors = {"qweight": pack_int4(q.t(), 0), "qzeros": pack_int4(stored, 1), "scales": scales,
                        "g_idx": g_idx}
         else:
@@ -216,7 +218,8 @@ def int4_format(fmt: str, group_size: int = 32, sym: bool = False, desc_act: boo
                     "version": "gemm", "modules_to_not_convert": ignore or None}
         if fmt == "gptq":
             return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": desc_act, "sym": sym,
-                    "checkpoint_format": "gptq", "static_groups": False, "true_sequential": True}
+                    "checkpoint_format": "gptq_v2" if gptq_v2 else "gptq", "static_groups": False,
+                    "true_sequential": True}
         weights = {"num_bits": 4, "type": "int", "symmetric": sym, "strategy": "group", "group_size": group_size,
                    "dynamic": False, "actorder": None, "observer": "minmax"}
         return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
@@ -231,6 +234,7 @@ FORMATS.update({
     "gptq-sym": lambda: int4_format("gptq", sym=True),
     "gptq-asym": lambda: int4_format("gptq"),
     "gptq-desc-act": lambda: int4_format("gptq", desc_act=True),
+    "gptq-v2": lambda: int4_format("gptq", gptq_v2=True),
     "ct-int4-sym": lambda: int4_format("compressed-tensors", sym=True),
     "ct-int4-asym": lambda: int4_format("compressed-tensors"),
 })

@@ -141,7 +141,8 @@ def _greedy(model_dir: Path, **kwargs) -> list[list[int]]:
     return [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("fmt", ["awq", "gptq-sym", "gptq-asym", "gptq-desc-act", "ct-int4-sym", "ct-int4-asym"])
+@pytest.mark.parametrize("fmt", ["awq", "gptq-sym", "gptq-asym", "gptq-desc-act", "gptq-v2", "ct-int4-sym",
+                                 "ct-int4-asym"])
 def test_int4_checkpoint_gives_transformers_tokens_on_its_dequantized_weights(fmt, float_checkpoint, tmp_path):
     """Every decoder projection quantized to int4 in groups of 32, as the format lays its tensors out: the engine
     on the quantized checkpoint generates what transformers generates on the dequantized float weights."""
@@ -180,6 +181,15 @@ def test_tp_size_that_splits_an_int4_group_is_refused_in_one_line(float_checkpoi
 
     quantize_checkpoint(float_checkpoint, tmp_path / "gptq", int4_format("gptq", group_size=64))
     with pytest.raises(ValueError, match=r"^tensor_parallel_size 2 would split the gptq groups of 64[^\n]*$"):
+        LLM(str(tmp_path / "gptq"), device="cpu", tensor_parallel_size=2)
+
+
+def test_gptq_desc_act_at_tp2_is_refused_in_one_line(float_checkpoint, tmp_path):
+    from engine import LLM
+    from tests.quant_helpers import quantize_checkpoint
+
+    quantize_checkpoint(float_checkpoint, tmp_path / "gptq", "gptq-desc-act")
+    with pytest.raises(ValueError, match=r"^gptq desc_act checkpoints run with tensor_parallel_size 1[^\n]*$"):
         LLM(str(tmp_path / "gptq"), device="cpu", tensor_parallel_size=2)
 
 
