@@ -112,11 +112,11 @@ def group_order(g_idx: torch.Tensor, group_size: int) -> torch.Tensor | None:
 
 # ---- the methods ------------------------------------------------------------------------------------------
 
-# dummy weights (load_format="dummy"): packed words of varied nibbles, zeros of 8, scales of the size a float
+# dummy weights (load_format="dummy"): packed words of varied nibbles, zeros of 7 and 8, scales of the size a float
 # model's dummy weights have (std ~0.02)
 DUMMY_PACKED = 0x3A7B5C9D
 DUMMY_ZEROS = 0x78787878
-DUMMY_SCALE = 0.005
+DUMMY_SCALE = 2.0 ** -8  # exact in fp16, the dtype the scales are kept in
 
 
 class Int4Method(QuantMethod):
