@@ -24,7 +24,8 @@ from tests.quant_helpers import mxfp4_quantize  # noqa: E402
 def inputs(tokens: int, hidden: int, inter: int, num_experts: int, top_k: int, bias: bool, seed: int, dtype):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
-    w13_blocks, w13_scales, _ = mxfp4_quantize(torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
+    w13_blocks, w13_scales, _ = mxfp4_quantize(w13)
     w2_blocks, w2_scales, _ = mxfp4_quantize(torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5)
     packed = (w13_blocks.flatten(2), w13_scales, w2_blocks.flatten(2), w2_scales)
     b13 = torch.randn(num_experts, 2 * inter, generator=gen).to(dtype) if bias else None

@@ -1,7 +1,7 @@
 """MXFP4 experts on the GPU (run on a GPU machine): the fused MoE kernels reading MXFP4 experts
 (engine/kernels/fused_moe.py) against the expert-by-expert reference on the dequantized experts over decode and
-prefill shapes (gpt-oss-20b's experts; more, narrower ones, as a TP=2 rank holds), into NaN-poisoned buffers; gpt-oss-20b with dummy MXFP4
-experts on one GPU gets at least twice the KV cache of its bf16 run, and generates."""
+prefill shapes (gpt-oss-20b's experts; more, narrower ones, as a TP=2 rank holds), into NaN-poisoned buffers;
+gpt-oss-20b with dummy MXFP4 experts on one GPU gets at least twice the KV cache of its bf16 run, and generates."""
 from __future__ import annotations
 
 import pytest

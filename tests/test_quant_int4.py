@@ -52,7 +52,8 @@ def kernel_results() -> dict:
 
 @needs_triton
 @pytest.mark.parametrize("case", ["gemv_one_row", "gemv_three_rows_bias", "gemv_sixteen_rows_small_groups",
-                                  "gemv_per_channel", "gemv_unsplit_bias", "gemm_seventeen_rows", "gemm_ragged_rows_small_groups"])
+                                  "gemv_per_channel", "gemv_unsplit_bias", "gemm_seventeen_rows",
+                                  "gemm_ragged_rows_small_groups"])
 def test_int4_kernels_equal_the_dequantized_product_in_float32(kernel_results, case):
     outcome = kernel_results[case]
     assert outcome["unwritten"] == 0 and outcome["tail_untouched"] and outcome["same_storage"]
@@ -97,8 +98,9 @@ def _launches(call) -> list:
 @needs_triton
 @pytest.mark.parametrize("rows", [1, 3, 16, 512])
 def test_int4_kernels_compile_for_hopper_on_the_8b_shape(rows, monkeypatch):
-    """The GEMV (1 and 3 rows on the CUDA cores, 16 on the tensor cores) and the GEMM (512 rows) on Qwen3-8B's gate/up projection (K 4096, N 2 x 12288,
-    groups of 128, bf16) compile for sm_90 within the H100's shared memory, with the GPU's block sizes."""
+    """The GEMV (1 and 3 rows on the CUDA cores, 16 on the tensor cores) and the GEMM (512 rows) on Qwen3-8B's
+    gate/up projection (K 4096, N 2 x 12288, groups of 128, bf16) compile for sm_90 within the H100's shared memory,
+    with the GPU's block sizes."""
     from engine.kernels import int4_gemm
 
     sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
