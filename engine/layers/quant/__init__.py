@@ -6,6 +6,8 @@ checkpoint's own tensors in their own dtype and shape, this rank's slice of them
 parameter carries the loaders of engine/layers/linear.py, `weight_loader(param, tensor, shard_id)` and
 `load_full(param, tensor)`), prepares them once loaded (`after_loading`) and computes the layer's product
 (`apply`): on CPU by dequantizing the weight to the activations' dtype on the fly, on CUDA in the format's kernel.
+A method that quantizes a mixture of experts' experts (`quantizes_experts`: MXFP4) registers their packed tensors
+on each ExpertWeights (`create_experts`, engine/layers/moe.py), whose fused kernels read them.
 
 Methods by `quant_method`: METHODS; compressed-tensors checkpoints choose their scheme by their `format`
 (COMPRESSED_TENSORS_FORMATS). Any other method or format is refused in one line naming it.
