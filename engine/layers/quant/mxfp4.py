@@ -52,9 +52,6 @@ class Mxfp4Method(QuantMethod):
     name = "mxfp4"
     quantizes_experts = True
 
-    def __init__(self, config: dict):
-        super().__init__(config)
-
     def quantizes(self, checkpoint_names: list[str]) -> bool:
         return False
 
