@@ -24,7 +24,8 @@ FP8 = torch.float8_e4m3fn
 
 
 class Fp8Method(QuantMethod):
-    """granularity: "block" (weight_block) | "channel" | "tensor"; static_input: a per-tensor `input_scale`."""
+    """`quant_method: "fp8"`. granularity: "block" (of weight_block) | "channel" | "tensor"; static_input: the
+    checkpoint has a per-tensor `input_scale` for the activations."""
 
     name = "fp8"
     scale_name = "weight_scale"
@@ -45,7 +46,6 @@ class Fp8Method(QuantMethod):
         if block and scheme != "dynamic":
             raise ValueError("block-wise fp8 with activation_scheme 'static' is not supported; supported: dynamic")
         self.static_input = scheme == "static"
-        self.quantize_input = True
 
     # ---- the checkpoint's tensors on each rank ------------------------------------------------------------
 
