@@ -159,17 +159,22 @@ def _block_slots(sorted_slots_ptr, block_experts_ptr, num_padded_ptr, num_slots,
 
 
 @triton.jit
-def _mxfp4_tile(rows_ptr, scale_rows_ptr, kk, mask, dtype: tl.constexpr):
-    """[BLOCK_K, BLOCK_N] weights in dtype at input features kk [BLOCK_K, 1] of MXFP4 rows (rows_ptr, scale_rows_ptr
-    [1, BLOCK_N]: each row's first byte and first scale)."""
-    byte = tl.load(rows_ptr + kk // 2, mask=mask, other=0).to(tl.int32)
-    nibble = (byte >> ((kk % 2) * 4)) & 0xF
+def _mxfp4_tile(rows_ptr, scale_rows_ptr, k0, K, n_mask, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] weights in dtype at input features k0.. of MXFP4 rows (rows_ptr, scale_rows_ptr [1, BLOCK_N]:
+    each row's first byte and first scale): each byte and scale loaded once, the nibbles and the block scales
+    spread over the tile in registers. BLOCK_K and K are multiples of 32."""
+    offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    byte = tl.load(rows_ptr + offs_b[:, None], mask=(offs_b < K // 2)[:, None] & n_mask[None, :], other=0)
+    nibble = (byte.to(tl.int32)[:, None, :] >> (tl.arange(0, 2) * 4)[None, :, None]) & 0xF  # [BLOCK_K / 2, 2, N]
     exponent = (nibble >> 1) & 3
     mantissa = (nibble & 1).to(tl.float32)
     value = tl.where(exponent == 0, mantissa * 0.5, (2.0 + mantissa) * tl.exp2((exponent - 2).to(tl.float32)))
-    value = tl.where(nibble >= 8, -value, value)
-    scale = tl.load(scale_rows_ptr + kk // 32, mask=mask, other=127).to(tl.float32)
-    return (value * tl.exp2(scale - 127.0)).to(dtype)
+    value = tl.reshape(tl.where(nibble >= 8, -value, value), (BLOCK_K, value.shape[2]))
+    offs_s = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    scale = tl.load(scale_rows_ptr + offs_s[:, None], mask=(offs_s < K // 32)[:, None] & n_mask[None, :], other=127)
+    scale = tl.exp2(scale.to(tl.float32) - 127.0)
+    scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (BLOCK_K // 32, 32, scale.shape[1])), value.shape)
+    return (value * scale).to(dtype)
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -196,12 +201,11 @@ def _gate_up_act_kernel(x_ptr, w_ptr, b_ptr, h_ptr, sorted_slots_ptr, block_expe
         a = tl.load(x_ptrs, mask=real[:, None] & k_mask[None, :], other=0.0)
         w_mask = k_mask[:, None] & n_mask[None, :]
         if MXFP4:  # packed rows: byte and scale pointers of each column's gate and up rows
-            kk = (k * BLOCK_K + offs_k)[:, None]
             gate_rows = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
             gate_scales = s_ptr + expert * stride_se + offs_n[None, :].to(tl.int64) * stride_sn
-            gate_w = _mxfp4_tile(gate_rows, gate_scales, kk, w_mask, x_ptr.dtype.element_ty)
-            up_w = _mxfp4_tile(gate_rows + N * stride_wn, gate_scales + N * stride_sn, kk, w_mask,
-                               x_ptr.dtype.element_ty)
+            gate_w = _mxfp4_tile(gate_rows, gate_scales, k * BLOCK_K, K, n_mask, BLOCK_K, x_ptr.dtype.element_ty)
+            up_w = _mxfp4_tile(gate_rows + N * stride_wn, gate_scales + N * stride_sn, k * BLOCK_K, K, n_mask,
+                               BLOCK_K, x_ptr.dtype.element_ty)
         else:
             gate_w = tl.load(gate_ptrs, mask=w_mask, other=0.0)
             up_w = tl.load(up_ptrs, mask=w_mask, other=0.0)
@@ -249,7 +253,7 @@ def _down_weighted_kernel(h_ptr, w_ptr, b_ptr, weights_ptr, out_ptr, sorted_slot
         if MXFP4:
             w = _mxfp4_tile(w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn,
                             s_ptr + expert * stride_se + offs_n[None, :].to(tl.int64) * stride_sn,
-                            (k * BLOCK_K + offs_k)[:, None], w_mask, h_ptr.dtype.element_ty)
+                            k * BLOCK_K, K, n_mask, BLOCK_K, h_ptr.dtype.element_ty)
         else:
             w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         acc += precise_dot(a, w, UPCAST, IEEE)
