@@ -84,12 +84,15 @@ def fp8_tensor_format(static_input_scale: float | None = None) -> Format:
                                   "modules_to_not_convert": ignore or None}, quantize)
 
 
-def compressed_tensors_fp8_format(strategy: str, static_input_scale: float | None = None) -> Format:
-    """compressed-tensors float-quantized fp8 (RedHat/neuralmagic): `weight` fp8, `weight_scale` [N, 1] (channel)
-    or [1] (tensor); dynamic per-token activations, or a static per-tensor `input_scale` [1]; lm_head ignored."""
+def compressed_tensors_fp8_format(strategy: str, static_input_scale: float | None = None, block: int = 128) -> Format:
+    """compressed-tensors float-quantized fp8 (RedHat/neuralmagic): `weight` fp8, `weight_scale` [N, 1] (channel),
+    [1] (tensor) or per block of block x block (block, with activations dynamic per group of `block`); dynamic
+    per-token activations, or a static per-tensor `input_scale` [1]; lm_head ignored."""
     def quantize(weight):
         if strategy == "channel":
             q, scale, deq = fp8_channels(weight)
+        elif strategy == "block":
+            q, scale, deq = fp8_blocks(weight, (block, block))
         else:
             q, scale, deq = fp8_tensor(weight)
             scale = scale.reshape(1)
@@ -100,13 +103,14 @@ def compressed_tensors_fp8_format(strategy: str, static_input_scale: float | Non
 
     def config(ignore):
         weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": False,
-                   "group_size": None, "block_structure": None, "actorder": None, "observer": "minmax"}
-        if static_input_scale is None:
-            inputs = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True,
-                      "group_size": None, "observer": None}
-        else:
-            inputs = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False,
-                      "group_size": None, "observer": "minmax"}
+                   "group_size": None, "block_structure": [block, block] if strategy == "block" else None,
+                   "actorder": None, "observer": "minmax"}
+        inputs = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True,
+                  "group_size": None, "observer": None}
+        if strategy == "block":
+            inputs.update(strategy="group", group_size=block)
+        if static_input_scale is not None:
+            inputs.update(strategy="tensor", dynamic=False, observer="minmax")
         return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": inputs,
                                               "output_activations": None}},
@@ -122,6 +126,7 @@ FORMATS: dict[str, Callable[[], Format]] = {
     "ct-fp8-channel": lambda: compressed_tensors_fp8_format("channel"),
     "ct-fp8-tensor": lambda: compressed_tensors_fp8_format("tensor"),
     "ct-fp8-tensor-static": lambda: compressed_tensors_fp8_format("tensor", static_input_scale=0.05),
+    "ct-fp8-block": lambda: compressed_tensors_fp8_format("block"),
 }
 
 
@@ -191,10 +196,11 @@ def int4_format(fmt: str, group_size: int = 32, sym: bool = False, desc_act: boo
 
     def quantize(weight):
         n, k = weight.shape
+        group = k if group_size == -1 else group_size  # -1: one group per output channel
         order = orders.setdefault(k, torch.randperm(k, generator=gen)) if desc_act else torch.arange(k)
-        q, zeros, scales = int4_groups(weight, group_size, sym, order)
+        q, zeros, scales = int4_groups(weight, group, sym, order)
         g_idx = torch.empty(k, dtype=torch.int32)
-        g_idx[order] = (torch.arange(k) // group_size).to(torch.int32)
+        g_idx[order] = (torch.arange(k) // group).to(torch.int32)
         read_zeros = zeros.int()
         if fmt == "awq":
             tensors = {"qweight": awq_pack(q.t()), "qzeros": awq_pack(zeros), "scales": scales}
@@ -220,8 +226,10 @@ def int4_format(fmt: str, group_size: int = 32, sym: bool = False, desc_act: boo
             return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": desc_act, "sym": sym,
                     "checkpoint_format": "gptq_v2" if gptq_v2 else "gptq", "static_groups": False,
                     "true_sequential": True}
-        weights = {"num_bits": 4, "type": "int", "symmetric": sym, "strategy": "group", "group_size": group_size,
-                   "dynamic": False, "actorder": None, "observer": "minmax"}
+        channel = group_size == -1
+        weights = {"num_bits": 4, "type": "int", "symmetric": sym, "strategy": "channel" if channel else "group",
+                   "group_size": None if channel else group_size, "dynamic": False, "actorder": None,
+                   "observer": "minmax"}
         return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
                                               "output_activations": None}},
@@ -237,6 +245,8 @@ FORMATS.update({
     "gptq-v2": lambda: int4_format("gptq", gptq_v2=True),
     "ct-int4-sym": lambda: int4_format("compressed-tensors", sym=True),
     "ct-int4-asym": lambda: int4_format("compressed-tensors"),
+    "ct-int4-channel": lambda: int4_format("compressed-tensors", group_size=-1),
+    "gptq-channel": lambda: int4_format("gptq", group_size=-1, sym=True),
 })
 
 

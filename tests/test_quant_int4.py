@@ -143,8 +143,8 @@ def _greedy(model_dir: Path, **kwargs) -> list[list[int]]:
     return [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("fmt", ["awq", "gptq-sym", "gptq-asym", "gptq-desc-act", "gptq-v2", "ct-int4-sym",
-                                 "ct-int4-asym"])
+@pytest.mark.parametrize("fmt", ["awq", "gptq-sym", "gptq-asym", "gptq-desc-act", "gptq-v2", "gptq-channel",
+                                 "ct-int4-sym", "ct-int4-asym", "ct-int4-channel"])
 def test_int4_checkpoint_gives_transformers_tokens_on_its_dequantized_weights(fmt, float_checkpoint, tmp_path):
     """Every decoder projection quantized to int4 in groups of 32, as the format lays its tensors out: the engine
     on the quantized checkpoint generates what transformers generates on the dequantized float weights."""
@@ -156,10 +156,11 @@ def test_int4_checkpoint_gives_transformers_tokens_on_its_dequantized_weights(fm
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("fmt", ["awq", "ct-int4-asym"])
+@pytest.mark.parametrize("fmt", ["awq", "ct-int4-asym", "ct-int4-channel"])
 def test_int4_checkpoint_at_tp2_gives_the_same_tokens(fmt, float_checkpoint, tmp_path):
     """Each rank takes its columns of q/k/v and gate/up (zeros unpacked from N-packed words first) and its whole
-    groups of o_proj's and down_proj's input features (64 and 128, groups of 32)."""
+    groups of o_proj's and down_proj's input features (64 and 128, groups of 32; per channel: every rank its slice
+    of the one group, with the whole row of scales)."""
     from engine import LLM, SamplingParams
     from tests.conftest import hf_greedy
     from tests.quant_helpers import quantize_checkpoint
