@@ -263,7 +263,7 @@ def mxfp4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     w = weight.float().unflatten(-1, (-1, 32))
     exponent = torch.ceil(torch.log2(w.abs().amax(-1).clamp(min=2.0 ** -100) / 6.0)).clamp(-127, 127)
     scaled = w / torch.exp2(exponent)[..., None]
-    nibbles = torch.bucketize(scaled.abs(), midpoints) + 8 * (scaled < 0)  # magnitude's index, the sign bit
+    nibbles = torch.bucketize(scaled.abs().contiguous(), midpoints) + 8 * (scaled < 0)  # magnitude index, sign bit
     deq = table[nibbles] * torch.exp2(exponent)[..., None]
     blocks = (nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).to(torch.uint8)
     return blocks, (exponent + 127).to(torch.uint8), deq.flatten(-2)
