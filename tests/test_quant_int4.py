@@ -155,6 +155,30 @@ def test_int4_checkpoint_gives_transformers_tokens_on_its_dequantized_weights(fm
     assert _greedy(tmp_path / fmt) == hf_greedy(reference, PROMPTS, MAX_NEW)
 
 
+@pytest.mark.parametrize("fmt,symmetric,strategy", [("ct-int4-sym", True, "group"), ("ct-int4-asym", False, "group"),
+                                                     ("ct-int4-channel", False, "channel")])
+def test_compressed_tensors_own_decompressor_reads_the_reference_weights(fmt, symmetric, strategy, float_checkpoint,
+                                                                         tmp_path):
+    """The pack-quantized layout tests/quant_helpers.py writes is the library's: its decompressor gives the
+    reference's dequantized weights (rounded to its fp16 scales' dtype, as it computes them)."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from safetensors.torch import load_file
+
+    from tests.quant_helpers import quantize_checkpoint
+
+    reference = quantize_checkpoint(float_checkpoint, tmp_path / fmt, fmt)
+    packed, want = load_file(tmp_path / fmt / "model.safetensors"), load_file(reference / "model.safetensors")
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy=strategy,
+                            group_size=32 if strategy == "group" else None)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    for name in ("model.layers.0.mlp.down_proj", "model.layers.1.self_attn.k_proj", "model.layers.1.mlp.gate_proj"):
+        tensors = {key[len(name) + 1:]: value for key, value in packed.items() if key.startswith(name + ".")}
+        weight = PackedQuantizationCompressor.decompress(tensors, scheme)["weight"]
+        assert torch.equal(weight, want[f"{name}.weight"].to(weight.dtype)), name
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("fmt", ["awq", "ct-int4-asym", "ct-int4-channel"])
 def test_int4_checkpoint_at_tp2_gives_the_same_tokens(fmt, float_checkpoint, tmp_path):
