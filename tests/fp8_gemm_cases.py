@@ -1,8 +1,14 @@
-"""The fp8 GEMM kernels (engine/kernels/fp8_gemm.py) under the Triton interpreter, against torch: prints one JSON
-object of results (run by tests/test_quant_fp8.py through tests/interpreter.py)."""
+"""The fp8 GEMM kernels (engine/kernels/fp8_gemm.py) under the Triton interpreter, against torch; with arguments,
+the engine end to end on those kernels (as on CUDA) for the named compressed-tensors formats, against transformers
+running the same checkpoint through the compressed-tensors library, which quantizes the activations as the kernels
+do (per token, or per group of 128 for blocks). Prints one JSON object of results (run by tests/test_quant_fp8.py
+through tests/interpreter.py)."""
 from __future__ import annotations
 
 import json
+import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -85,7 +91,41 @@ def linear_case(m: int, n: int, k: int, blockwise: bool, dtype: torch.dtype) -> 
             "dtype": str(out.dtype)}
 
 
+def engine_case(fmt: str) -> dict:
+    """Greedy tokens of the engine with its fp8 projections on the kernels, and of transformers (compressed-tensors'
+    forward) on the same checkpoint; block-wise: every projection a whole number of 128-blocks, as that library
+    needs."""
+    from transformers import AutoModelForCausalLM
+
+    from engine import LLM, SamplingParams
+    from engine.layers.quant import fp8
+    from tests.conftest import make_checkpoint
+    from tests.quant_helpers import quantize_checkpoint
+
+    calls = []
+    fp8._kernels_for = lambda x: calls.append(x.shape[0]) or fp8_gemm
+    shape = dict(hidden_size=256, intermediate_size=384, head_dim=64) if "block" in fmt else dict(intermediate_size=192)
+    prompts = [[5, 17, 33, 9, 100], [7, 8, 9, 10, 11, 12, 13], [300, 2, 41]]  # the dequantized path gives others
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / fmt
+        quantize_checkpoint(make_checkpoint("qwen3", Path(tmp) / "float", **shape), model_dir, fmt)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        want = []
+        with torch.no_grad():
+            for p in prompts:
+                ids = torch.tensor([p])
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
+                                     pad_token_id=0)
+                want.append(out[0, len(p):].tolist())
+        llm = LLM(str(model_dir), device="cpu", max_model_len=64)
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)]
+    return {"equal": got == want, "kernel_calls": len(calls)}
+
+
 def main() -> None:
+    if sys.argv[1:]:
+        print(json.dumps({fmt: engine_case(fmt) for fmt in sys.argv[1:]}))
+        return
     torch.manual_seed(0)
     results = {
         "quantize_group_128": quantize_case(5, 300, 128),

@@ -1,10 +1,11 @@
 """fp8 checkpoints (engine/layers/quant/fp8.py) on CPU: tiny Qwen3 and Llama checkpoints written by transformers,
 quantized by tests/quant_helpers.py as each format publishes them (block-wise fp8 with shapes no multiple of 128,
-per-tensor with dynamic and static activations, compressed-tensors per channel and per tensor, an ignored layer)
-give the greedy tokens transformers gives on the dequantized weights, at TP=1 and TP=2 (gloo); the weights stay
-fp8 in memory; a TP size that would split a 128-block and an unsupported method are refused in one line. The W8A8
-kernels (engine/kernels/fp8_gemm.py) run under the Triton interpreter (tests/fp8_gemm_cases.py) and compile for
-sm_90 as the engine launches them; their GPU tests are tests/test_gpu_quant_fp8.py."""
+per-tensor with dynamic and static activations, compressed-tensors per channel, per tensor and per block, an ignored
+layer) give the greedy tokens transformers gives on the dequantized weights, at TP=1 and TP=2 (gloo); the formats'
+own readers see the same weights; the weights stay fp8 in memory; a TP size that would split a 128-block and an
+unsupported method are refused in one line. The W8A8 kernels (engine/kernels/fp8_gemm.py) run under the Triton
+interpreter (tests/fp8_gemm_cases.py), alone and under the whole engine (compressed-tensors' own tokens), and compile
+for sm_90 as the engine launches them; their GPU tests are tests/test_gpu_quant_fp8.py."""
 from __future__ import annotations
 
 import importlib.util
@@ -35,6 +36,7 @@ CASES = [
     ("qwen3", "ct-fp8-channel", ("model.layers.1.mlp.down_proj",)),
     ("llama", "ct-fp8-tensor", ()),
     ("qwen3", "ct-fp8-tensor-static", ()),
+    ("llama", "ct-fp8-block", ()),
 ]
 
 
@@ -197,6 +199,16 @@ def test_w8a8_linear_is_the_product_of_fp8_activations(kernel_results, case):
     result = kernel_results[case]
     assert result["emulated_rel_err"] < (1e-2 if "bf16" in case else 1e-5)
     assert result["rel_err"] < 0.06
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", ["ct-fp8-channel", "ct-fp8-block"])
+def test_engine_on_the_w8a8_kernels_gives_compressed_tensors_own_tokens(fmt):
+    """The engine's projections on the kernels (as on CUDA) quantize the activations as compressed-tensors' own
+    forward does (per token; per group of 128 beside block scales): transformers' greedy tokens through it."""
+    pytest.importorskip("compressed_tensors")
+    result = run_under_interpreter(Path(__file__).with_name("fp8_gemm_cases.py"), fmt)[fmt]
+    assert result["equal"] and result["kernel_calls"] > 0
 
 
 @needs_triton

@@ -105,18 +105,20 @@ class Fp8Method(QuantMethod):
         weight = layer.weight.float()
         if self.granularity == "block":
             block_n, block_k = self.weight_block
-            scale = layer.weight_scale_inv[layer.scale_row.long()]
+            scale = getattr(layer, self.scale_name)[layer.scale_row.long()]
             scale = scale.repeat_interleave(block_k, dim=1)[:, :weight.shape[1]]
             return (weight * scale).to(dtype)
         return (weight * layer.channel_scale[:, None]).to(dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        kernels = _kernels_for(x)
+        # the GEMM steps K by a block's width: one the fp8 tensor cores take (a power of two, at least 32)
+        block_k = self.weight_block[1] if self.weight_block else 128
+        kernels = _kernels_for(x) if block_k >= 32 and block_k & (block_k - 1) == 0 else None
         if kernels is None:
             return F.linear(x, self.dequantized_weight(layer, x.dtype), bias)
         rows = x.reshape(-1, x.shape[-1])
         if self.granularity == "block":
-            out = kernels.fp8_block_linear(rows, layer.weight, layer.weight_scale_inv, layer.scale_row,
+            out = kernels.fp8_block_linear(rows, layer.weight, getattr(layer, self.scale_name), layer.scale_row,
                                            self.weight_block[1], bias)
         else:
             input_scale = layer.input_scale_max if self.static_input else None
@@ -152,8 +154,10 @@ class CompressedTensorsFp8Method(Fp8Method):
                 raise ValueError(f"compressed-tensors fp8 input activations {in_strategy!r} (dynamic={dynamic}) "
                                  "are not supported; supported: dynamic per token, static per tensor")
             self.static_input = not dynamic
-            if strategy == "block" and self.static_input:
-                raise ValueError("compressed-tensors block-wise fp8 with static input scales is not supported")
+            if strategy == "block" and (self.static_input or inputs.get("group_size") != self.weight_block[1]):
+                raise ValueError("compressed-tensors block-wise fp8 takes input activations dynamic per group of its "
+                                 f"blocks' width ({self.weight_block[1]}); got {in_strategy!r} "
+                                 f"(group_size={inputs.get('group_size')}, dynamic={dynamic})")
 
 
 def _register(layer: nn.Module, name: str, dtype: torch.dtype, block: tuple[int, int], full_shape,
