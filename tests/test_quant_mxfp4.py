@@ -1,11 +1,12 @@
 """gpt-oss with MXFP4 experts, as OpenAI publishes it (engine/layers/quant/mxfp4.py): a tiny gpt-oss written by
 transformers, its experts quantized by tests/quant_helpers.py into gate_up_proj_blocks/_scales and
-down_proj_blocks/_scales; the engine loads them packed and generates transformers' greedy tokens on the dequantized
-weights, on CPU (dequantized per forward), at TP=2 (each rank its blocks of the intermediate features) and with the
-fused MoE kernels reading the packed experts under the Triton interpreter (tests/quant_mxfp4_cases.py, which also
-checks the kernels against the dequantized reference into NaN-poisoned buffers). A tensor_parallel_size that
-would split a block of 32 is refused in one line; dummy MXFP4 experts load from config.json alone; the kernels
-compile for sm_90 on gpt-oss-20b's shapes."""
+down_proj_blocks/_scales (which transformers' own MXFP4 dequantizer reads as the reference experts); the engine
+loads them packed and generates transformers' greedy tokens on the dequantized weights, on CPU (dequantized per
+forward), at TP=2 (each rank its blocks of the intermediate features) and with the fused MoE kernels reading the
+packed experts under the Triton interpreter (tests/quant_mxfp4_cases.py, which also checks the kernels against the
+dequantized reference into NaN-poisoned buffers). A tensor_parallel_size that would split a block of 32 is refused
+in one line; dummy MXFP4 experts load from config.json alone; the kernels compile for sm_90 on gpt-oss-20b's
+shapes."""
 from __future__ import annotations
 
 import importlib.util
@@ -39,6 +40,22 @@ def mxfp4(tmp_path_factory):
     reference = quantize_mxfp4_checkpoint(float_dir, root / "mxfp4")
     prompts = prompts_of(6)
     return root / "mxfp4", prompts, hf_greedy(reference, prompts, MAX_NEW)
+
+
+def test_transformers_own_mxfp4_reader_sees_the_reference_experts(mxfp4):
+    """The blocks and scales tests/quant_helpers.py writes are OpenAI's layout: transformers' MXFP4 dequantizer
+    (integrations/mxfp4.py) turns them into the reference checkpoint's gate_up_proj and down_proj."""
+    from safetensors.torch import load_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    model_dir, _, _ = mxfp4
+    packed = load_file(model_dir / "model.safetensors")
+    want = load_file(Path(str(model_dir) + "-dequantized") / "model.safetensors")
+    for layer in range(2):
+        for proj in ("gate_up_proj", "down_proj"):
+            name = f"model.layers.{layer}.mlp.experts.{proj}"
+            got = convert_moe_packed_tensors(packed[f"{name}_blocks"], packed[f"{name}_scales"], dtype=torch.float32)
+            assert torch.equal(got, want[name]), name
 
 
 def test_mxfp4_gpt_oss_gives_transformers_tokens_on_its_dequantized_experts(mxfp4):
