@@ -23,18 +23,20 @@ MIN_SCALE = 1e-12  # a row of zeros still divides by something
 
 @triton.jit
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, stride_q, stride_s, GROUP: tl.constexpr,
-                     BLOCK: tl.constexpr, STATIC: tl.constexpr):
+                     GROUP_BLOCK: tl.constexpr, NUM_GROUPS: tl.constexpr, STATIC: tl.constexpr):
+    """One row: its groups as the rows of a [NUM_GROUPS, GROUP_BLOCK] tile, each with its own scale."""
     row = tl.program_id(0)
-    group = tl.program_id(1)
-    cols = group * GROUP + tl.arange(0, BLOCK)
-    mask = (tl.arange(0, BLOCK) < GROUP) & (cols < K)
+    groups = tl.arange(0, NUM_GROUPS)
+    within = tl.arange(0, GROUP_BLOCK)
+    cols = groups[:, None] * GROUP + within[None, :]
+    mask = (within[None, :] < GROUP) & (cols < K)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if STATIC:
-        scale = tl.load(static_ptr)
+        scale = tl.load(static_ptr + groups * 0)
     else:
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1e-12)
-        tl.store(s_ptr + row * stride_s + group, scale)
-    q = _round_to_e4m3(tl.clamp(x / scale, -448.0, 448.0))
+        scale = tl.maximum(tl.max(tl.abs(x), axis=1) / 448.0, 1e-12)
+        tl.store(s_ptr + row * stride_s + groups, scale, mask=groups * GROUP < K)
+    q = _round_to_e4m3(tl.clamp(x / scale[:, None], -448.0, 448.0))
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -65,10 +67,12 @@ def quantize_rows(x: torch.Tensor, group: int | None = None,
     else:
         scales = torch.empty((M, num_groups), dtype=torch.float32, device=x.device)
     if M:
-        block = triton.next_power_of_2(group)
-        _quantize_kernel[(M, num_groups)](x, q, scales, static_scale if static_scale is not None else scales, K,
-                                          x.stride(0), q.stride(0), scales.stride(0), GROUP=group, BLOCK=block,
-                                          STATIC=static_scale is not None, num_warps=row_warps(block))
+        group_block = triton.next_power_of_2(group)
+        padded_groups = triton.next_power_of_2(num_groups)
+        _quantize_kernel[(M,)](x, q, scales, static_scale if static_scale is not None else scales, K,
+                               x.stride(0), q.stride(0), scales.stride(0), GROUP=group, GROUP_BLOCK=group_block,
+                               NUM_GROUPS=padded_groups, STATIC=static_scale is not None,
+                               num_warps=row_warps(group_block * padded_groups))
     return q, scales
 
 
