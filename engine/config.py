@@ -11,6 +11,7 @@ import torch
 
 from engine.attention import BACKENDS as ATTENTION_BACKENDS
 from engine.builtin import BUILTIN_MODELS, TINY_MODEL_DIR
+from engine.layers.quant import QuantMethod, parse_quantization
 from engine.options import EngineOptions
 
 log = logging.getLogger("redline.engine")
@@ -42,6 +43,7 @@ class EngineConfig(EngineOptions):
     kv_torch_dtype: torch.dtype = field(init=False)
     eos_token_id: list[int] = field(init=False)
     cpu_threads: int | None = field(init=False)  # torch's threads for a CPU engine (None: torch's own count)
+    quantization: QuantMethod | None = field(init=False, repr=False)  # the checkpoint's (engine/layers/quant)
 
     def __post_init__(self) -> None:
         self._check_options()
@@ -51,7 +53,7 @@ class EngineConfig(EngineOptions):
         random_tiny = self.load_format == "auto" and self.model_dir == TINY_MODEL_DIR
         if random_tiny:
             self.load_format = "dummy"  # the tiny model ships no weights
-        self.hf_config = load_hf_config(self.model_dir)
+        self.hf_config, self.quantization = load_hf_config(self.model_dir, with_quantization=True)
         self.text_config = self.hf_config.get_text_config()
         on_gpu = torch.device(self.device).type == "cuda"
         self.torch_dtype = DTYPES[self.dtype] or default_dtype(self.hf_config, on_gpu)
@@ -203,26 +205,15 @@ def resolve_model_dir(model: str, load_format: str) -> str:
                     f"({type(e).__name__}: {first_line[:300]})") from None
 
 
-def load_hf_config(model_dir: str):
+def load_hf_config(model_dir: str, with_quantization: bool = False):
+    """transformers' config of model_dir; with_quantization: (that, the checkpoint's QuantMethod or None). A
+    quantization method the engine does not run is refused here, in one line naming it."""
     from transformers import AutoConfig
 
     from engine.models import model_class
     with open(Path(model_dir) / "config.json") as f:
         raw = json.load(f)
     model_class(raw.get("architectures"))  # clear error before transformers sees an unknown model type
-    check_not_quantized(raw)
-    return AutoConfig.from_pretrained(model_dir)
-
-
-def check_not_quantized(raw_config: dict) -> None:
-    """A checkpoint whose config.json has a quantization_config (fp8, gptq, awq, bitsandbytes, ...) is refused:
-    its tensors are not float weights, and loading them as such would give garbage."""
-    quant = raw_config.get("quantization_config")
-    if quant is None:
-        return
-    method = quant.get("quant_method") if isinstance(quant, dict) else None
-    if not method and isinstance(quant, dict) and (quant.get("load_in_4bit") or quant.get("load_in_8bit")):
-        method = "bitsandbytes"
-    method = str(method or "unknown method")[:40]
-    raise ValueError(f"the checkpoint is quantized ({method}); quantized checkpoints are not supported yet: "
-                     "use the model's float (bf16/fp16) checkpoint")
+    quantization = parse_quantization(raw)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    return (hf_config, quantization) if with_quantization else hf_config

@@ -2,11 +2,10 @@
 layers with windows shorter than the prompts, attention sinks, YaRN rope, 8 experts top-2 with biases and the
 clamped SwiGLU): greedy tokens equal transformers' generate, also through prefix-cache hits, forced preemption,
 chunked prefill and TP=2, and with the attention and the experts on the GPU's Triton kernels (run by the
-interpreter); YaRN's tables equal transformers'; a quantized (MXFP4) checkpoint is refused."""
+interpreter); YaRN's tables equal transformers'. MXFP4 checkpoints: tests/test_quant_mxfp4.py."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import shutil
 from pathlib import Path
 
@@ -150,17 +149,6 @@ def test_yarn_tables_equal_transformers(rope):
     assert hf.attention_scaling > 1.1  # the premise: the attention factor scales the tables
     torch.testing.assert_close(ours.cos, cos[0], rtol=0, atol=0)
     torch.testing.assert_close(ours.sin, sin[0], rtol=0, atol=0)
-
-
-def test_quantized_gpt_oss_checkpoint_is_refused_in_one_line(reference, tmp_path):
-    model_dir, _, _ = reference
-    quantized = tmp_path / "mxfp4"
-    shutil.copytree(model_dir, quantized)
-    config = json.loads((quantized / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (quantized / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"^the checkpoint is quantized \(mxfp4\)[^\n]*$"):
-        LLM(str(quantized), device="cpu")
 
 
 def test_shipped_gpt_oss_20b_shape_alternates_windows_and_keeps_its_yarn():

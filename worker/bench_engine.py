@@ -22,6 +22,16 @@ DEFAULT_MODEL = "qwen3-0.6b"
 DEFAULT_MAX_TOKEN_ID = 10000
 # bytes/s read + written by a device-to-device copy, measured on the lent machines (shared/GPU.md)
 MEASURED_BANDWIDTH = {"H100": 3.02e12, "H200": 4.3e12}
+# --quantization: the quantization_config a shipped shape is given for its dummy weights, as the hub's quantized
+# checkpoints of that shape publish it (Qwen3-8B-FP8: blocks of 128 x 128, dynamic per-token-group activations)
+BENCH_QUANTIZATIONS = {
+    "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+    "fp8-tensor": {"quant_method": "fp8", "activation_scheme": "dynamic"},
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+    "mxfp4": {"quant_method": "mxfp4",  # gpt-oss's experts, as OpenAI publishes them
+              "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                         "model.embed_tokens", "lm_head"]},
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="auto: the model's dtype; fp8: a one-byte KV cache (lossy, opt-in)")
     e.add_argument("--device", default="auto")
+    e.add_argument("--quantization", default=None, choices=sorted(BENCH_QUANTIZATIONS),
+                   help="dummy weights quantized as the hub's checkpoints of that method are (fp8: Qwen3-*-FP8's "
+                        "block-wise fp8; fp8-tensor: one scale per tensor): random fp8 weights with unit scales; "
+                        "awq: int4 in groups of 128 (AWQ gemm); mxfp4: gpt-oss's MXFP4 experts")
     r = parser.add_argument_group("record")
     r.add_argument("--commit", default=None,
                    help="the commit the JSON record names (default: git rev-parse --short HEAD of this checkout)")
@@ -92,6 +106,9 @@ def check_arguments(args: argparse.Namespace) -> None:
         args.json_schema_value = _json_schema(args)
     if args.max_token_id == DEFAULT_MAX_TOKEN_ID:
         args.max_token_id = min(DEFAULT_MAX_TOKEN_ID, _vocab_size(args.model) - 1)
+    if getattr(args, "quantization", None) and args.load_format != "dummy":
+        raise ValueError("--quantization makes quantized dummy weights; for a quantized checkpoint's own weights, "
+                         "point --model at it with --load-format auto (its config.json says its quantization)")
     import torch
 
     if args.device == "auto" and resolve_model(args.model) != TINY_MODEL_DIR and not torch.cuda.is_available():
@@ -151,12 +168,30 @@ def build_llm(args: argparse.Namespace):
     """The engine under test, with dummy weights unless --load-format says otherwise."""
     from engine import LLM
 
-    return LLM(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+    model = args.model
+    if getattr(args, "quantization", None):
+        model = quantized_shape(resolve_model(args.model), BENCH_QUANTIZATIONS[args.quantization])
+    return LLM(model, load_format=args.load_format, dtype=args.dtype, device=args.device,
                tensor_parallel_size=args.tensor_parallel_size, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                gpu_memory_utilization=args.gpu_memory_utilization, kvcache_block_size=args.kvcache_block_size,
                enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
                kv_cache_dtype=args.kv_cache_dtype)
+
+
+def quantized_shape(model_dir: str, quantization_config: dict) -> str:
+    """A temporary copy of model_dir's files whose config.json has quantization_config: the engine then builds the
+    shape's linear layers quantized, and load_format='dummy' fills them with random fp8 weights."""
+    import shutil
+    import tempfile
+
+    out = Path(tempfile.mkdtemp(prefix="redline-bench-"))
+    for f in Path(model_dir).iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}))
+    return str(out)
 
 
 def floor_seconds(hf_config, prompts: list[list[int]], params, bandwidth: float, dtype_bytes: int = 2,
@@ -342,7 +377,8 @@ def run(args: argparse.Namespace) -> dict:
     config = llm.config
     floor = None
     constrained = params[0].json_schema is not None  # completions end where their JSON does: no fixed count
-    if bandwidth and not constrained:
+    quantization = getattr(args, "quantization", None)
+    if bandwidth and not constrained and not quantization:  # the floor counts weights of the model's dtype
         floor = floor_seconds(config.hf_config, prompts, params, bandwidth,
                               config.torch_dtype.itemsize, config.tensor_parallel_size, config.kv_torch_dtype.itemsize)
     record = {
@@ -350,6 +386,7 @@ def run(args: argparse.Namespace) -> dict:
         "model": Path(resolve_model(args.model)).name, "backend": llm.runner.ctx.backend.name
         if hasattr(llm.runner, "ctx") else args.attention_backend,
         "enforce_eager": args.enforce_eager, "kv_cache_dtype": config.kv_cache_dtype, "num_seqs": args.num_seqs,
+        "quantization": quantization,
         "tokens": tokens,
         "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 1),
         "floor_seconds": round(floor, 3) if floor else None,
@@ -358,6 +395,7 @@ def run(args: argparse.Namespace) -> dict:
         "json_schema": args.json_schema if constrained else None,
     }
     kv_note = "" if config.kv_cache_dtype == "auto" else f", {config.kv_cache_dtype} KV cache"
+    kv_note += f", {quantization} weights" if quantization else ""
     print(f"{record['model']} on {gpu} ({record['backend']} attention{kv_note}): {tokens} tokens in {seconds:.2f} s "
           f"= {tokens / seconds:,.0f} tok/s" + (f"; floor {floor:.2f} s, {seconds / floor:.1f}x the floor" if floor else ""))
     if tokens != expected and not constrained:

@@ -69,7 +69,8 @@ class ModelRunner:
         with torch.device(self.device), default_float_dtype(self.dtype):
             self.model = model_class(hf.architectures)(hf, tp, self.ctx).to(self.dtype)
         self.model.eval()
-        self.has_lm_head = load_weights(self.model, config.model_dir, config.load_format, config.seed)
+        self.has_lm_head = load_weights(self.model, config.model_dir, config.load_format, config.seed,
+                                        config.quantization)
         # M-RoPE (engine/inputs/multimodal.py): positions past a prompt with images are offset by its delta
         self.uses_mrope = getattr(self.model, "uses_mrope", False)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]

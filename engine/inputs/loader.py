@@ -9,13 +9,22 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine.layers.quant import QuantMethod, after_loading, quantize_linears
 
-def load_weights(model: nn.Module, model_dir: str, load_format: str, seed: int = 0) -> bool:
-    """Load the model's weights; whether it has an LM head (an embedding checkpoint may have none)."""
+
+def load_weights(model: nn.Module, model_dir: str, load_format: str, seed: int = 0,
+                 quantization: QuantMethod | None = None) -> bool:
+    """Load the model's weights; whether it has an LM head (an embedding checkpoint may have none).
+    quantization: the checkpoint's (EngineConfig.quantization): the linears it quantizes hold its tensors."""
+    if quantization is not None:
+        quantize_linears(model, quantization)
     if load_format == "dummy":
         load_dummy_weights(model, seed)
-        return True
-    return load_safetensors(model, model_dir)
+        has_lm_head = True
+    else:
+        has_lm_head = load_safetensors(model, model_dir)
+    after_loading(model)
+    return has_lm_head
 
 
 def load_safetensors(model: nn.Module, model_dir: str) -> bool:
@@ -73,8 +82,9 @@ QUANTIZED_TENSOR_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale", 
 
 def _no_place(name: str, model: nn.Module) -> str:
     if name.endswith(QUANTIZED_TENSOR_SUFFIXES):
-        return (f"checkpoint tensor {name!r} belongs to a quantized checkpoint; quantized checkpoints are not "
-                "supported yet: use the model's float (bf16/fp16) checkpoint")
+        return (f"checkpoint tensor {name!r} is a quantized layer's, and this engine runs that layer of "
+                f"{type(model).__name__} in float only, or config.json has no quantization_config: use the "
+                "model's float (bf16/fp16) checkpoint")
     return f"checkpoint tensor {name!r} has no place in {type(model).__name__}"
 
 
@@ -104,10 +114,12 @@ def _target_name(name: str, packed: dict) -> tuple[str, object]:
 def load_dummy_weights(model: nn.Module, seed: int) -> None:
     """Random weights that depend only on (seed, parameter name), never on the tensor-parallel layout."""
     for name, param in model.named_parameters():
-        full_shape = getattr(param, "full_shape", param.shape)
+        full_shape = getattr(param, "full_shape", None) or param.shape  # None: a per-tensor scale's
         gen = torch.Generator(device=param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         if name.endswith("norm.weight"):
             full = torch.ones(full_shape, device=param.device, dtype=param.dtype)
+        elif hasattr(param, "dummy_value"):  # a quantized layer's scale: its weight's values stand as they are
+            full = torch.full(full_shape, param.dummy_value, device=param.device, dtype=param.dtype)
         else:
             full = torch.empty(full_shape, device=param.device, dtype=torch.float32)
             full.normal_(0.0, 0.02, generator=gen)

@@ -16,6 +16,11 @@ Everything runs on the device from tensors whose sizes come from shapes alone: n
 are captured in CUDA graphs. Blocks past the padded total (read from the device) return at once. Accumulates in
 float32; h and the slot outputs are rounded to the model dtype, as the reference (engine/layers/moe.py
 experts_reference) rounds between its GEMMs.
+
+MXFP4 experts (gpt-oss as published; engine/layers/quant/mxfp4.py): w13 and w2 are the packed uint8 blocks (two
+e2m1 values a byte, the even one in the low nibble) and `mxfp4_scales` their e8m0 scales, one per 32 values along
+K. Each weight tile is dequantized in registers (value x 2^(scale - 127), exact in bf16) before its dot: the
+experts' weights cross memory at 4.25 bits a value.
 """
 from __future__ import annotations
 
@@ -153,11 +158,32 @@ def _block_slots(sorted_slots_ptr, block_experts_ptr, num_padded_ptr, num_slots,
     return slots, slots < num_slots, expert, past
 
 
+@triton.jit
+def _mxfp4_tile(rows_ptr, scale_rows_ptr, k0, K, n_mask, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] weights in dtype at input features k0.. of MXFP4 rows (rows_ptr, scale_rows_ptr [1, BLOCK_N]:
+    each row's first byte and first scale): each byte and scale loaded once, the nibbles and the block scales
+    spread over the tile in registers. BLOCK_K and K are multiples of 32."""
+    offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    byte = tl.load(rows_ptr + offs_b[:, None], mask=(offs_b < K // 2)[:, None] & n_mask[None, :], other=0)
+    nibble = (byte.to(tl.int32)[:, None, :] >> (tl.arange(0, 2) * 4)[None, :, None]) & 0xF  # [BLOCK_K / 2, 2, N]
+    exponent = (nibble >> 1) & 3
+    mantissa = (nibble & 1).to(tl.float32)
+    value = tl.where(exponent == 0, mantissa * 0.5, (2.0 + mantissa) * tl.exp2((exponent - 2).to(tl.float32)))
+    value = tl.reshape(tl.where(nibble >= 8, -value, value), (BLOCK_K, value.shape[2]))
+    offs_s = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    scale = tl.load(scale_rows_ptr + offs_s[:, None], mask=(offs_s < K // 32)[:, None] & n_mask[None, :], other=127)
+    scale = tl.exp2(scale.to(tl.float32) - 127.0)
+    scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (BLOCK_K // 32, 32, scale.shape[1])), value.shape)
+    return (value * scale).to(dtype)
+
+
 @triton.jit(do_not_specialize=["num_slots"])
 def _gate_up_act_kernel(x_ptr, w_ptr, b_ptr, h_ptr, sorted_slots_ptr, block_experts_ptr, num_padded_ptr,
                         num_slots, N, K, stride_xm, stride_we, stride_wn, stride_be, stride_hm, alpha, limit,
+                        s_ptr, stride_se, stride_sn,
                         TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                        MXFP4: tl.constexpr):
     slots, real, expert, past = _block_slots(sorted_slots_ptr, block_experts_ptr, num_padded_ptr, num_slots, BLOCK_M)
     if past:
         return
@@ -174,8 +200,17 @@ def _gate_up_act_kernel(x_ptr, w_ptr, b_ptr, h_ptr, sorted_slots_ptr, block_expe
         k_mask = offs_k < K - k * BLOCK_K
         a = tl.load(x_ptrs, mask=real[:, None] & k_mask[None, :], other=0.0)
         w_mask = k_mask[:, None] & n_mask[None, :]
-        gate += precise_dot(a, tl.load(gate_ptrs, mask=w_mask, other=0.0), UPCAST, IEEE)
-        up += precise_dot(a, tl.load(up_ptrs, mask=w_mask, other=0.0), UPCAST, IEEE)
+        if MXFP4:  # packed rows: byte and scale pointers of each column's gate and up rows
+            gate_rows = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+            gate_scales = s_ptr + expert * stride_se + offs_n[None, :].to(tl.int64) * stride_sn
+            gate_w = _mxfp4_tile(gate_rows, gate_scales, k * BLOCK_K, K, n_mask, BLOCK_K, x_ptr.dtype.element_ty)
+            up_w = _mxfp4_tile(gate_rows + N * stride_wn, gate_scales + N * stride_sn, k * BLOCK_K, K, n_mask,
+                               BLOCK_K, x_ptr.dtype.element_ty)
+        else:
+            gate_w = tl.load(gate_ptrs, mask=w_mask, other=0.0)
+            up_w = tl.load(up_ptrs, mask=w_mask, other=0.0)
+        gate += precise_dot(a, gate_w, UPCAST, IEEE)
+        up += precise_dot(a, up_w, UPCAST, IEEE)
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
@@ -198,8 +233,9 @@ def _gate_up_act_kernel(x_ptr, w_ptr, b_ptr, h_ptr, sorted_slots_ptr, block_expe
 @triton.jit(do_not_specialize=["num_slots"])
 def _down_weighted_kernel(h_ptr, w_ptr, b_ptr, weights_ptr, out_ptr, sorted_slots_ptr, block_experts_ptr,
                           num_padded_ptr, num_slots, N, K, stride_hm, stride_we, stride_wn, stride_be, stride_om,
+                          s_ptr, stride_se, stride_sn,
                           HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                          BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, MXFP4: tl.constexpr):
     slots, real, expert, past = _block_slots(sorted_slots_ptr, block_experts_ptr, num_padded_ptr, num_slots, BLOCK_M)
     if past:
         return
@@ -213,7 +249,14 @@ def _down_weighted_kernel(h_ptr, w_ptr, b_ptr, weights_ptr, out_ptr, sorted_slot
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_mask = offs_k < K - k * BLOCK_K
         a = tl.load(h_ptrs, mask=real[:, None] & k_mask[None, :], other=0.0)
-        acc += precise_dot(a, tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0), UPCAST, IEEE)
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        if MXFP4:
+            w = _mxfp4_tile(w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn,
+                            s_ptr + expert * stride_se + offs_n[None, :].to(tl.int64) * stride_sn,
+                            k * BLOCK_K, K, n_mask, BLOCK_K, h_ptr.dtype.element_ty)
+        else:
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        acc += precise_dot(a, w, UPCAST, IEEE)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if HAS_BIAS:
@@ -226,50 +269,59 @@ def _down_weighted_kernel(h_ptr, w_ptr, b_ptr, weights_ptr, out_ptr, sorted_slot
 
 def gate_up_act(x: torch.Tensor, w13: torch.Tensor, b13: torch.Tensor | None, aligned, top_k: int, block: tuple,
                 activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-    """h [T * k, I] of every slot: act(gate, up) of its token under its expert (aligned: align_slots' result)."""
+                out: torch.Tensor | None = None, w13_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """h [T * k, I] of every slot: act(gate, up) of its token under its expert (aligned: align_slots' result).
+    w13_scales: w13 is MXFP4 blocks [E, 2I, H / 2] with these scales [E, 2I, H / 32]."""
     sorted_slots, block_experts, num_padded = aligned
     block_m, block_n, block_k, warps, stages = block
-    num_slots, inter, hidden = x.shape[0] * top_k, w13.shape[1] // 2, w13.shape[2]
+    mxfp4 = w13_scales is not None
+    num_slots, inter, hidden = x.shape[0] * top_k, w13.shape[1] // 2, x.shape[1]
+    scales = w13_scales if mxfp4 else w13
     h = out if out is not None else torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     grid = (sorted_slots.numel() // block_m, triton.cdiv(inter, block_n))
     _gate_up_act_kernel[grid](
         x, w13, b13 if b13 is not None else w13, h, sorted_slots, block_experts, num_padded, num_slots, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), b13.stride(0) if b13 is not None else 0, h.stride(0),
-        float(alpha), float(limit), TOP_K=top_k, ACT=ACTS[activation], HAS_BIAS=b13 is not None, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast_dot(x), IEEE=x.dtype == torch.float32, num_warps=warps,
-        num_stages=stages)
+        float(alpha), float(limit), scales, scales.stride(0), scales.stride(1), TOP_K=top_k, ACT=ACTS[activation],
+        HAS_BIAS=b13 is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast_dot(x),
+        IEEE=x.dtype == torch.float32, MXFP4=mxfp4, num_warps=warps, num_stages=stages)
     return h
 
 
 def down_weighted(h: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor | None, weights: torch.Tensor, aligned,
-                  block: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
-    """[T * k, H]: each slot's down projection (plus bias) times its routing weight."""
+                  block: tuple, out: torch.Tensor | None = None, w2_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """[T * k, H]: each slot's down projection (plus bias) times its routing weight. w2_scales: w2 is MXFP4 blocks
+    [E, H, I / 2] with these scales [E, H, I / 32]."""
     sorted_slots, block_experts, num_padded = aligned
     block_m, block_n, block_k, warps, stages = block
-    num_slots, hidden, inter = h.shape[0], w2.shape[1], w2.shape[2]
+    mxfp4 = w2_scales is not None
+    num_slots, hidden, inter = h.shape[0], w2.shape[1], h.shape[1]
+    scales = w2_scales if mxfp4 else w2
     out = out if out is not None else torch.empty(num_slots, hidden, dtype=h.dtype, device=h.device)
     weights = weights.reshape(-1).float()
     grid = (sorted_slots.numel() // block_m, triton.cdiv(hidden, block_n))
     _down_weighted_kernel[grid](
         h, w2, b2 if b2 is not None else w2, weights, out, sorted_slots, block_experts, num_padded, num_slots, hidden,
         inter, h.stride(0), w2.stride(0), w2.stride(1), b2.stride(0) if b2 is not None else 0, out.stride(0),
-        HAS_BIAS=b2 is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast_dot(h),
-        IEEE=h.dtype == torch.float32, num_warps=warps, num_stages=stages)
+        scales, scales.stride(0), scales.stride(1), HAS_BIAS=b2 is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, UPCAST=upcast_dot(h), IEEE=h.dtype == torch.float32, MXFP4=mxfp4, num_warps=warps,
+        num_stages=stages)
     return out
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                   b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, activation: str = "silu",
-                  alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+                  alpha: float = 1.702, limit: float = 7.0, mxfp4_scales: tuple | None = None) -> torch.Tensor:
     """sum_k weights[:, k] * expert_{experts[:, k]}(x), as engine/layers/moe.py experts_reference: x [T, H],
-    w13 [E, 2I, H], w2 [E, H, I], weights and experts [T, k]."""
+    w13 [E, 2I, H], w2 [E, H, I], weights and experts [T, k]. mxfp4_scales (w13's, w2's): w13 and w2 are MXFP4
+    blocks (see the module's docstring)."""
     num_tokens, top_k = experts.shape
     if num_tokens == 0:
         return torch.zeros_like(x)
     x = x.contiguous()
     block = block_sizes(num_tokens * top_k, w13.shape[0])
     aligned = align_slots(experts, w13.shape[0], block[0])
-    h = gate_up_act(x, w13, b13, aligned, top_k, block, activation, alpha, limit)
-    out = down_weighted(h, w2, b2, weights, aligned, block)
+    w13_scales, w2_scales = mxfp4_scales or (None, None)
+    h = gate_up_act(x, w13, b13, aligned, top_k, block, activation, alpha, limit, w13_scales=w13_scales)
+    out = down_weighted(h, w2, b2, weights, aligned, block, w2_scales=w2_scales)
     return out.view(num_tokens, top_k, -1).sum(dim=1) if top_k > 1 else out

@@ -14,9 +14,17 @@ from engine.layers.parallel import SINGLE, PushedSum, TPGroup, divide
 
 
 class _Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup, full_shape: tuple):
+    split_dim = None  # the weight's dimension split across ranks: 0 (output features), 1 (input features)
+    quant = None  # a QuantMethod where the checkpoint quantizes this layer (engine/layers/quant)
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup, full_shape: tuple,
+                 part_sizes: list[int] | None = None):
         super().__init__()
         self.tp = tp
+        self.in_features, self.out_features, self.full_shape = in_features, out_features, full_shape
+        self.part_sizes = part_sizes or [full_shape[0]]  # full (unsplit) output size of each packed part
+        self.local_sizes = [divide(s, tp.size if self.split_dim == 0 else 1, "output features")
+                            for s in self.part_sizes]
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.full_shape = full_shape
         self.weight.weight_loader = self.weight_loader
@@ -30,7 +38,23 @@ class _Linear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.apply(self, x, self.bias)
         return linear(x, self.weight, self.bias)
+
+    def part_index(self, shard_id) -> int:
+        """The packed part a checkpoint tensor's shard id names."""
+        return 0 if shard_id is None else shard_id
+
+    def quantize(self, method) -> None:
+        """Hold the checkpoint's quantized tensors (`method` registers them) in place of the float weight."""
+        device = self.weight.device
+        del self.weight
+        if device.type == "cuda":  # the float weight's segment goes back: kept, the smaller tensors would split it,
+            torch.cuda.empty_cache()  # and the KV cache's sizing would count its unused part as taken
+        self.quant = method
+        with torch.device(device):
+            method.create_weights(self)
 
 
 class ReplicatedLinear(_Linear):
@@ -46,10 +70,11 @@ class ReplicatedLinear(_Linear):
 class ColumnParallelLinear(_Linear):
     """Output features split across ranks; the checkpoint tensor may be several packed parts."""
 
+    split_dim = 0
+
     def __init__(self, in_features: int, part_sizes: list[int], bias: bool = False, tp: TPGroup = SINGLE):
-        self.part_sizes = part_sizes  # full (unsplit) output size of each packed part
-        self.local_sizes = [divide(s, tp.size, "output features") for s in part_sizes]
-        super().__init__(in_features, sum(self.local_sizes), bias, tp, (sum(part_sizes), in_features))
+        local_out = sum(divide(s, tp.size, "output features") for s in part_sizes)
+        super().__init__(in_features, local_out, bias, tp, (sum(part_sizes), in_features), part_sizes)
 
     def _local_slice(self, part: int) -> tuple[int, int]:
         return sum(self.local_sizes[:part]), self.local_sizes[part]
@@ -74,13 +99,18 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, sizes, bias, tp)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=0) -> None:
-        super().weight_loader(param, loaded, self.SHARDS.get(shard_id, shard_id))
+        super().weight_loader(param, loaded, self.part_index(shard_id))
+
+    def part_index(self, shard_id) -> int:
+        return self.SHARDS.get(shard_id, shard_id) or 0
 
 
 class RowParallelLinear(_Linear):
     """Input features split across ranks; outputs are summed over ranks. With reduce_results=False each
     rank returns its own part, for a later layer to sum (see RMSNorm's `tp`), or a PushedSum: its sum
     already on its way (large inputs, see TPGroup.partial_linear)."""
+
+    split_dim = 1
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE,
                  reduce_results: bool = True):
@@ -98,12 +128,14 @@ class RowParallelLinear(_Linear):
     load_full = weight_loader
 
     def forward(self, x: torch.Tensor) -> "torch.Tensor | PushedSum":
+        if self.quant is not None:
+            return self._reduced(self.quant.apply(self, x, self.bias))
         return self._reduced(self.tp.partial_linear(x, self.weight, self.bias))
 
     def forward_act_and_mul(self, gate_up: torch.Tensor, act: str = "silu") -> "torch.Tensor | PushedSum":
         """forward(act_and_mul(gate_up, act)); the activation is fused into the projection where this rank's
         part is a plain product (always for decode rows; see TPGroup.partial_linear)."""
-        if self.tp.is_plain_product(gate_up):
+        if self.quant is None and self.tp.is_plain_product(gate_up):
             return self._reduced(act_and_mul_linear(gate_up, self.weight, self.bias, act))
         return self.forward(act_and_mul(gate_up, act))
 

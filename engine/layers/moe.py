@@ -19,6 +19,10 @@ On CUDA the routing and the experts run in the fused kernels (engine/kernels/fus
 kernel, tokens sorted by expert, one grouped GEMM for gate/up and one for down); elsewhere, and inside
 PlainTorch, `route` and `experts_reference` (expert by expert) in torch.
 
+MXFP4 experts (gpt-oss as published, engine/layers/quant/mxfp4.py) replace w13 and w2 by their packed blocks and
+scales (w13_blocks, w13_scales, w2_blocks, w2_scales): the fused kernels read them directly; the reference path
+dequantizes them for each forward.
+
 Checkpoints store the experts one by one (Qwen: mlp.experts.{e}.gate_proj / up_proj / down_proj, Mixtral:
 block_sparse_moe.experts.{e}.w1 / w3 / w2) or fused (gpt-oss: gate_up_proj [E, H, 2I] with gate and up
 interleaved column by column, down_proj [E, I, H]). Each stacked parameter's weight_loader takes a shard id
@@ -95,10 +99,12 @@ class ExpertWeights(nn.Module):
       expert None, part "down": [E, H, I], or bias [E, H]; "down_t": [E, I, H] (gpt-oss's down_proj).
     """
 
+    quant = None  # a QuantMethod whose packed experts replace w13 and w2 (MXFP4)
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool, tp: TPGroup):
         super().__init__()
         self.tp = tp
-        self.num_experts = num_experts
+        self.num_experts, self.hidden_size = num_experts, hidden_size
         self.local_inter = divide(intermediate_size, tp.size, "moe intermediate size")
         local = self.local_inter
         self.w13 = self._param((num_experts, 2 * local, hidden_size), (num_experts, 2 * intermediate_size, hidden_size))
@@ -108,6 +114,17 @@ class ExpertWeights(nn.Module):
             self.b2 = self._param((num_experts, hidden_size), (num_experts, hidden_size))
         else:
             self.b13 = self.b2 = None
+
+    def quantize(self, method) -> None:
+        """Hold the checkpoint's quantized experts (`method` registers them) in place of w13 and w2."""
+        device = self.w13.device
+        del self.w13, self.w2
+        self.w13 = self.w2 = None  # the biases' loaders ask which parameter they load
+        if device.type == "cuda":  # the float experts' segments go back before the packed ones are made (as the
+            torch.cuda.empty_cache()  # quantized linears do): the KV cache's sizing then counts them free
+        self.quant = method
+        with torch.device(device):
+            method.create_experts(self)
 
     def _param(self, shape: tuple, full_shape: tuple) -> nn.Parameter:
         param = nn.Parameter(torch.empty(shape), requires_grad=False)
@@ -192,17 +209,22 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits, e = self.gate(x), self.experts
-        kernels = _kernels_for(x, e.w13, "fused_moe")
+        packed = e.quant is not None
+        kernels = _kernels_for(x, None if packed else e.w13, "fused_moe")
         if kernels is None:
             if x.is_cuda and torch.cuda.is_current_stream_capturing():  # the reference sizes its loop on the host
                 raise ValueError("a mixture-of-experts model in plain PyTorch (fused_layers=False) on a GPU needs "
                                  "enforce_eager=True")
             weights, experts = route(logits, self.top_k, self.renormalize)
-            run = experts_reference
-        else:
-            weights, experts = kernels.route_top_k(logits, self.top_k, self.renormalize)
-            run = kernels.fused_experts
-        return run(x, e.w13, e.w2, weights, experts, e.b13, e.b2, self.activation, self.alpha, self.limit)
+            w13, w2 = e.quant.dequantized(e, x.dtype) if packed else (e.w13, e.w2)
+            return experts_reference(x, w13, w2, weights, experts, e.b13, e.b2, self.activation, self.alpha,
+                                     self.limit)
+        weights, experts = kernels.route_top_k(logits, self.top_k, self.renormalize)
+        if packed:
+            return kernels.fused_experts(x, e.w13_blocks, e.w2_blocks, weights, experts, e.b13, e.b2, self.activation,
+                                         self.alpha, self.limit, mxfp4_scales=(e.w13_scales, e.w2_scales))
+        return kernels.fused_experts(x, e.w13, e.w2, weights, experts, e.b13, e.b2, self.activation, self.alpha,
+                                     self.limit)
 
 
 class SharedExpert(nn.Module):

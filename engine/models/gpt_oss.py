@@ -14,8 +14,8 @@
 
 The checkpoint stores each layer's experts fused: gate_up_proj [E, H, 2I] with gate and up in alternate columns
 (and its bias [E, 2I] alike), down_proj [E, I, H] and its bias [E, H]; the router as mlp.router. OpenAI's
-published checkpoints hold the experts in MXFP4 (a quantization_config), which is refused when the config is
-read: this class runs the bf16 (or fp32) weights.
+published checkpoints hold the experts in MXFP4 (a quantization_config): they load as published, packed
+(engine/layers/quant/mxfp4.py).
 """
 from __future__ import annotations
 
@@ -106,10 +106,13 @@ class GptOssModel(nn.Module):
 
 
 # the fused expert tensors of a checkpoint layer → (our parameter, ExpertWeights part)
-_EXPERTS = re.compile(r"^(?P<layer>.+\.mlp)\.experts\.(?P<name>(gate_up|down)_proj(_bias)?)$")
+_EXPERTS = re.compile(r"^(?P<layer>.+\.mlp)\.experts\.(?P<name>(gate_up|down)_proj(_bias|_blocks|_scales)?)$")
 _EXPERT_PARTS = {"gate_up_proj": ("w13", "gate_up_interleaved_t"),
                  "gate_up_proj_bias": ("b13", "gate_up_interleaved_t"),
-                 "down_proj": ("w2", "down_t"), "down_proj_bias": ("b2", "down")}
+                 "down_proj": ("w2", "down_t"), "down_proj_bias": ("b2", "down"),
+                 # MXFP4 (engine/layers/quant/mxfp4.py loads them)
+                 "gate_up_proj_blocks": ("w13_blocks", "gate_up"), "gate_up_proj_scales": ("w13_scales", "gate_up"),
+                 "down_proj_blocks": ("w2_blocks", "down"), "down_proj_scales": ("w2_scales", "down")}
 
 
 class GptOssForCausalLM(nn.Module):

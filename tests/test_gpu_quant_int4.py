@@ -1,0 +1,132 @@
+"""Int4 checkpoints on the GPU (run on a GPU machine): the W4A16 kernels (engine/kernels/int4_gemm.py: the decode
+GEMV up to 16 rows, the prefill GEMM past them) against torch's product with the dequantized weight over many
+shapes (Qwen3-8B's projections, groups of 128 and 32, per-channel, odd N) into NaN-poisoned outputs; the prompt
+logits of AWQ, GPTQ desc_act and compressed-tensors checkpoints against their dequantized bf16 runs; decode graphs
+giving eager's tokens. Speed (batch 1 on the 8B shape, int4 against bf16) is measured by the bench, not here:
+docs/quantization.md gives the commands."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.execution.model_runner import prefill_inputs
+from engine.layers.quant.int4 import dequantize, pack_int4
+from tests.conftest import make_checkpoint
+from tests.quant_helpers import int4_format, quantize_checkpoint
+
+pytestmark = pytest.mark.gpu
+# (rows, N, K, group): decode rows (GEMV) and prefill rows (GEMM) on Qwen3-8B's qkv, o, gate/up and down; small
+# groups and one group per channel; an N no multiple of the tiles
+SHAPES = [(m, n, k, g) for m in (1, 2, 4, 7, 16, 17, 64, 300, 2048)
+          for n, k, g in ((6144, 4096, 128), (4096, 4096, 128), (24576, 4096, 128), (4096, 12288, 128),
+                          (4096, 4096, 32), (1000, 512, 512))]
+
+
+def _poisoned(monkeypatch):
+    from engine.kernels import int4_gemm
+    original = torch.empty
+
+    def empty(*shape, **kw):
+        return original(*shape, **kw).fill_(float("nan"))
+    monkeypatch.setattr(int4_gemm.torch, "empty", empty)
+
+
+@pytest.mark.parametrize("rows,n,k,group", SHAPES, ids=[f"m{m}-n{n}-k{k}-g{g}" for m, n, k, g in SHAPES])
+def test_w4a16_kernels_equal_torch_on_the_dequantized_weight(rows, n, k, group, monkeypatch):
+    from engine.kernels import int4_gemm
+
+    gen = torch.Generator(device="cuda").manual_seed(rows + n + k)
+    q = torch.randint(0, 16, (k, n), device="cuda", dtype=torch.uint8, generator=gen)
+    zeros = torch.randint(0, 16, (k // group, n), device="cuda", dtype=torch.uint8, generator=gen)
+    scales = (torch.rand(k // group, n, device="cuda", generator=gen) * 0.02 + 0.001).half()
+    qweight = pack_int4(q, 0)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=gen) if rows % 2 else None
+    _poisoned(monkeypatch)
+    out = int4_gemm.int4_linear(x, qweight, scales, zeros, group, bias)
+    want = x.float() @ dequantize(qweight, scales, zeros, torch.bfloat16).float()
+    if bias is not None:
+        want += bias.float()
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n) and not out.isnan().any()
+    rel = float((out.float() - want).norm() / want.norm())
+    assert rel < 1e-2, rel
+
+
+@pytest.fixture(scope="module")
+def int4_checkpoints(tmp_path_factory) -> dict:
+    """A Qwen3 checkpoint of real head sizes written by transformers, in AWQ, GPTQ desc_act and compressed-tensors
+    (symmetric) int4 in groups of 128, with the dequantized references."""
+    base = make_checkpoint("qwen3", tmp_path_factory.mktemp("gpu-int4"), hidden_size=1024, intermediate_size=3072,
+                           num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+                           initializer_range=0.05)
+    formats = {"awq": int4_format("awq", group_size=128),
+               "gptq-desc-act": int4_format("gptq", group_size=128, desc_act=True),
+               "ct-int4-sym": int4_format("compressed-tensors", group_size=128, sym=True)}
+    out = {}
+    for name, fmt in formats.items():
+        model_dir = tmp_path_factory.mktemp(name) / name
+        out[name] = (model_dir, quantize_checkpoint(base, model_dir, fmt))
+    return out
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(rng.randint(8, 300))] for _ in range(n)]
+
+
+def _prompt_logits(llm, prompt):
+    runner = llm.runner
+    inputs = prefill_inputs([prompt], runner.block_size, -(-len(prompt) // runner.block_size))
+    inputs.logits_indices = torch.arange(len(prompt))
+    with torch.inference_mode():
+        return runner.compute_logits(runner.forward(inputs), inputs).float()
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq-desc-act", "ct-int4-sym"])
+def test_prompt_logits_equal_the_dequantized_bf16_run(int4_checkpoints, fmt, free_gpu):
+    """The weights are the same values in both runs (int4 x scale, rounded to bf16 as the GEMM's tiles are): only
+    the sums' order and the GEMV's float32 weights separate them."""
+    model_dir, reference = int4_checkpoints[fmt]
+    quantized = LLM(str(model_dir), dtype="bfloat16", enforce_eager=True, num_kvcache_blocks=64)
+    ours = [_prompt_logits(quantized, p) for p in _prompts(4, 1)]
+    quantized.shutdown()
+    dequantized = LLM(str(reference), dtype="bfloat16", enforce_eager=True, num_kvcache_blocks=64)
+    ref = [_prompt_logits(dequantized, p) for p in _prompts(4, 1)]
+    dequantized.shutdown()
+    errors = [float((a - b).norm() / b.norm()) for a, b in zip(ours, ref)]
+    same_top = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(ours, ref))
+    total = sum(len(p) for p in _prompts(4, 1))
+    print(f"{fmt}: relative logit error {errors}, same top token {same_top}/{total}")
+    assert max(errors) < 0.03 and same_top >= 0.95 * total
+
+
+def test_decode_graphs_give_the_eager_tokens(int4_checkpoints, free_gpu):
+    model_dir, _ = int4_checkpoints["gptq-desc-act"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = _prompts(8, 2)
+    outs = {}
+    for eager in (True, False):
+        llm = LLM(str(model_dir), dtype="bfloat16", enforce_eager=eager, num_kvcache_blocks=128)
+        outs[eager] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.shutdown()
+    same = sum(a == b for a, b in zip(outs[True], outs[False]))
+    assert same >= len(prompts) - 1, (outs[True], outs[False])
+
+
+def test_the_8b_shape_in_int4_gives_its_kv_cache_the_memory_its_weights_save(free_gpu):
+    """Qwen3-8B's linears hold ~6.9e9 weights: in int4 (groups of 128) they take ~3.6 GB instead of ~13.9 GB."""
+    from engine.builtin import BUILTIN_MODELS
+    from worker.bench_engine import BENCH_QUANTIZATIONS, quantized_shape
+
+    sizes = {}
+    for name, model in (("bf16", "qwen3-8b"), ("awq", quantized_shape(BUILTIN_MODELS["qwen3-8b"],
+                                                                        BENCH_QUANTIZATIONS["awq"]))):
+        llm = LLM(model, load_format="dummy", enforce_eager=True, max_model_len=4096)
+        runner = llm.runner
+        sizes[name] = runner.num_kvcache_blocks * runner._kv_bytes_per_block()
+        llm.shutdown()
+    print(f"KV cache bytes: {sizes}")
+    assert sizes["awq"] - sizes["bf16"] > 9e9
