@@ -326,31 +326,6 @@ def test_masks_have_begun_when_start_returns_and_equal_each_matchers_own(tiny):
         assert masks[row].numpy().tobytes() == state.matcher.compute_bitmask()[: words * 4]
 
 
-def test_following_many_states_at_once_equals_following_each(tiny):
-    """The engine follows a step's constrained rows in one parallel call (MaskFiller.follow): each state ends
-    where its own follow() leaves it (one new token, several, none), and a refused token leaves the
-    state's error for its next follow() to raise."""
-    from engine.sampling.grammar import MaskFiller
-
-    compiled = tiny.grammars.compile("regex", "[a-c]{3}x|y+")
-    ids = {text: tiny.tokenizer(text, add_special_tokens=False)["input_ids"] for text in ("a", "b", "y", "ab", "x")}
-    completions = [ids["a"], ids["a"] + ids["b"], ids["y"] + ids["y"], [], ids["ab"] + [-1], ids["x"]]
-    together, apart = [compiled.state() for _ in completions], [compiled.state() for _ in completions]
-    for state, completion in zip(together + apart, completions + completions):
-        state.follow(completion[:1] if len(completion) > 2 else [])  # where the last step left them
-    filler = MaskFiller()
-    filler.follow(list(zip(together, completions)))
-    for state, completion in zip(apart[:-1], completions[:-1]):
-        state.follow(completion)
-    for a, b in zip(together[:-1], apart[:-1]):
-        assert (a.num_consumed, a.done) == (b.num_consumed, b.done)
-        assert a.matcher.compute_bitmask() == b.matcher.compute_bitmask()
-    refused = together[-1]
-    assert refused.matcher.is_error() and refused.num_consumed == 0
-    with pytest.raises(ValueError, match="refused"):
-        refused.follow(completions[-1])
-
-
 ASCII_CASES = [({"regex": r"\d{4}-\d{2}-\d{2}"}, r"[0-9]{4}-[0-9]{2}-[0-9]{2}"),
                ({"regex": r"\w{3}\s\w{3}"}, r"[0-9A-Za-z_]{3}[\t\n\v\f\r ][0-9A-Za-z_]{3}"),
                ({"json_schema": {"type": "string", "pattern": r"^\d{2}\s\w{2}$"}},

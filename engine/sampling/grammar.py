@@ -342,67 +342,28 @@ class GrammarState:
     def follow(self, completion_token_ids: list[int]) -> None:
         """Consume the completion's resolved tokens not consumed yet (a trailing -1 is still in flight).
         ValueError if the grammar refuses one (the mask allowed it, so this is never a user's mistake)."""
-        new, num_resolved = self.unconsumed(completion_token_ids)
-        if new:
-            if not self.matcher.consume_tokens(new):
-                raise ValueError(f"the grammar refused token {new[-1]}: {_one_line(self.matcher.get_error())}")
-            self.consumed(num_resolved)
-        self.num_consumed = num_resolved
-
-    def unconsumed(self, completion_token_ids: list[int]) -> tuple[list[int], int]:
-        """(the resolved tokens the matcher has not consumed, how many tokens are resolved); a fresh matcher
-        first where there is none yet or the completion went back (recomputed, forked)."""
         num_resolved = len(completion_token_ids)
         if num_resolved and completion_token_ids[-1] < 0:
             num_resolved -= 1
         if self.matcher is None or num_resolved < self.num_consumed:
             (self.matcher, self.template), self.num_consumed, self.done = self.compiled.matcher(), 0, False
-        return completion_token_ids[self.num_consumed: num_resolved], num_resolved
-
-    def consumed(self, num_resolved: int) -> None:
-        """The matcher took the tokens up to num_resolved."""
-        self.done = self.matcher.is_stopped()
+        new = completion_token_ids[self.num_consumed: num_resolved]
+        if new:
+            if not self.matcher.consume_tokens(new):
+                raise ValueError(f"the grammar refused token {new[-1]}: {_one_line(self.matcher.get_error())}")
+            self.done = self.matcher.is_stopped()
         self.num_consumed = num_resolved
 
 
 class MaskFiller:
-    """Computes a batch's masks on the host: the rows in parallel on llguidance's threads, in one call from a
+    """Computes a batch's masks on the host: the rows in parallel on llguidance's threads, each call from a
     thread of ours, so that the engine's thread goes on meanwhile (llguidance releases the GIL)."""
+
+    CALLS = 2  # calls a step's rows are split into, in flight at once: the first computed while the next follows
 
     def __init__(self):
         self._executor = None
         self._threads = None
-
-    def follow(self, rows: list[tuple[GrammarState, list[int]]]) -> None:
-        """GrammarState.follow for each (state, completion token ids), where a state has one new token (each
-        decode step) in one call that consumes them in parallel on llguidance's threads. A state the grammar
-        refused keeps its tokens unconsumed and its matcher's error: its next follow() raises."""
-        single, states = [], []
-        for state, completion in rows:
-            new, num_resolved = state.unconsumed(completion)
-            if len(new) == 1:
-                single.append((state.matcher, new[0]))
-                states.append((state, num_resolved))
-            elif new:
-                try:
-                    state.follow(completion)
-                except ValueError:
-                    pass  # raised again where the step's tokens are processed, which fails the request
-            else:
-                state.num_consumed = num_resolved
-        if single:
-            for (state, num_resolved), ok in zip(states, self._pools()[0].consume_token_par(single)):
-                if ok:
-                    state.consumed(num_resolved)
-
-    def _pools(self) -> tuple:
-        """llguidance's executor and our threads that call it, made when first needed."""
-        if self._executor is None:
-            from llguidance import LLExecutor
-
-            self._executor = LLExecutor(mask_threads())
-            self._threads = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
-        return self._executor, self._threads
 
     def start(self, rows: list[tuple[GrammarState, int]], address: int, row_bytes: int,
               num_rows: int) -> Future | None:
@@ -413,14 +374,18 @@ class MaskFiller:
         next blocks."""
         if not rows:
             return None
-        executor, threads = self._pools()
+        if self._executor is None:
+            from llguidance import LLExecutor
+
+            self._executor = LLExecutor(mask_threads())
+            self._threads = ThreadPoolExecutor(self.CALLS, thread_name_prefix="grammar-masks")
         # the threads take runs of neighbouring rows: copies of one start matcher together, one thread's
         matchers = [(s.matcher, row) for s, row in sorted(rows, key=lambda r: (id(r[0].compiled), r[0].template))]
         begun = threading.Event()
 
         def compute():
             begun.set()
-            executor.unsafe_compute_mask_ptr(matchers, address, row_bytes, num_rows)
-        future = threads.submit(compute)
+            self._executor.unsafe_compute_mask_ptr(matchers, address, row_bytes, num_rows)
+        future = self._threads.submit(compute)
         begun.wait()
         return future

@@ -54,25 +54,37 @@ class MaskBuilder:
 
     def start(self, seqs: list, index: list[int]) -> _PendingMasks:
         """Begin the masks of the constrained rows `index` of the sampled sequences `seqs`, once every
-        token before them has resolved: the live rows' grammars follow their completions (one call for all,
-        consumed in parallel), then llguidance computes the masks into a host buffer (one call, the rows in
-        parallel) on a thread of ours while the caller goes on. A row finished meanwhile (its token will be
-        dropped), or whose grammar refused its last token (its request fails as the token is processed),
-        allows every token."""
+        token before them has resolved: each live row's grammar follows its completion, then llguidance
+        computes the masks into a host buffer (in MaskFiller.CALLS calls, each for a part of the rows, begun
+        before the next part follows) on threads of their own while the caller goes on. A row finished
+        meanwhile (its token will be dropped), or whose grammar refused its last token (its request fails
+        as the token is processed), allows every token."""
         words = (self.vocab_size + 31) // 32
         slot, host = self.ring.take((len(index), words), torch.int32)
-        live = [row for row, i in enumerate(index) if not seqs[i].is_finished]
-        self.filler.follow([(seqs[index[row]].grammar, seqs[index[row]].completion_token_ids) for row in live])
-        masked, allow_all = [], set(range(len(index)))
-        for row in live:
-            grammar = seqs[index[row]].grammar
-            if not (grammar.done or grammar.matcher.is_error()):
-                masked.append((grammar, row))
-                allow_all.discard(row)
-        if allow_all:
-            host[sorted(allow_all)] = -1
-        future = self.filler.start(masked, host.data_ptr(), words * 4, len(index))
-        return _PendingMasks(GrammarMasks(host, self.ring, slot), [future] if future is not None else [])
+        pending = []
+        # one part per call the filler keeps in flight, the first's masks computed while the next follows; by
+        # start matcher, so that the calls never wait on each other's matchers' locks
+        parts = [[] for _ in range(self.filler.CALLS)]
+        for row, i in enumerate(index):
+            parts[seqs[i].grammar.template % self.filler.CALLS].append(row)
+        for rows in parts:
+            live = []
+            for row in rows:
+                seq = seqs[index[row]]
+                if not seq.is_finished:
+                    try:
+                        seq.grammar.follow(seq.completion_token_ids)
+                    except ValueError:
+                        pass  # follow() raises again where the step's tokens are processed, and fails the request
+                    else:
+                        if not seq.grammar.done:
+                            live.append((seq.grammar, row))
+                            continue
+                host[row].fill_(-1)
+            future = self.filler.start(live, host.data_ptr(), words * 4, len(index))
+            if future is not None:
+                pending.append(future)
+        return _PendingMasks(GrammarMasks(host, self.ring, slot), pending)
 
     @staticmethod
     def finish(pending: _PendingMasks) -> GrammarMasks:
