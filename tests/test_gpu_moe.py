@@ -70,10 +70,12 @@ def test_top_k_kernel_picks_torch_experts(tokens, num_experts, top_k):
     for renormalize in (True, False):
         want_w, want_e = route(logits, top_k, renormalize)
         got_w, got_e = route_top_k(logits, top_k, renormalize)
-        # bf16 logits tie now and then: the same set of weights either way
-        same = (got_e.long() == want_e).all(1)
-        assert same.float().mean() > 0.99
-        torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+        # bf16 logits tie often (at 128 experts and top-8, about one row in eight under the Triton interpreter):
+        # tied experts may come in another order, or the k-th place go to another of a tie, so each row's
+        # chosen logits and its weights are compared as sorted values
+        chosen = lambda experts: logits.gather(1, experts.long()).float().sort(1).values  # noqa: E731
+        assert torch.equal(chosen(got_e), chosen(want_e))
+        torch.testing.assert_close(got_w.sort(1).values, want_w.sort(1).values, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("activation", ["silu", "swiglu_clamped"])
