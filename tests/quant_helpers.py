@@ -11,6 +11,7 @@ tensors that replace `<module>.weight`, by suffix; the dequantized weight). Add 
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -297,3 +298,60 @@ def quantize_mxfp4_checkpoint(src: Path, out: Path) -> Path:
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": MXFP4_NOT_CONVERTED}
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return reference
+
+
+# ---- shared by the GPU tests of the quantized kernels (tests/test_gpu_quant_*.py) ----------------------------
+
+def random_prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(rng.randint(8, 300))] for _ in range(n)]
+
+
+def prompt_logits(llm, prompt: list[int]) -> torch.Tensor:
+    """float32 logits of every position of one prompt, one eager prefill."""
+    from engine.execution.model_runner import prefill_inputs
+
+    runner = llm.runner
+    inputs = prefill_inputs([prompt], runner.block_size, -(-len(prompt) // runner.block_size))
+    inputs.logits_indices = torch.arange(len(prompt))
+    with torch.inference_mode():
+        return runner.compute_logits(runner.forward(inputs), inputs).float()
+
+
+def against_dequantized(model_dir, reference, prompts: list[list[int]]) -> tuple[list[float], int, int]:
+    """The quantized checkpoint's bf16 prompt logits against its dequantized float checkpoint's: (each prompt's
+    relative error, positions with the same top token, positions)."""
+    from engine import LLM
+
+    logits = []
+    for path in (model_dir, reference):
+        llm = LLM(str(path), dtype="bfloat16", enforce_eager=True, num_kvcache_blocks=64)
+        logits.append([prompt_logits(llm, p) for p in prompts])
+        llm.shutdown()
+    ours, ref = logits
+    errors = [float((a - b).norm() / b.norm()) for a, b in zip(ours, ref)]
+    same_top = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(ours, ref))
+    return errors, same_top, sum(len(p) for p in prompts)
+
+
+def eager_and_graph_tokens(model_dir, prompts: list[list[int]], max_tokens: int = 24) -> tuple[list, list]:
+    """Greedy tokens of the prompts with eager steps, then with the decode graphs."""
+    from engine import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs = []
+    for eager in (True, False):
+        llm = LLM(str(model_dir), dtype="bfloat16", enforce_eager=eager, num_kvcache_blocks=128)
+        outs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        llm.shutdown()
+    return outs[0], outs[1]
+
+
+def kv_cache_bytes(model: str) -> int:
+    """The KV cache an engine of `model` (dummy weights) sizes itself on this GPU."""
+    from engine import LLM
+
+    llm = LLM(model, load_format="dummy", enforce_eager=True, max_model_len=4096)
+    size = llm.runner.num_kvcache_blocks * llm.runner._kv_bytes_per_block()
+    llm.shutdown()
+    return size

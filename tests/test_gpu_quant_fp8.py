@@ -4,15 +4,12 @@ within fp8's error of its dequantized bf16 run; decode graphs giving eager's tok
 shape taking the memory fp8 weights save."""
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.execution.model_runner import prefill_inputs
 from tests.conftest import make_checkpoint
-from tests.quant_helpers import quantize_checkpoint
+from tests.quant_helpers import (against_dequantized, eager_and_graph_tokens, kv_cache_bytes, quantize_checkpoint,
+                                  random_prompts)
 
 pytestmark = pytest.mark.gpu
 FP8 = torch.float8_e4m3fn
@@ -99,48 +96,21 @@ def fp8_checkpoints(tmp_path_factory) -> dict:
     return out
 
 
-def _prompts(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 500) for _ in range(rng.randint(8, 300))] for _ in range(n)]
-
-
-def _prompt_logits(llm, prompt):
-    runner = llm.runner
-    inputs = prefill_inputs([prompt], runner.block_size, -(-len(prompt) // runner.block_size))
-    inputs.logits_indices = torch.arange(len(prompt))
-    with torch.inference_mode():
-        return runner.compute_logits(runner.forward(inputs), inputs).float()
-
-
 @pytest.mark.parametrize("fmt", ["fp8-block", "ct-fp8-channel"])
 def test_prompt_logits_are_within_fp8_activation_error_of_the_dequantized_bf16_run(fp8_checkpoints, fmt, free_gpu):
     """Only the activations' fp8 rounding separates the two runs (the weights are the same values): a few
     percent of the logits' norm, and the same top token almost everywhere."""
     model_dir, reference = fp8_checkpoints[fmt]
-    quantized = LLM(str(model_dir), dtype="bfloat16", enforce_eager=True, num_kvcache_blocks=64)
-    ours = [_prompt_logits(quantized, p) for p in _prompts(4, 1)]
-    quantized.shutdown()
-    dequantized = LLM(str(reference), dtype="bfloat16", enforce_eager=True, num_kvcache_blocks=64)
-    ref = [_prompt_logits(dequantized, p) for p in _prompts(4, 1)]
-    dequantized.shutdown()
-    errors = [float((a - b).norm() / b.norm()) for a, b in zip(ours, ref)]
-    same_top = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(ours, ref))
-    total = sum(len(p) for p in _prompts(4, 1))
+    errors, same_top, total = against_dequantized(model_dir, reference, random_prompts(4, 1))
     print(f"{fmt}: relative logit error {errors}, same top token {same_top}/{total}")
     assert max(errors) < 0.08 and same_top >= 0.9 * total
 
 
 def test_decode_graphs_give_the_eager_tokens(fp8_checkpoints, free_gpu):
     model_dir, _ = fp8_checkpoints["fp8-block"]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    prompts = _prompts(8, 2)
-    outs = {}
-    for eager in (True, False):
-        llm = LLM(str(model_dir), dtype="bfloat16", enforce_eager=eager, num_kvcache_blocks=128)
-        outs[eager] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        llm.shutdown()
-    same = sum(a == b for a, b in zip(outs[True], outs[False]))
-    assert same >= len(prompts) - 1, (outs[True], outs[False])
+    prompts = random_prompts(8, 2)
+    eager, graphs = eager_and_graph_tokens(model_dir, prompts)
+    assert sum(a == b for a, b in zip(eager, graphs)) >= len(prompts) - 1, (eager, graphs)
 
 
 def test_the_8b_shape_in_fp8_gives_its_kv_cache_the_memory_its_weights_save(free_gpu):
@@ -148,12 +118,7 @@ def test_the_8b_shape_in_fp8_gives_its_kv_cache_the_memory_its_weights_save(free
     from engine.builtin import BUILTIN_MODELS
     from worker.bench_engine import BENCH_QUANTIZATIONS, quantized_shape
 
-    sizes = {}
-    for name, model in (("bf16", "qwen3-8b"), ("fp8", quantized_shape(BUILTIN_MODELS["qwen3-8b"],
-                                                                        BENCH_QUANTIZATIONS["fp8"]))):
-        llm = LLM(model, load_format="dummy", enforce_eager=True, max_model_len=4096)
-        runner = llm.runner
-        sizes[name] = runner.num_kvcache_blocks * runner._kv_bytes_per_block()
-        llm.shutdown()
+    sizes = {"bf16": kv_cache_bytes("qwen3-8b"),
+             "fp8": kv_cache_bytes(quantized_shape(BUILTIN_MODELS["qwen3-8b"], BENCH_QUANTIZATIONS["fp8"]))}
     print(f"KV cache bytes: {sizes}")
     assert sizes["fp8"] - sizes["bf16"] > 5e9

@@ -6,16 +6,13 @@ giving eager's tokens. Speed (batch 1 on the 8B shape, int4 against bf16) is mea
 docs/quantization.md gives the commands."""
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.execution.model_runner import prefill_inputs
 from engine.layers.quant.int4 import dequantize, pack_int4
 from tests.conftest import make_checkpoint
-from tests.quant_helpers import int4_format, quantize_checkpoint
+from tests.quant_helpers import (against_dequantized, eager_and_graph_tokens, int4_format, kv_cache_bytes,
+                                  quantize_checkpoint, random_prompts)
 
 pytestmark = pytest.mark.gpu
 # (rows, N, K, group): decode rows (GEMV) and prefill rows (GEMM) on Qwen3-8B's qkv, o, gate/up and down; small
@@ -72,48 +69,21 @@ def int4_checkpoints(tmp_path_factory) -> dict:
     return out
 
 
-def _prompts(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 500) for _ in range(rng.randint(8, 300))] for _ in range(n)]
-
-
-def _prompt_logits(llm, prompt):
-    runner = llm.runner
-    inputs = prefill_inputs([prompt], runner.block_size, -(-len(prompt) // runner.block_size))
-    inputs.logits_indices = torch.arange(len(prompt))
-    with torch.inference_mode():
-        return runner.compute_logits(runner.forward(inputs), inputs).float()
-
-
 @pytest.mark.parametrize("fmt", ["awq", "gptq-desc-act", "ct-int4-sym"])
 def test_prompt_logits_equal_the_dequantized_bf16_run(int4_checkpoints, fmt, free_gpu):
     """The weights are the same values in both runs (int4 x scale, rounded to bf16 as the GEMM's tiles are): only
     the sums' order and the GEMV's float32 weights separate them."""
     model_dir, reference = int4_checkpoints[fmt]
-    quantized = LLM(str(model_dir), dtype="bfloat16", enforce_eager=True, num_kvcache_blocks=64)
-    ours = [_prompt_logits(quantized, p) for p in _prompts(4, 1)]
-    quantized.shutdown()
-    dequantized = LLM(str(reference), dtype="bfloat16", enforce_eager=True, num_kvcache_blocks=64)
-    ref = [_prompt_logits(dequantized, p) for p in _prompts(4, 1)]
-    dequantized.shutdown()
-    errors = [float((a - b).norm() / b.norm()) for a, b in zip(ours, ref)]
-    same_top = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(ours, ref))
-    total = sum(len(p) for p in _prompts(4, 1))
+    errors, same_top, total = against_dequantized(model_dir, reference, random_prompts(4, 1))
     print(f"{fmt}: relative logit error {errors}, same top token {same_top}/{total}")
     assert max(errors) < 0.03 and same_top >= 0.95 * total
 
 
 def test_decode_graphs_give_the_eager_tokens(int4_checkpoints, free_gpu):
     model_dir, _ = int4_checkpoints["gptq-desc-act"]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    prompts = _prompts(8, 2)
-    outs = {}
-    for eager in (True, False):
-        llm = LLM(str(model_dir), dtype="bfloat16", enforce_eager=eager, num_kvcache_blocks=128)
-        outs[eager] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        llm.shutdown()
-    same = sum(a == b for a, b in zip(outs[True], outs[False]))
-    assert same >= len(prompts) - 1, (outs[True], outs[False])
+    prompts = random_prompts(8, 2)
+    eager, graphs = eager_and_graph_tokens(model_dir, prompts)
+    assert sum(a == b for a, b in zip(eager, graphs)) >= len(prompts) - 1, (eager, graphs)
 
 
 def test_the_8b_shape_in_int4_gives_its_kv_cache_the_memory_its_weights_save(free_gpu):
@@ -121,12 +91,7 @@ def test_the_8b_shape_in_int4_gives_its_kv_cache_the_memory_its_weights_save(fre
     from engine.builtin import BUILTIN_MODELS
     from worker.bench_engine import BENCH_QUANTIZATIONS, quantized_shape
 
-    sizes = {}
-    for name, model in (("bf16", "qwen3-8b"), ("awq", quantized_shape(BUILTIN_MODELS["qwen3-8b"],
-                                                                        BENCH_QUANTIZATIONS["awq"]))):
-        llm = LLM(model, load_format="dummy", enforce_eager=True, max_model_len=4096)
-        runner = llm.runner
-        sizes[name] = runner.num_kvcache_blocks * runner._kv_bytes_per_block()
-        llm.shutdown()
+    sizes = {"bf16": kv_cache_bytes("qwen3-8b"),
+             "awq": kv_cache_bytes(quantized_shape(BUILTIN_MODELS["qwen3-8b"], BENCH_QUANTIZATIONS["awq"]))}
     print(f"KV cache bytes: {sizes}")
     assert sizes["awq"] - sizes["bf16"] > 9e9
