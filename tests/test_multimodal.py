@@ -122,8 +122,8 @@ def test_chunked_prefill_across_image_tokens_keeps_tokens(vl):
                 split_images.append(seq.seq_id)
         return batch
 
-    def spy_build(batch, sampled):
-        inputs = build(batch, sampled)
+    def spy_build(batch, sampled, *rest):
+        inputs = build(batch, sampled, *rest)
         (image_steps if inputs.mrope_positions is not None else text_steps).append(inputs.images)
         return inputs
 
@@ -177,8 +177,8 @@ def test_text_only_steps_on_a_vl_model_run_the_text_path(vl):
     steps = []
     build = llm.steps.build
 
-    def spy(batch, sampled):
-        inputs = build(batch, sampled)
+    def spy(batch, sampled, *rest):
+        inputs = build(batch, sampled, *rest)
         steps.append((inputs.is_decode, inputs.mrope_positions, inputs.images,
                       [(s.num_tokens - 1 + s.mrope_position_delta) for s in batch.seqs], inputs.positions.tolist()))
         return inputs
