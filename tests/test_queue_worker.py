@@ -55,7 +55,7 @@ def test_text_chat_and_token_id_jobs_match_llm_generate(url, client, engine, ref
 
 def test_stream_deltas_concatenate_to_the_final_text(url, client, engine):
     # long enough, and written every step, that a loaded machine's slow flush still leaves several pieces
-    sampling = {"temperature": 1.0, "seed": 7, "max_tokens": 300, "ignore_eos": True}
+    sampling = {"temperature": 1.0, "seed": 7, "max_tokens": 1000, "ignore_eos": True}
     with worker_thread(url, client.keys.queue, engine, stream_interval=0):
         job_id = client.submit("Tell me something", sampling=sampling)
         deltas = list(client.stream(job_id, timeout=60))
