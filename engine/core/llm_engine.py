@@ -66,6 +66,7 @@ class LLMEngine:
         self._inflight: _InFlight | None = None
         self._pooling: Pooling | None = None  # the model's, read at its first embedding request
         self._scoring: set[str] = set()  # requests whose prompt logprobs are not all in yet
+        self._embedding: set[str] = set()  # embedding requests not finished yet
         self._shut_down = False
 
     def _make_runner(self, config: EngineConfig) -> Runner:
@@ -127,6 +128,7 @@ class LLMEngine:
                               self.config.kvcache_block_size)
         group.first.pooling = PooledState(self._pooling, dimensions)
         self.requests[request_id] = group
+        self._embedding.add(request_id)
         self.scheduler.add(group.first)
         return request_id
 
@@ -328,7 +330,7 @@ class LLMEngine:
         the engine computes their masks (_masks, which may collect the launch in flight into `collected`),
         then the runner samples."""
         pooled = [(seq, seq.num_computed_tokens, n) for seq, n in zip(batch.seqs, batch.num_tokens)
-                  if seq.pooling is not None]
+                  if seq.pooling is not None] if self._embedding else []  # no per-sequence check on most steps
         scored = [(seq, start, count) for _, seq, start, count in spans]
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
@@ -533,6 +535,7 @@ class LLMEngine:
         if group.is_finished:
             self.requests.pop(group.request_id, None)
             self._scoring.discard(group.request_id)
+            self._embedding.discard(group.request_id)
         first = group.first
         if first.pooling is not None:
             done = first.finish_reason == "stop"
@@ -573,6 +576,7 @@ class LLMEngine:
             self.abort(rid)
             self.requests.pop(rid, None)
             self._scoring.discard(rid)
+            self._embedding.discard(rid)
         self._aborted.clear()
 
     def embed(self, inputs: str | list[str] | list[int] | list[list[int]], dimensions: int | None = None,
