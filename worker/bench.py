@@ -1,4 +1,5 @@
-"""`redline bench`: the engine alone (worker/bench_engine.py), or with `--through-queue` the same jobs end to end.
+"""`redline bench`: the engine alone (worker/bench_engine.py), or with `--through-queue` the same jobs end to end
+(`--shared-prefixes`: cache-aware admission against arrival order, worker/bench_prefixes.py).
 
 Through the queue, one process holds one engine and runs, after a warm-up:
   raw    llm.generate(workload)                              (the engine alone)
@@ -46,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--submit-jobs", type=int, default=20_000, help="jobs for the submit-rate measurement")
     q.add_argument("--celery", action="store_true",
                    help="also run the jobs as Celery tasks (send_task, then .get()) through the same worker")
+    q.add_argument("--shared-prefixes", action="store_true",
+                   help="instead: 16 system prompts x 64 jobs through the queue, arrival order against "
+                        "--cache-aware-admission (worker/bench_prefixes.py)")
+    q.add_argument("--admission-max-wait", type=float, default=None,
+                   help="--shared-prefixes: the cache-aware worker's --admission-max-wait [its default]")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     return parser
 
@@ -57,7 +63,7 @@ def run_bench(args: argparse.Namespace) -> int:
     args.debug = getattr(args, "debug", False) or opts.debug  # the top-level error handler reads it
     if opts.celery and not opts.through_queue:
         raise ValueError("--celery compares Celery tasks with the queue's jobs: add --through-queue")
-    if not opts.through_queue:
+    if not (opts.through_queue or opts.shared_prefixes):
         engine_bench.run(opts)
         return 0
     engine_bench.check_arguments(opts)
@@ -71,7 +77,12 @@ def run_bench(args: argparse.Namespace) -> int:
         check_server(connect(opts.redis_url), opts.redis_url)  # before the model loads
     server = None if opts.redis_url else RedisServer().start()
     try:
-        record = run_through_queue(opts, opts.redis_url or server.url)
+        if opts.shared_prefixes:
+            from .bench_prefixes import run as run_shared_prefixes
+
+            record = run_shared_prefixes(opts, opts.redis_url or server.url)
+        else:
+            record = run_through_queue(opts, opts.redis_url or server.url)
     finally:
         if server is not None:
             server.stop()
@@ -143,10 +154,12 @@ def run_through_queue(opts: argparse.Namespace, url: str) -> dict:
     }
 
 
-def through_queue(llm, url: str, jobs: list[dict], opts, celery: bool = False, producer=None) -> tuple[float, int]:
+def through_queue(llm, url: str, jobs: list[dict], opts, celery: bool = False, producer=None,
+                  worker_settings: dict | None = None) -> tuple[float, int]:
     """Run a worker on this thread (where the engine was built) and a producer beside it (redline's Client,
     or with `celery` a Celery app's send_task, or `producer(url, queue)`'s function of a list of jobs that
-    returns their results); time from the first submit to the last result read back."""
+    returns their results); time from the first submit to the last result read back. `worker_settings`: more
+    of the worker's settings."""
     from producer.connection import connect
 
     from .loop import Worker
@@ -154,7 +167,7 @@ def through_queue(llm, url: str, jobs: list[dict], opts, celery: bool = False, p
 
     queue = f"bench-{uuid.uuid4().hex[:8]}"
     settings = WorkerSettings(model=str(opts.model), redis_url=url, queue=queue, worker_name="bench-worker",
-                              celery_queue=queue if celery else None)
+                              celery_queue=queue if celery else None, **(worker_settings or {}))
     worker = Worker(settings, llm, connect(url))
     run_jobs = (producer or (_celery_producer if celery else _redline_producer))(url, queue)
     outcome: dict = {}
