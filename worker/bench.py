@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--shared-prefixes", action="store_true",
                    help="instead: 16 system prompts x 64 jobs through the queue, arrival order against "
                         "--cache-aware-admission (worker/bench_prefixes.py)")
+    q.add_argument("--cache-aware-admission", action="store_true",
+                   help="--through-queue: the worker reads ahead and the engine prefers cached prefixes (the "
+                        "engine-alone run does not)")
     q.add_argument("--admission-max-wait", type=float, default=None,
                    help="--shared-prefixes: the cache-aware worker's --admission-max-wait [its default]")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
@@ -124,7 +127,9 @@ def run_through_queue(opts: argparse.Namespace, url: str) -> dict:
 
     jobs = [{"prompt_token_ids": prompt, "sampling": sampling_dict(sp), "stream": opts.stream}
             for prompt, sp in zip(prompts, params)]
-    queue_s, queue_tokens = through_queue(llm, url, jobs, opts)
+    llm.scheduler.prefer_cached = opts.cache_aware_admission
+    queue_s, queue_tokens = through_queue(llm, url, jobs, opts,
+                                          worker_settings={"cache_aware_admission": opts.cache_aware_admission})
     ratio = (queue_tokens / queue_s) / (raw_tokens / raw_s)
     print(f"through the queue: {queue_tokens} tokens in {queue_s:.2f} s = {queue_tokens / queue_s:,.0f} tok/s "
           f"({ratio:.3f} of the engine alone)", flush=True)
@@ -145,7 +150,7 @@ def run_through_queue(opts: argparse.Namespace, url: str) -> dict:
         "gpu": engine_bench.gpu_name(), "commit": engine_bench.git_commit(opts.commit),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "model": Path(engine_bench.resolve_model(opts.model)).name,
-        "num_seqs": opts.num_seqs, "stream": opts.stream,
+        "num_seqs": opts.num_seqs, "stream": opts.stream, "cache_aware_admission": opts.cache_aware_admission,
         "raw_tokens": raw_tokens, "raw_seconds": round(raw_s, 3), "raw_tok_s": round(raw_tokens / raw_s, 1),
         "queue_tokens": queue_tokens, "queue_seconds": round(queue_s, 3),
         "queue_tok_s": round(queue_tokens / queue_s, 1), "queue_vs_raw": round(ratio, 4), **celery,
