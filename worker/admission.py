@@ -13,6 +13,7 @@ Jobs whose deadline has passed are started at once (START settles them expired),
 """
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -94,22 +95,36 @@ class Lookahead:
             return []
         now = time.monotonic()
         self._warm = {h: until for h, until in self._warm.items() if until > now}
-        urgent = {id(w) for w in self._waiting if now - w.read_at >= self.max_wait
-                  or (w.deadline_at is not None and w.deadline_at - now <= self.max_wait)}
+        families: dict[int, list[Waiting]] = {}  # by the hash of the first block: jobs that may share blocks
         for w in self._waiting:
             w.score = max(self.cached_blocks(w.hashes), self._warm_blocks(w.hashes)) if w.hashes else 0
+            if w.hashes:
+                families.setdefault(w.hashes[0], []).append(w)
+
+        def key(w: Waiting) -> tuple:
+            urgent = now - w.read_at >= self.max_wait or (w.deadline_at is not None
+                                                          and w.deadline_at - now <= self.max_wait)
+            return (-w.priority, 0, w.order, 0) if urgent else (-w.priority, 1, -w.score, w.order)
+
+        heap = [(key(w), w.order, w) for w in self._waiting]
+        heapq.heapify(heap)
         chosen: list[Waiting] = []
-        while len(chosen) < n and self._waiting:
-            best = max(self._waiting, key=lambda w: (w.priority, 1, 0, -w.order) if id(w) in urgent
-                       else (w.priority, 0, w.score, -w.order))
-            self._waiting.remove(best)
+        taken: set[int] = set()
+        while len(chosen) < n and heap:
+            k, order, best = heapq.heappop(heap)
+            if order in taken or k != key(best):  # taken, or its score rose since this entry was pushed
+                continue
+            taken.add(order)
             chosen.append(best)
             if best.hashes:  # its siblings share the blocks it is about to compute
                 for h in best.hashes:
                     self._warm[h] = now + WARM_S
-                for w in self._waiting:
-                    if w.hashes and w.hashes[0] == best.hashes[0]:
-                        w.score = max(w.score, self._warm_blocks(w.hashes))
+                for w in families[best.hashes[0]]:
+                    score = self._warm_blocks(w.hashes)
+                    if w.order not in taken and score > w.score:
+                        w.score = score
+                        heapq.heappush(heap, (key(w), w.order, w))
+        self._waiting = [w for w in self._waiting if w.order not in taken]
         return chosen
 
     def _warm_blocks(self, hashes: list[int]) -> int:

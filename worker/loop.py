@@ -275,7 +275,7 @@ class Worker:
         try:
             pipe = self.redis.pipeline(transaction=False)
             for job in self.in_flight.jobs():
-                if job.source is None:
+                if job.source is None and not job.waiting:  # one read ahead never ran here
                     pipe.hset(self.keys.job(job.job_id), "last_error", error)
             pipe.execute()
         except redis.RedisError:
