@@ -247,3 +247,14 @@ def test_jobs_taken_over_or_cancelled_while_read_ahead_leave_it():
     ahead.restore(due)  # starting them failed: they wait again
     assert len(ahead) == 2 and ahead.space() == 14
     assert sorted(j.job_id for j in ahead.take_all()) == ["j1", "j2"]
+
+
+def test_the_age_bound_counts_from_a_jobs_turn_in_arrival_order_not_from_its_read():
+    ahead = _lookahead(max_wait=0.1)
+    ahead.add(_job("a0"), [1, 2])
+    ahead.add(_job("lone"), [9])
+    for i in range(1, 8):
+        ahead.add(_job(f"a{i}"), [1, 2])
+    assert _ids(ahead.choose(2)) == ["a0", "a1"]  # two starts: a0's turn and the lone job's have come
+    time.sleep(0.15)  # everything was read over max_wait ago, but only the lone job is past its turn
+    assert _ids(ahead.choose(3)) == ["lone", "a2", "a3"]

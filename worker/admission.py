@@ -5,8 +5,10 @@ A job read ahead is pending under this worker like a running one (heartbeated, r
 this one dies, handed back when it drains) but not started: its status stays `queued`, so a cancel settles
 it at once, and START checks its deadline when it starts. When room frees, `Lookahead.choose` picks:
   1. the highest priority read ahead (the streams' order);
-  2. within it, jobs that have waited `max_wait` seconds here, or whose deadline falls within that, oldest first
-     (a backlog read ahead that takes the engine longer than max_wait comes out in arrival order);
+  2. within it, jobs whose deadline falls within `max_wait` seconds, and jobs kept back `max_wait` seconds past
+     their turn in arrival order, oldest first. A job's turn comes when as many jobs have started as were read
+     ahead before it: that is when arrival order would have started it, so grouping delays a job by about
+     max_wait at most, however long the backlog read ahead;
   3. then the job whose prompt has the most leading blocks in the engine's prefix cache, or shared with jobs
      started in the last WARM_S seconds (their blocks are about to be computed); the oldest of equals.
 Jobs whose deadline has passed are started at once (START settles them expired), whatever the room.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -31,10 +34,10 @@ class Waiting:
     job: Job
     priority: int
     order: int  # arrival here: the oldest of equals first
-    read_at: float  # time.monotonic() when read
     deadline_at: float | None  # time.monotonic() of its deadline, from its entry id (Redis's clock)
     hashes: list[int] = field(default_factory=list)  # its prompt's leading block hashes (prefix_block_hashes)
     score: int = 0  # leading blocks cached or shared, as of the last choose
+    turn_at: float | None = None  # when arrival order would have started it (time.monotonic())
 
 
 def entry_deadline(entry_id: str, deadline_s: float | None) -> float | None:
@@ -53,6 +56,7 @@ class Lookahead:
         self._waiting: list[Waiting] = []
         self._warm: dict[int, float] = {}  # block hash -> until when it counts as shared
         self._order = 0
+        self._turns: deque[Waiting] = deque()  # every job read ahead, in arrival order, until its turn comes
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -62,12 +66,14 @@ class Lookahead:
 
     def add(self, job: Job, hashes: list[int]) -> None:
         self._order += 1
-        self._waiting.append(Waiting(job, job.spec.priority, self._order, time.monotonic(),
-                                     entry_deadline(job.entry_id, job.spec.deadline_s), hashes))
+        deadline_at = entry_deadline(job.entry_id, job.spec.deadline_s)
+        waiting = Waiting(job, job.spec.priority, self._order, deadline_at, hashes)
+        self._waiting.append(waiting)
+        self._turns.append(waiting)
 
     def take_all(self) -> list[Job]:
         jobs = [w.job for w in self._waiting]
-        self._waiting = []
+        self._waiting, self._turns = [], deque()
         return jobs
 
     def restore(self, waiting: list[Waiting]) -> None:
@@ -102,8 +108,8 @@ class Lookahead:
                 families.setdefault(w.hashes[0], []).append(w)
 
         def key(w: Waiting) -> tuple:
-            urgent = now - w.read_at >= self.max_wait or (w.deadline_at is not None
-                                                          and w.deadline_at - now <= self.max_wait)
+            urgent = ((w.turn_at is not None and now - w.turn_at >= self.max_wait)
+                      or (w.deadline_at is not None and w.deadline_at - now <= self.max_wait))
             return (-w.priority, 0, w.order, 0) if urgent else (-w.priority, 1, -w.score, w.order)
 
         heap = [(key(w), w.order, w) for w in self._waiting]
@@ -116,6 +122,8 @@ class Lookahead:
                 continue
             taken.add(order)
             chosen.append(best)
+            if self._turns:  # one more start: the next job in arrival order has had its turn
+                self._turns.popleft().turn_at = now
             if best.hashes:  # its siblings share the blocks it is about to compute
                 for h in best.hashes:
                     self._warm[h] = now + WARM_S

@@ -2,8 +2,9 @@
 
 Workload (issue 55): random.seed(seed); 16 system prompts of 2,000 ids each; 64 jobs per system prompt, each
 the system prompt and a user part of randint(100, 300) ids, max_tokens randint(128, 512), ignore_eos; the
-1,024 jobs shuffled. The KV cache holds about four system prompts' worth of running sequences:
-4 x (2,000 + 64 x (200 + 320)) tokens, in whole blocks.
+1,024 jobs shuffled. The KV cache holds about four system prompts' worth of running sequences, each with 16
+of its jobs: 4 x (2,000 + 16 x (200 + 320)) = 41,280 tokens, in whole blocks, so arrival order (every system
+prompt's jobs running at once) evicts system prompts that grouped admission (one or two at a time) keeps.
 
 One engine, one process, after a warm-up; the prefix cache is emptied before each run:
   arrival   the worker reads as much as the engine has room for, the scheduler admits first come first
@@ -31,11 +32,12 @@ class SharedPrefixes:
     jobs_per_prefix: int = 64
     user_len: tuple[int, int] = (100, 300)
     output_len: tuple[int, int] = (128, 512)
-    running_prefixes: int = 4  # the KV cache holds this many prefixes' worth of running sequences
+    running_prefixes: int = 4  # the KV cache holds this many prefixes,
+    running_per_prefix: int = 16  # each with this many of its jobs running
 
     def kv_blocks(self, block_size: int) -> int:
         mean_user, mean_output = sum(self.user_len) / 2, sum(self.output_len) / 2
-        tokens = self.running_prefixes * (self.prefix_len + self.jobs_per_prefix * (mean_user + mean_output))
+        tokens = self.running_prefixes * (self.prefix_len + self.running_per_prefix * (mean_user + mean_output))
         return math.ceil(tokens / block_size)
 
     def jobs(self, seed: int, max_token_id: int) -> list[dict]:
