@@ -44,7 +44,10 @@ class SharedPrefixes:
         """The shuffled jobs, as `Client.submit_many` takes them (greedy, so both runs give the same tokens)."""
         rng = random.Random(seed)
         prefixes = [[rng.randint(0, max_token_id) for _ in range(self.prefix_len)] for _ in range(self.num_prefixes)]
-        jobs = [{"prompt_token_ids": prefix + [rng.randint(0, max_token_id) for _ in range(rng.randint(*self.user_len))],
+        def user_part() -> list[int]:
+            return [rng.randint(0, max_token_id) for _ in range(rng.randint(*self.user_len))]
+
+        jobs = [{"prompt_token_ids": prefix + user_part(),
                  "sampling": {"temperature": 0.0, "ignore_eos": True, "max_tokens": rng.randint(*self.output_len)},
                  "stream": False}
                 for prefix in prefixes for _ in range(self.jobs_per_prefix)]
@@ -59,11 +62,10 @@ class SharedPrefixes:
 
 def run(opts: argparse.Namespace, url: str, workload: SharedPrefixes = SharedPrefixes()) -> dict:
     """Both runs on one engine; the JSON record."""
+    from engine.config import EngineConfig
     from worker import bench_engine as engine_bench
 
     from .bench import forget_prefix_cache, through_queue
-
-    from engine.config import EngineConfig
 
     block_size = opts.kvcache_block_size or EngineConfig(opts.model, load_format=opts.load_format,
                                                          device=opts.device).kvcache_block_size

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-
 from itertools import islice
 
 from engine.core.block_manager import BlockManager, prefix_block_hashes
