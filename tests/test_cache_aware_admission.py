@@ -158,6 +158,22 @@ def _pending(client: Client, consumer: str | None = None) -> int:
     return sum(c["pending"] for c in summary["consumers"] if consumer is None or c["name"].decode() == consumer)
 
 
+def test_jobs_read_ahead_by_a_live_worker_are_not_taken_over_past_the_claim_timeout(url):
+    client = Client(url, new_queue())
+    jobs = _long_jobs(6)
+    client.submit_many(jobs)
+    with one_torch_thread():
+        busy, idle = _engine(True, max_num_seqs=1), _engine(False)
+        with worker_thread(url, client.keys.queue, busy, cache_aware_admission=True, lookahead=8, claim_timeout=0.5,
+                           worker_name="reads-ahead"):
+            wait_for(lambda: _pending(client, "reads-ahead") >= 5, 10, "the jobs read ahead")
+            with worker_thread(url, client.keys.queue, idle, claim_timeout=0.5, worker_name="idle"):
+                results = [client.result(j["job_id"], timeout=120) for j in jobs]
+    assert all(r.status == p.SUCCEEDED for r in results)
+    # the heartbeat kept what waited many claim timeouts in the read-ahead: the other worker took none
+    assert {client.redis.hget(client.keys.job(j["job_id"]), "worker").decode() for j in jobs} == {"reads-ahead"}
+
+
 @pytest.mark.timeout(300)
 def test_jobs_read_ahead_are_reclaimed_after_kill_9_and_handed_back_on_sigterm(url):
     client = Client(url, new_queue())
