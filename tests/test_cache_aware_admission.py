@@ -274,3 +274,20 @@ def test_the_age_bound_counts_from_a_jobs_turn_in_arrival_order_not_from_its_rea
     assert _ids(ahead.choose(2)) == ["a0", "a1"]  # two starts: a0's turn and the lone job's have come
     time.sleep(0.15)  # everything was read over max_wait ago, but only the lone job is past its turn
     assert _ids(ahead.choose(3)) == ["lone", "a2", "a3"]
+
+
+def test_text_and_chat_jobs_are_tokenized_once_ahead_and_give_the_same_tokens(url):
+    system = "You answer questions about the history of container shipping in one short sentence. " * 3
+    jobs = []
+    for i in range(6):
+        jobs.append({"job_id": f"text-{i}", "prompt": system + f"Question {i}: when did it start?",
+                     "sampling": {**GREEDY, "max_tokens": 6}})
+        jobs.append({"job_id": f"chat-{i}", "messages": [{"role": "system", "content": system},
+                                                         {"role": "user", "content": f"Question {i}?"}],
+                     "sampling": {**GREEDY, "max_tokens": 6}})
+    _, arrival, _ = _run(url, jobs, cache_aware=False)
+    _, aware, aware_computed = _run(url, jobs, cache_aware=True)
+    assert all(r.status == p.SUCCEEDED for r in arrival + aware)
+    assert [r.token_ids for r in aware] == [r.token_ids for r in arrival]
+    assert [r.usage.prompt_tokens for r in aware] == [r.usage.prompt_tokens for r in arrival]
+    assert aware_computed < sum(r.usage.prompt_tokens for r in aware) / 2  # the shared system text, cached
