@@ -5,8 +5,11 @@ bound, priorities and deadlines hold; jobs read ahead stay the worker's pending 
 worker when it is killed, cancellable, handed back on SIGTERM)."""
 from __future__ import annotations
 
+import os
 import random
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -14,8 +17,8 @@ import redis
 
 from producer import Client
 from producer import protocol as p
-from queue_helpers import (log_of, new_queue, one_torch_thread, start_worker_process, stop_process, tiny_engine,
-                           wait_for, worker_thread)
+from queue_helpers import (REPO_ROOT, log_of, new_queue, one_torch_thread, start_worker_process, stop_process,
+                           tiny_engine, wait_for, worker_thread)
 from queue_helpers import url  # noqa: F401 - the fixture: a module's Redis, on each server
 
 BLOCK = 16
@@ -291,3 +294,12 @@ def test_text_and_chat_jobs_are_tokenized_once_ahead_and_give_the_same_tokens(ur
     assert [r.token_ids for r in aware] == [r.token_ids for r in arrival]
     assert [r.usage.prompt_tokens for r in aware] == [r.usage.prompt_tokens for r in arrival]
     assert aware_computed < sum(r.usage.prompt_tokens for r in aware) / 2  # the shared system text, cached
+
+
+def test_lookahead_without_cache_aware_admission_is_one_line_and_exit_2():
+    done = subprocess.run([sys.executable, "-m", "worker.cli", "worker", "--model", "tiny", "--lookahead", "8"],
+                          cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True,
+                          text=True, timeout=120)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert "--cache-aware-admission" in lines[0] and "Traceback" not in done.stderr
