@@ -9,8 +9,9 @@ it at once, and START checks its deadline when it starts. When room frees, `Look
      their turn in arrival order, oldest first. A job's turn comes when as many jobs have started as were read
      ahead before it: that is when arrival order would have started it, so grouping delays a job by about
      max_wait at most, however long the backlog read ahead;
-  3. then the job whose prompt has the most leading blocks in the engine's prefix cache, or shared with jobs
-     started in the last WARM_S seconds (their blocks are about to be computed); the oldest of equals.
+  3. then, of the family (the jobs whose first prompt block is the same) with the most leading blocks in the
+     engine's prefix cache, or shared with jobs started in the last WARM_S seconds (their blocks are about to
+     be computed), the oldest job; the family of the oldest job of equals.
 Jobs whose deadline has passed are started at once (START settles them expired), whatever the room.
 """
 from __future__ import annotations
