@@ -40,7 +40,7 @@ class Reader:
         self.done = threading.Event()
         self.redis_error: str | None = None  # its last Redis call failed with this
         self.came_round = time.monotonic()  # when it last finished a pass of its loop
-        self.queue_waiting: int | None = None  # entries not yet delivered, as of its last upkeep
+        self.queue_waiting: int | None = None  # entries not yet delivered or read ahead, as of its last upkeep
         self._held: list[Job] = []  # read beyond the engine's room; handed over first next time
         self._superseding: list[Job] = []  # wait until this worker's stale copy of the same job has left
 
@@ -191,7 +191,7 @@ class Reader:
 
     def _upkeep(self) -> None:
         depths, pending = self.consumer.queue_depths()
-        self.queue_waiting = sum(depths.values())
+        self.queue_waiting = sum(depths.values()) + (len(self.lookahead) if self.lookahead is not None else 0)
         for priority, depth in depths.items():
             self.metrics.set_queue_depth(priority, depth)
         self.metrics.set_pending(pending)
