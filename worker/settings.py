@@ -58,7 +58,8 @@ class _WorkerSettings(BaseSettings):
     lookahead: int | None = Field(None, ge=1, description="with --cache-aware-admission: jobs read ahead of the "
                                                           "engine's room [4 x max_num_seqs]")
     admission_max_wait: float = Field(30.0, gt=0, description="with --cache-aware-admission: the longest a job "
-                                                              "read ahead waits while others go first")
+                                                              "read ahead waits past its turn in arrival order "
+                                                              "while others go first")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
     celery_queue: str | None = Field(None, min_length=1,
                                      description="also serve this Celery queue (tasks 'redline.generate' sent by "
