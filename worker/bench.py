@@ -64,8 +64,15 @@ def run_bench(args: argparse.Namespace) -> int:
 
     opts = build_parser().parse_args(args.args)
     args.debug = getattr(args, "debug", False) or opts.debug  # the top-level error handler reads it
+    if opts.shared_prefixes and (opts.through_queue or opts.celery or opts.cache_aware_admission):
+        raise ValueError("--shared-prefixes runs its own jobs through the queue, both ways: leave out "
+                         "--through-queue, --celery and --cache-aware-admission")
+    if opts.admission_max_wait is not None and not opts.shared_prefixes:
+        raise ValueError("--admission-max-wait applies to --shared-prefixes")
     if opts.celery and not opts.through_queue:
         raise ValueError("--celery compares Celery tasks with the queue's jobs: add --through-queue")
+    if opts.cache_aware_admission and not opts.through_queue:
+        raise ValueError("--cache-aware-admission applies to the queue's run: add --through-queue")
     if not (opts.through_queue or opts.shared_prefixes):
         engine_bench.run(opts)
         return 0
