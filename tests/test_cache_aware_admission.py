@@ -305,3 +305,40 @@ def test_lookahead_without_cache_aware_admission_is_one_line_and_exit_2():
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2 and len(lines) == 1, done.stderr
     assert "--cache-aware-admission" in lines[0] and "Traceback" not in done.stderr
+
+
+def test_every_job_read_ahead_leaves_it_exactly_once_and_never_before_a_higher_priority():
+    rng = random.Random(7)
+    cache: set[int] = set()
+    ahead = _lookahead(max_wait=0.002, cached=lambda hashes: next((i for i, h in enumerate(hashes)
+                                                                      if h not in cache), len(hashes)))
+    jobs, out = {}, []
+    for step in range(1500):
+        action = rng.random()
+        if action < 0.45 and ahead.space():
+            family = rng.randrange(6)
+            job = _job(f"j{step}", priority=rng.choice(p.PRIORITIES),
+                       deadline_s=rng.choice([None, None, None, 0.001, 30.0]))
+            jobs[job.job_id] = job
+            ahead.add(job, [family * 10 + k for k in range(rng.randrange(0, 4))])
+        elif action < 0.8:
+            waiting = {j.job_id: j.spec.priority for j in jobs.values() if j.job_id not in out}
+            chosen = ahead.choose(rng.randrange(1, 4))
+            for w in chosen:  # each the highest priority still waiting when it was taken
+                assert w.priority == max(waiting.values()), (w.priority, waiting)
+                del waiting[w.job.job_id]
+            out += [w.job.job_id for w in chosen]
+            if rng.random() < 0.1:  # starting them failed: they wait again
+                ahead.restore(chosen)
+                del out[len(out) - len(chosen):]
+        elif action < 0.9:
+            waiting = [j for j in jobs.values() if j.job_id not in out]
+            if waiting:
+                rng.choice(waiting).abort_reason = rng.choice(["cancel", "lost"])
+            due, lost = ahead.due()
+            out += [w.job.job_id for w in due] + [job.job_id for job in lost]
+        else:
+            cache.add(rng.randrange(60))
+        assert len(ahead) == len(jobs) - len(out)
+    out += [job.job_id for job in ahead.take_all()]
+    assert sorted(out) == sorted(jobs) and len(set(out)) == len(out)

@@ -166,7 +166,10 @@ class Lookahead:
             self._rescore(now)
         chosen: list[Waiting] = []
         while len(chosen) < n and self._waiting:
-            level = self._levels[max(p for p, lv in self._levels.items() if self._has_waiting(lv))]
+            priorities = [p for p, lv in self._levels.items() if self._has_waiting(lv)]
+            if not priorities:  # every waiting job is in a family with a place in line; never here
+                break
+            level = self._levels[max(priorities)]
             w = self._urgent(level, now) or self._best_family(level)
             chosen.append(self._take(w))
             if self._turns:  # one more start: the next job in arrival order has had its turn
