@@ -32,6 +32,8 @@ class EngineOptions:
     kvcache_block_size: int | None = _option(None, "tokens per KV block [256 on GPUs, 16 on CPU]")
     num_kvcache_blocks: int | None = _option(None, "fix the KV cache size [as many as fit]")
     enable_prefix_caching: bool = _option(True, "reuse KV blocks of shared prefixes")
+    # measured off by default until the shared-prefix benchmark shows it wins (docs/performance.md)
+    prefer_cached_prefixes: bool = _option(False, "admit waiting requests whose prompt prefix is cached first")
     enforce_eager: bool = _option(False, "no CUDA graphs")
     attention_backend: str = _option("auto", "auto | triton | flash | torch")
     kv_cache_dtype: str = _option("auto", "auto (the model's dtype) | fp8 (one byte an element, lossy)")

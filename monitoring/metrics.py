@@ -87,6 +87,9 @@ class Metrics:
                                       "Prompt length of finished requests", buckets=TOKEN_COUNT_BUCKETS)
         self._req_generation_tokens = one(Histogram, "request_generation_tokens",
                                           "Generated length of finished requests", buckets=TOKEN_COUNT_BUCKETS)
+        self._req_cached_tokens = one(Histogram, "request_prefix_cached_tokens",
+                                      "Prompt tokens of finished requests served by the prefix cache (prefill "
+                                      "saved)", buckets=(0, *TOKEN_COUNT_BUCKETS))
 
         # Queue. The job counters tell where each job came from: `source` is "redline" (the queue's
         # streams) or "celery" (a Celery queue the worker also serves); children are bound on first use.
@@ -145,6 +148,7 @@ class Metrics:
             self._generation_tokens.inc()
         self._req_prompt_tokens.observe(len(out.prompt_token_ids))
         self._req_generation_tokens.observe(num_generated)
+        self._req_cached_tokens.observe(out.num_cached_tokens)
         arrival, first_token, finished = out.arrival_time, out.first_token_time, out.finished_time
         if arrival is not None and finished is not None:
             self._e2e.observe(max(0.0, finished - arrival))

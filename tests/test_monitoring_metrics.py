@@ -194,3 +194,7 @@ def test_repeated_prompt_shows_as_prefix_cache_hits_not_prompt_work(metrics):
     assert hits > 0
     assert value(metrics, "redline_prefix_cache_queries_total") == 2 * len(prompt)
     assert value(metrics, "redline_prompt_tokens_total") == 2 * len(prompt) - hits
+    # the second request's prefill saved, per job: its prompt's cached blocks (the first saved none)
+    assert value(metrics, "redline_request_prefix_cached_tokens_count") == 2
+    assert value(metrics, "redline_request_prefix_cached_tokens_sum") == hits == 48
+    assert value(metrics, "redline_request_prefix_cached_tokens_bucket", le="0.0") == 1

@@ -187,6 +187,8 @@ def test_bench_without_cuda_suggests_model_tiny_at_once(tmp_path):
     (["--min-output-len", "0"], "--min-output-len must be at least 1"),
     (["--through-queue", "--submit-jobs", "-1"], "--submit-jobs must be at least 1"),
     (["--celery"], "--celery compares Celery tasks with the queue's jobs: add --through-queue"),
+    (["--cache-aware-admission"], "--cache-aware-admission applies to the queue's run: add --through-queue"),
+    (["--shared-prefixes", "--through-queue"], "--shared-prefixes runs its own jobs through the queue"),
 ])
 def test_bench_workload_mistake_is_one_line(args, words, tmp_path):
     done = redline("bench", "--model", "tiny", *args, env=fresh_env(tmp_path))

@@ -32,6 +32,9 @@ def run_worker(args: argparse.Namespace) -> int:
     except ValidationError as e:
         raise UsageError(describe_settings_error(e)) from None
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.lookahead is not None and not settings.cache_aware_admission:
+        raise UsageError(f"--lookahead {settings.lookahead} reads jobs ahead for --cache-aware-admission: add "
+                         "--cache-aware-admission, or leave --lookahead out")
     if not settings.model:
         raise UsageError("give --model (or REDLINE_MODEL): an HF hub id, a local model directory, "
                          "or 'tiny' (the built-in model with random weights)")

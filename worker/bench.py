@@ -1,4 +1,5 @@
-"""`redline bench`: the engine alone (worker/bench_engine.py), or with `--through-queue` the same jobs end to end.
+"""`redline bench`: the engine alone (worker/bench_engine.py), or with `--through-queue` the same jobs end to end
+(`--shared-prefixes`: cache-aware admission against arrival order, worker/bench_prefixes.py).
 
 Through the queue, one process holds one engine and runs, after a warm-up:
   raw    llm.generate(workload)                              (the engine alone)
@@ -46,6 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--submit-jobs", type=int, default=20_000, help="jobs for the submit-rate measurement")
     q.add_argument("--celery", action="store_true",
                    help="also run the jobs as Celery tasks (send_task, then .get()) through the same worker")
+    q.add_argument("--shared-prefixes", action="store_true",
+                   help="instead: 16 system prompts x 64 jobs through the queue, arrival order against "
+                        "--cache-aware-admission (worker/bench_prefixes.py)")
+    q.add_argument("--cache-aware-admission", action="store_true",
+                   help="--through-queue: the worker reads ahead and the engine prefers cached prefixes (the "
+                        "engine-alone run does not)")
+    q.add_argument("--admission-max-wait", type=float, default=None,
+                   help="--shared-prefixes: the cache-aware worker's --admission-max-wait [its default]")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     return parser
 
@@ -55,11 +64,18 @@ def run_bench(args: argparse.Namespace) -> int:
 
     opts = build_parser().parse_args(args.args)
     args.debug = getattr(args, "debug", False) or opts.debug  # the top-level error handler reads it
-    if getattr(opts, "embed", False) and opts.through_queue:
-        raise ValueError("--embed measures the engine alone; leave out --through-queue")
+    if getattr(opts, "embed", False) and (opts.through_queue or opts.shared_prefixes):
+        raise ValueError("--embed measures the engine alone; leave out --through-queue and --shared-prefixes")
+    if opts.shared_prefixes and (opts.through_queue or opts.celery or opts.cache_aware_admission):
+        raise ValueError("--shared-prefixes runs its own jobs through the queue, both ways: leave out "
+                         "--through-queue, --celery and --cache-aware-admission")
+    if opts.admission_max_wait is not None and not opts.shared_prefixes:
+        raise ValueError("--admission-max-wait applies to --shared-prefixes")
     if opts.celery and not opts.through_queue:
         raise ValueError("--celery compares Celery tasks with the queue's jobs: add --through-queue")
-    if not opts.through_queue:
+    if opts.cache_aware_admission and not opts.through_queue:
+        raise ValueError("--cache-aware-admission applies to the queue's run: add --through-queue")
+    if not (opts.through_queue or opts.shared_prefixes):
         engine_bench.run(opts)
         return 0
     engine_bench.check_arguments(opts)
@@ -73,7 +89,12 @@ def run_bench(args: argparse.Namespace) -> int:
         check_server(connect(opts.redis_url), opts.redis_url)  # before the model loads
     server = None if opts.redis_url else RedisServer().start()
     try:
-        record = run_through_queue(opts, opts.redis_url or server.url)
+        if opts.shared_prefixes:
+            from .bench_prefixes import run as run_shared_prefixes
+
+            record = run_shared_prefixes(opts, opts.redis_url or server.url)
+        else:
+            record = run_through_queue(opts, opts.redis_url or server.url)
     finally:
         if server is not None:
             server.stop()
@@ -115,7 +136,9 @@ def run_through_queue(opts: argparse.Namespace, url: str) -> dict:
 
     jobs = [{"prompt_token_ids": prompt, "sampling": sampling_dict(sp), "stream": opts.stream}
             for prompt, sp in zip(prompts, params)]
-    queue_s, queue_tokens = through_queue(llm, url, jobs, opts)
+    llm.scheduler.prefer_cached = opts.cache_aware_admission
+    queue_s, queue_tokens = through_queue(llm, url, jobs, opts,
+                                          worker_settings={"cache_aware_admission": opts.cache_aware_admission})
     ratio = (queue_tokens / queue_s) / (raw_tokens / raw_s)
     print(f"through the queue: {queue_tokens} tokens in {queue_s:.2f} s = {queue_tokens / queue_s:,.0f} tok/s "
           f"({ratio:.3f} of the engine alone)", flush=True)
@@ -136,7 +159,7 @@ def run_through_queue(opts: argparse.Namespace, url: str) -> dict:
         "gpu": engine_bench.gpu_name(), "commit": engine_bench.git_commit(opts.commit),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "model": Path(engine_bench.resolve_model(opts.model)).name,
-        "num_seqs": opts.num_seqs, "stream": opts.stream,
+        "num_seqs": opts.num_seqs, "stream": opts.stream, "cache_aware_admission": opts.cache_aware_admission,
         "raw_tokens": raw_tokens, "raw_seconds": round(raw_s, 3), "raw_tok_s": round(raw_tokens / raw_s, 1),
         "queue_tokens": queue_tokens, "queue_seconds": round(queue_s, 3),
         "queue_tok_s": round(queue_tokens / queue_s, 1), "queue_vs_raw": round(ratio, 4), **celery,
@@ -145,10 +168,12 @@ def run_through_queue(opts: argparse.Namespace, url: str) -> dict:
     }
 
 
-def through_queue(llm, url: str, jobs: list[dict], opts, celery: bool = False, producer=None) -> tuple[float, int]:
+def through_queue(llm, url: str, jobs: list[dict], opts, celery: bool = False, producer=None,
+                  worker_settings: dict | None = None) -> tuple[float, int]:
     """Run a worker on this thread (where the engine was built) and a producer beside it (redline's Client,
     or with `celery` a Celery app's send_task, or `producer(url, queue)`'s function of a list of jobs that
-    returns their results); time from the first submit to the last result read back."""
+    returns their results); time from the first submit to the last result read back. `worker_settings`: more
+    of the worker's settings."""
     from producer.connection import connect
 
     from .loop import Worker
@@ -156,7 +181,7 @@ def through_queue(llm, url: str, jobs: list[dict], opts, celery: bool = False, p
 
     queue = f"bench-{uuid.uuid4().hex[:8]}"
     settings = WorkerSettings(model=str(opts.model), redis_url=url, queue=queue, worker_name="bench-worker",
-                              celery_queue=queue if celery else None)
+                              celery_queue=queue if celery else None, **(worker_settings or {}))
     worker = Worker(settings, llm, connect(url))
     run_jobs = (producer or (_celery_producer if celery else _redline_producer))(url, queue)
     outcome: dict = {}

@@ -176,7 +176,7 @@ def build_llm(args: argparse.Namespace):
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                gpu_memory_utilization=args.gpu_memory_utilization, kvcache_block_size=args.kvcache_block_size,
                enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
-               kv_cache_dtype=args.kv_cache_dtype)
+               kv_cache_dtype=args.kv_cache_dtype, num_kvcache_blocks=getattr(args, "num_kvcache_blocks", None))
 
 
 def quantized_shape(model_dir: str, quantization_config: dict) -> str:

@@ -40,6 +40,7 @@ class Job:
     source: object | None = None  # None: a stream entry; else the job source that stores its states (celery_source)
     prompt: object | None = None  # chat with images: the prompt prepared before the engine took it (prepare.py)
     start_error: str | None = None  # why it cannot start, found while it was prepared (prepare.py)
+    waiting: bool = False  # read ahead: pending here, not yet started (its status still queued; admission.py)
 
 
 @dataclass
@@ -244,47 +245,58 @@ class Consumer:
 
     def admit(self, entries: list[Entry]) -> list[Job]:
         """Settle what cannot run; mark the rest running (one attempt each) and return them."""
+        return self.start(self.take(entries))
+
+    def take(self, entries: list[Entry]) -> list[Job]:
+        """Settle the entries that cannot run (malformed, delivered too often); the others as jobs, not started."""
         s = self.settings
         pipe = self.redis.pipeline(transaction=False)
-        starts: list[Job | None] = []  # one per script call: None for a FINISH
+        jobs: list[Job] = []
         for entry in entries:
             job_id, spec, error = parse_entry(entry, s.max_job_bytes)
             if error is None and entry.deliveries > s.max_deliveries:
                 self._dead_letter(entry, job_id)
-                continue
-            if error is not None:
+            elif error is not None:
                 log.info("job %s (entry %s) fails: %s", job_id, entry.entry_id, error)
                 self._finish_call(pipe, job_id, entry, p.FAILED, error)
-                starts.append(None)
-                continue
-            ks = finish_keys(self.keys, job_id, entry.stream)
-            cancelled, cancelled_end = p.final_args(job_id, p.CANCELLED, "cancelled before it started")
+            else:
+                jobs.append(Job(job_id, entry.stream, entry.entry_id, spec))
+        for written in (pipe.execute() if len(pipe) else []):  # 1 if this wrote the failed result
+            if written:
+                self.metrics.job_completed(p.FAILED)
+        self.metrics.job_received(len(entries))
+        return jobs
+
+    def start(self, jobs: list[Job]) -> list[Job]:
+        """START each job (one attempt each): those to run are returned; a cancelled, expired, finished or
+        duplicate one is settled in Redis."""
+        if not jobs:
+            return []
+        s = self.settings
+        pipe = self.redis.pipeline(transaction=False)
+        for job in jobs:
+            spec = job.spec
+            ks = finish_keys(self.keys, job.job_id, job.stream)
+            cancelled, cancelled_end = p.final_args(job.job_id, p.CANCELLED, "cancelled before it started")
             expired, expired_end = p.final_args(
-                job_id, p.EXPIRED, f"the deadline of {spec.deadline_s:g} s after enqueue passed before it started"
-                if spec.deadline_s else "")
-            self.scripts.start(keys=ks, args=[job_id, entry.entry_id, self.name,
+                job.job_id, p.EXPIRED, f"the deadline of {spec.deadline_s:g} s after enqueue passed before it "
+                "started" if spec.deadline_s else "")
+            self.scripts.start(keys=ks, args=[job.job_id, job.entry_id, self.name,
                                               "" if spec.deadline_s is None else repr(spec.deadline_s),
                                               s.result_ttl, p.RESULTS_FEED_MAXLEN, cancelled, cancelled_end,
                                               expired, expired_end], client=pipe)
-            starts.append(Job(job_id, entry.stream, entry.entry_id, spec))
-        replies = pipe.execute() if len(pipe) else []
-        jobs: list[Job] = []
-        for job, reply in zip(starts, replies):
-            if job is None:  # a FINISH of a malformed entry: 1 if this wrote its result
-                if reply:
-                    self.metrics.job_completed(p.FAILED)
-                continue
-            outcome, attempts, queue_ms = reply
+        run: list[Job] = []
+        for job, (outcome, attempts, queue_ms) in zip(jobs, pipe.execute()):
             outcome = p.decode(outcome)
             if outcome == "run":
                 job.attempt, job.queue_s = int(attempts), max(int(queue_ms), 0) / 1000
-                jobs.append(job)
+                job.admitted_at, job.waiting = time.monotonic(), False
+                run.append(job)
             elif outcome in (p.CANCELLED, p.EXPIRED):
                 self.metrics.job_completed(outcome)
             else:
                 log.info("job %s: entry %s is %s; acked without running", job.job_id, job.entry_id, outcome)
-        self.metrics.job_received(len(entries))
-        return jobs
+        return run
 
     def _finish_call(self, pipe, job_id: str, entry: Entry, status: str, error: str) -> None:
         result, end = p.final_args(job_id, status, error)

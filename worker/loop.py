@@ -1,6 +1,7 @@
 """The worker: one thread drives the engine; Redis I/O runs beside it on threads of their own.
 
-    reader  (reader.py)       waits for engine room, reads/reclaims that many jobs, settles bad ones (consumer.py)
+    reader  (reader.py)       waits for engine room, reads/reclaims that many jobs, settles bad ones (consumer.py);
+                              with --cache-aware-admission reads ahead and chooses which start (admission.py)
     prepare (prepare.py)      a few threads: grammars compiled and images decoded before a job enters the engine
     engine  (engine_loop.py)  add_request / abort / step, hands each step's outputs to the writer
     writer  (results.py)      token deltas, results + acks, heartbeats
@@ -24,6 +25,7 @@ import redis
 from producer import protocol as p
 from producer.connection import UNAVAILABLE
 
+from .admission import LOOKAHEAD_PER_SEQ, Lookahead
 from .blocking import BlockingConnection, when_available
 from .consumer import Consumer, InFlight, Job
 from .engine_loop import SHUTDOWN_GRACE_S, EngineLoop
@@ -60,8 +62,13 @@ class Worker:
         self.writer = ResultWriter(client, self.keys, self.scripts, self.consumer, self.in_flight, settings,
                                    self.metrics, self._abort_lost)
         self.preparation = Preparation(engine, lambda job: self.engine_loop.inbox.put(RunJob(job)))
+        lookahead = None
+        if settings.cache_aware_admission:
+            slots = getattr(getattr(engine, "config", None), "max_num_seqs", None) or 256
+            lookahead = Lookahead(settings.lookahead or LOOKAHEAD_PER_SEQ * slots, settings.admission_max_wait,
+                                  engine.num_cached_blocks)
         self.reader = Reader(self.consumer, self._reading, self.capacity, self.in_flight, settings, self.metrics,
-                             self.stopping, self.start_job, self._abort_lost)
+                             self.stopping, self.start_job, self._abort_lost, lookahead, self._prompt_hashes)
         self.sources = []  # job sources beside the queue's streams, each with a thread of its own
         if settings.celery_queue:
             from .celery_source import CelerySource  # celery is imported only by a worker that serves it
@@ -211,6 +218,23 @@ class Worker:
         decoded, on the preparation threads (prepare.py); the engine thread fails a job with its own error."""
         self.preparation.submit(job)
 
+    def _prompt_hashes(self, job: Job) -> list[int]:
+        """The prefix-cache hashes of a job read ahead, its prompt tokenized here once (the engine thread takes
+        the ids); none for a model that takes images, or a prompt the engine thread will refuse."""
+        spec, engine = job.spec, self.engine
+        if getattr(engine, "images", None) is not None:
+            return []
+        try:
+            if spec.prompt_token_ids is not None:
+                return engine.prefix_block_hashes(spec.prompt_token_ids)
+            if spec.messages is not None:
+                job.prompt = engine.encode_chat([m.model_dump() for m in spec.messages])
+            else:
+                job.prompt = engine.prepare_prompt(spec.prompt)
+        except Exception:  # noqa: BLE001 - a job can fail only itself: the engine thread fails it with the reason
+            return []
+        return engine.prefix_block_hashes(job.prompt)
+
     def cancel(self, job_id: str) -> None:
         """Cancel a job: aborted in the engine if it runs here, settled as cancelled if it arrives later."""
         job = self.in_flight.cancel(job_id)
@@ -251,7 +275,7 @@ class Worker:
         try:
             pipe = self.redis.pipeline(transaction=False)
             for job in self.in_flight.jobs():
-                if job.source is None:
+                if job.source is None and not job.waiting:  # one read ahead never ran here
                     pipe.hset(self.keys.job(job.job_id), "last_error", error)
             pipe.execute()
         except redis.RedisError:

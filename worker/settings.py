@@ -52,6 +52,14 @@ class _WorkerSettings(BaseSettings):
     stream_interval: float = Field(0.02, ge=0, description="write token deltas at most this often")
     drain_timeout: float = Field(60.0, ge=0,
                                  description="on SIGTERM, let running jobs finish this long, then hand them back")
+    cache_aware_admission: bool = Field(False, description="read jobs ahead of the engine's room and start first "
+                                                           "those whose prompt prefix is cached (the engine "
+                                                           "prefers them too: --prefer-cached-prefixes)")
+    lookahead: int | None = Field(None, ge=1, description="with --cache-aware-admission: jobs read ahead of the "
+                                                          "engine's room [4 x max_num_seqs]")
+    admission_max_wait: float = Field(30.0, gt=0, description="with --cache-aware-admission: the longest a job "
+                                                              "read ahead waits past its turn in arrival order "
+                                                              "while others go first")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
     celery_queue: str | None = Field(None, min_length=1,
                                      description="also serve this Celery queue (tasks 'redline.generate' sent by "
@@ -62,7 +70,10 @@ class _WorkerSettings(BaseSettings):
     @property
     def engine_kwargs(self) -> dict:
         """The engine options given (a flag or REDLINE_<NAME>); the others keep the engine's defaults."""
-        return {k: getattr(self, k) for k in ENGINE_FIELDS if getattr(self, k) is not None}
+        given = {k: getattr(self, k) for k in ENGINE_FIELDS if getattr(self, k) is not None}
+        if self.cache_aware_admission:  # the engine's half of it, unless set on its own
+            given.setdefault("prefer_cached_prefixes", True)
+        return given
 
 
 def _engine_fields() -> dict:

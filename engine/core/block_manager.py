@@ -44,6 +44,18 @@ def chain_hash(token_ids: list[int], prefix_hash: int, image_key: tuple[int, ...
     return h.intdigest()
 
 
+def prefix_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
+    """The prefix-cache hashes of a text prompt's leading full blocks, as the block manager enters and looks
+    them up (a prompt without images, rotated with the short factors). The last token is always computed, so
+    the block that holds it is never looked up and has no hash here."""
+    hashes: list[int] = []
+    prefix_hash = -1
+    for start in range(0, (len(token_ids) - 1) // block_size * block_size, block_size):
+        prefix_hash = chain_hash(token_ids[start:start + block_size], prefix_hash)
+        hashes.append(prefix_hash)
+    return hashes
+
+
 class Block:
     __slots__ = ("block_id", "ref_count", "hash", "token_ids", "image_key")
 
@@ -116,6 +128,18 @@ class BlockManager:
                 break
             hits.append(block_id)
         return hits
+
+    def num_cached_blocks(self, hashes: list[int]) -> int:
+        """How many of these leading block hashes (prefix_block_hashes) the prefix cache holds now. A read
+        of one dict, safe from another thread: a hint for ordering work, never a promise of a hit."""
+        if not self.enable_prefix_caching:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in self.hash_to_block_id:
+                break
+            n += 1
+        return n
 
     def can_allocate(self, seq: Sequence) -> bool:
         hits = self._cached_prefix(seq)

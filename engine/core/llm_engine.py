@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
 from engine.core.beam_search import BeamSearch
-from engine.core.block_manager import BlockManager
+from engine.core.block_manager import BlockManager, prefix_block_hashes
 from engine.core.outputs import EmbeddingOutput, RequestOutput, StepResult, StepStats, request_output
 from engine.core.pooling import Pooling, PooledState, check_dimensions, pooled_positions, read_pooling
 from engine.core.prompt_logprobs import prompt_spans
@@ -57,7 +57,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching, long_after,
                                           max(windows) if all(windows) else 0)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.prefer_cached_prefixes and config.enable_prefix_caching)
         self.requests: dict[str, SequenceGroup] = {}
         self._aborted: list[SequenceGroup] = []
         self._request_ids = count()
@@ -131,6 +132,15 @@ class LLMEngine:
         self._embedding.add(request_id)
         self.scheduler.add(group.first)
         return request_id
+
+    def prefix_block_hashes(self, token_ids: list[int]) -> list[int]:
+        """The prefix-cache hashes of a text prompt's leading KV blocks (block_manager.prefix_block_hashes);
+        callable on any thread."""
+        return prefix_block_hashes(token_ids, self.config.kvcache_block_size)
+
+    def num_cached_blocks(self, hashes: list[int]) -> int:
+        """How many of those leading blocks the prefix cache holds now: a hint, readable on any thread."""
+        return self.block_manager.num_cached_blocks(hashes)
 
     def compile_grammar(self, params) -> None:
         """Compile the structured-output constraint of `params` (SamplingParams or the wire's Sampling) into

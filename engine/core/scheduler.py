@@ -13,14 +13,24 @@ A request of n > 1 sequences (at most max_seqs_per_request, which the engine che
 that no request holds every slot) is admitted when there are slots for all of them; when its prompt's last
 chunk is scheduled the prompt's sequence forks into the others, which share its blocks and are sampled
 from the same logits (`ScheduledBatch.forks`).
+
+With `prefer_cached`, the waiting sequence admitted next is the one (of the first WAITING_SCAN) whose prompt
+has the most leading blocks in the prefix cache, the first of equals; one whose next uncached block another
+sequence is computing now waits a step and then finds it cached, rather than computing it a second time.
+A request of several sequences, beam search, images or LongRoPE's long factors is never passed over.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
 
-from engine.core.block_manager import BlockManager
+from engine.core.block_manager import BlockManager, prefix_block_hashes
 from engine.core.sequence import Sequence, SequenceStatus
+
+# with prefer_cached, waiting sequences looked at for the best cached prefix each admission: the queue's
+# head and what came soon after it (the worker keeps the engine's waiting list short; LLM.generate may not)
+WAITING_SCAN = 64
 
 
 @dataclass
@@ -52,8 +62,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 prefer_cached: bool = False):
         self.block_manager = block_manager
+        self.prefer_cached = prefer_cached  # admit waiting sequences whose prefix is cached first
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -98,17 +110,61 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 continue
             budget -= self._add(batch, seq, min(seq.num_uncomputed_tokens, budget))
+        computing = self._blocks_computing() if self.prefer_cached and self.waiting else None
         while self.waiting and budget > 0:
-            seq = self.waiting[0]
+            seq = self.waiting[0] if computing is None else self._next_waiting(computing)
+            if seq is None:
+                break
             if len(self.running) + seq.admission_width > self.max_num_seqs or not self.block_manager.can_allocate(seq):
                 break
-            self.waiting.popleft()
+            if seq is self.waiting[0]:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(seq)
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             budget -= self._add(batch, seq, min(seq.num_uncomputed_tokens, budget))
+            if computing is not None and self._passable(seq):
+                computing.update(self._prefix_hashes(seq)[seq.num_hashed_blocks:])
         batch.block_copies = self.block_manager.take_copies()
         return batch
+
+    def _passable(self, seq: Sequence) -> bool:
+        """Whether prefer_cached may admit others before `seq` (a plain request: one sequence, no beams, no
+        images, short-factor rotation), and so whether its blocks' hashes are those prefix_block_hashes makes."""
+        group = seq.group
+        return ((group is None or (group.width == 1 and group.beam is None)) and seq.multimodal is None
+                and not self.block_manager.takes_long_rope(seq))
+
+    def _prefix_hashes(self, seq: Sequence) -> list[int]:
+        """The prefix-cache hashes of a passable `seq`'s leading blocks, kept on it while its length stays."""
+        memo = seq.prefix_hashes
+        if memo is None or memo[0] != seq.num_tokens:
+            memo = seq.prefix_hashes = (seq.num_tokens, prefix_block_hashes(seq.token_ids, seq.block_size))
+        return memo[1]
+
+    def _blocks_computing(self) -> set[int]:
+        """Hashes of the prompt blocks running sequences compute (not yet in the prefix cache)."""
+        computing: set[int] = set()
+        for seq in self.running:  # hashed when it waited; blocks entered once their step is collected
+            if seq.prefix_hashes is not None and seq.num_hashed_blocks < len(seq.prefix_hashes[1]):
+                computing.update(seq.prefix_hashes[1][seq.num_hashed_blocks:])
+        return computing
+
+    def _next_waiting(self, computing: set[int]) -> Sequence | None:
+        """The waiting sequence to admit next with prefer_cached (None: each waits for a prefix computing now)."""
+        best, best_hits = None, -1
+        for seq in islice(self.waiting, WAITING_SCAN):
+            if not self._passable(seq):
+                return best or seq  # nothing after it goes first
+            hashes = self._prefix_hashes(seq)
+            hits = self.block_manager.num_cached_blocks(hashes)
+            if hits < len(hashes) and hashes[hits] in computing:
+                continue
+            if hits > best_hits:
+                best, best_hits = seq, hits
+        return best
 
     def _add(self, batch: ScheduledBatch, seq: Sequence, n: int) -> int:
         """Schedule n prompt tokens of `seq`; at its prompt's end a group's first sequence forks."""

@@ -40,6 +40,7 @@ class Sequence:
         self.num_cached_tokens = 0     # prompt tokens served by the prefix cache at the last admission
         self.num_hashed_blocks = 0     # leading full blocks registered in the prefix cache
         self.hashed_prefix = -1        # the chain hash of those blocks (where the next one's chains from)
+        self.prefix_hashes: tuple[int, list[int]] | None = None  # (num_tokens, its blocks' hashes): scheduler's
         self.num_released_blocks = 0   # leading blocks handed back, outside every layer's sliding window
         self.block_table: list[int] = []
         self.long_rope = False         # LongRoPE: its keys rotate with the long factors (set with its blocks)
