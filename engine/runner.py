@@ -95,6 +95,10 @@ class StepInputs:
     prompt_rows: torch.Tensor | None = None
     prompt_next_ids: torch.Tensor | None = None
     num_prompt_top: int = 0
+    # LoRA adapters (engine/lora/): each input row's adapter slot (-1: the base model; None: no row has one), and
+    # the adapters to load into their slots before the forward pass: (slot, int_id, name, path)
+    lora_slot_ids: torch.Tensor | None = None
+    lora_loads: list[tuple[int, int, str, str]] = field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:

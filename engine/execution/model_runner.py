@@ -15,6 +15,7 @@ from engine.inputs.loader import load_weights
 from engine.layers.attention import Attention
 from engine.layers.fusion import PlainTorch
 from engine.layers.parallel import TPGroup
+from engine.lora.layers import LoRAPool
 from engine.models import model_class
 from engine.runner import GrammarMasks, ImageSlice, StepInputs
 from engine.sampling.sampler import PromptScores, SampledTokens, Sampler, SamplingTensors, StepSampling, score_prompt
@@ -73,6 +74,8 @@ class ModelRunner:
         # M-RoPE (engine/inputs/multimodal.py): positions past a prompt with images are offset by its delta
         self.uses_mrope = getattr(self.model, "uses_mrope", False)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        # LoRA adapters' device slots, allocated before the KV cache takes what is left
+        self.lora = LoRAPool(self.model, config.max_loras, config.max_lora_rank, tp.rank) if config.enable_lora else None
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.sampler = Sampler(self.device, config.seed, config.text_config.vocab_size)
         if capture_graphs:
@@ -224,10 +227,12 @@ class ModelRunner:
         input_ids = to(inputs.input_ids)
         if inputs.pending_rows is not None:  # tokens the previous launch sampled on the device
             input_ids[to(inputs.pending_rows)] = self._pending_tokens(to(inputs.pending_src))
-        if self.graphs is not None and inputs.is_decode and self.graphs.fits(inputs):
+        if self.lora is not None:
+            self._set_lora(inputs)
+        if self.graphs is not None and inputs.is_decode and inputs.lora_slot_ids is None and self.graphs.fits(inputs):
             return self.graphs.replay(inputs, input_ids)
         if (self.prefill_graphs is not None and not inputs.is_decode and inputs.mrope_positions is None
-                and self.prefill_graphs.fits(inputs)):
+                and inputs.lora_slot_ids is None and self.prefill_graphs.fits(inputs)):
             return self.prefill_graphs.replay(inputs, input_ids)
         self.ctx.meta = AttentionMetadata(
             slot_mapping=to(inputs.slot_mapping), cu_seqlens_q=to(inputs.cu_seqlens_q),
@@ -242,6 +247,12 @@ class ModelRunner:
                 return self.model(input_ids, to(inputs.positions))
         finally:
             self.ctx.meta = None
+
+    def _set_lora(self, inputs: StepInputs) -> None:
+        """The step's adapters into their slots, and each slot's rows (steps with adapter rows run eagerly)."""
+        for slot, int_id, name, path in inputs.lora_loads:
+            self.lora.load(slot, int_id, name, path)
+        self.lora.set_rows(inputs.lora_slot_ids, self.device)
 
     def copy_blocks(self, inputs: StepInputs) -> None:
         """The step's copies on write: each source block's K and V, in every layer, into its destination."""
@@ -288,7 +299,8 @@ class ModelRunner:
         its plan (Sampler.plan), as the other ranks were sent it: a sharded step samples here."""
         graphs = self.graphs
         if (st is not None and graphs is not None and graphs.samples and inputs.is_decode
-                and inputs.samples_every_row and inputs.prompt_rows is None and graphs.fits(inputs)):
+                and inputs.samples_every_row and inputs.prompt_rows is None and inputs.lora_slot_ids is None
+                and graphs.fits(inputs)):
             self.copy_blocks(inputs)
             if inputs.finished_request_ids:
                 self._forget_images(inputs.finished_request_ids)

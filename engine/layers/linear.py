@@ -14,6 +14,10 @@ from engine.layers.parallel import SINGLE, PushedSum, TPGroup, divide
 
 
 class _Linear(nn.Module):
+    # engine/lora/layers.py's LoRALinear where the engine serves LoRA adapters: add(x, out) adds each row's
+    # adapter product to the projection's output
+    lora = None
+
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup, full_shape: tuple):
         super().__init__()
         self.tp = tp
@@ -30,7 +34,8 @@ class _Linear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        out = linear(x, self.weight, self.bias)
+        return out if self.lora is None or not self.lora.active else self.lora.add(x, out)
 
 
 class ReplicatedLinear(_Linear):
@@ -98,12 +103,14 @@ class RowParallelLinear(_Linear):
     load_full = weight_loader
 
     def forward(self, x: torch.Tensor) -> "torch.Tensor | PushedSum":
+        if self.lora is not None and self.lora.active:  # this rank's part of x @ A^T @ B^T joins its partial sum
+            return self._reduced(self.lora.add(x, linear(x, self.weight, self.bias)))
         return self._reduced(self.tp.partial_linear(x, self.weight, self.bias))
 
     def forward_act_and_mul(self, gate_up: torch.Tensor, act: str = "silu") -> "torch.Tensor | PushedSum":
         """forward(act_and_mul(gate_up, act)); the activation is fused into the projection where this rank's
         part is a plain product (always for decode rows; see TPGroup.partial_linear)."""
-        if self.tp.is_plain_product(gate_up):
+        if self.tp.is_plain_product(gate_up) and (self.lora is None or not self.lora.active):
             return self._reduced(act_and_mul_linear(gate_up, self.weight, self.bias, act))
         return self.forward(act_and_mul(gate_up, act))
 
