@@ -132,3 +132,17 @@ def test_bad_lora_requests_are_refused_in_one_line(setup, tmp_path):
     # nothing of the refused calls stayed in the engine: the next call runs as usual
     assert len(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=requests[0])) == len(prompts)
     assert not llm.has_unfinished()
+
+
+def test_tensor_parallel_adapters_match_transformers(setup):
+    """TP=2 (gloo): A of the row-parallel projections split along their input, B of the column-parallel ones
+    along their output; with more adapters than slots."""
+    base, prompts, requests, expected = setup
+    llm = LLM(str(base), device="cpu", tensor_parallel_size=2, enable_lora=True, max_loras=2, max_lora_rank=16,
+              kvcache_block_size=8)
+    try:
+        all_prompts, loras = _mixed(prompts, requests)
+        outs = llm.generate(all_prompts, GREEDY, use_tqdm=False, lora_request=loras)
+        assert [o.token_ids for o in outs] == _expected(prompts, requests, expected, zip(all_prompts, loras))
+    finally:
+        llm.shutdown()
