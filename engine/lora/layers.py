@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.layers.fusion import _kernels_for
 from engine.lora.adapter import Adapter, load_adapter
 
 # the engine projections an adapter's checkpoint modules land in (LlamaForCausalLM.packed_modules)
@@ -37,6 +38,11 @@ class LoRALinear:
         return bool(self.pool.groups)
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out += each row's x @ A[slot]^T @ B[slot]^T (in place): the engine's Triton shrink/expand kernels on
+        CUDA (engine/kernels/lora.py), torch products per slot elsewhere and inside PlainTorch."""
+        kernels = _kernels_for(x, None, "lora") if self.pool.tiles is not None else None
+        if kernels is not None and x.dim() == 2 and x.stride(1) == 1 and out.stride(1) == 1:
+            return kernels.lora_add(x, out, self.a, self.b, self.pool.tiles)
         for slot, rows in self.pool.groups:
             rows_x = x.index_select(0, rows)
             delta = (rows_x @ self.a[slot].T) @ self.b[slot].T
@@ -73,6 +79,7 @@ class LoRAPool:
         self.max_loras, self.max_rank, self.tp_rank = max_loras, max_rank, tp_rank
         self.packed_modules = getattr(model, "packed_modules", {})
         self.groups: list[tuple[int, torch.Tensor]] = []  # this step's (slot, its input rows on the device)
+        self.tiles = None  # on CUDA, the same rows as the kernels take them (engine/kernels/lora.py's LoRATiles)
         self.layers: dict[str, LoRALinear] = {}
         for name, module in model.named_modules():
             if name.rsplit(".", 1)[-1] in LORA_PROJECTIONS and hasattr(module, "weight"):
@@ -88,9 +95,16 @@ class LoRAPool:
 
     def set_rows(self, slot_ids: torch.Tensor | None, device: torch.device) -> None:
         """This step's rows of each slot, from the step's slot per input row (-1: the base model)."""
-        self.groups = []
+        self.groups, self.tiles = [], None
         if slot_ids is None:
             return
         for slot in sorted(set(slot_ids.tolist()) - {-1}):
             rows = torch.nonzero(slot_ids == slot).flatten()
             self.groups.append((slot, rows.to(device)))
+        if device.type == "cuda" and self.groups:
+            from engine.kernels.lora import LoRATiles, make_tiles
+
+            order, slots, starts, ends = make_tiles(slot_ids)
+            packed = torch.tensor(order + slots + starts + ends, dtype=torch.int32).pin_memory()
+            packed = packed.to(device, non_blocking=True)
+            self.tiles = LoRATiles(*packed.split([len(order), len(slots), len(starts), len(ends)]))

@@ -1,0 +1,34 @@
+"""LoRA adapters on a GPU: the Triton shrink/expand kernels in a mixed batch (adapters and the base, more
+adapters than slots) give transformers' merged-adapter greedy tokens; CUDA graphs keep the base model's steps."""
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM
+from tests.test_lora import GREEDY, _expected, _mixed, setup  # noqa: F401 - setup: the module's fixture
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("max_loras", [4, 2])
+def test_mixed_batch_on_gpu_kernels_matches_transformers(setup, max_loras, free_gpu):  # noqa: F811
+    base, prompts, requests, expected = setup
+    llm = LLM(str(base), device="cuda", dtype="float32", enable_lora=True, max_loras=max_loras, max_lora_rank=16,
+              kvcache_block_size=16, max_model_len=256, max_num_seqs=16)
+    try:
+        calls = []
+        from engine.kernels import lora as kernels
+
+        original = kernels.lora_add
+        kernels.lora_add = lambda *a: (calls.append(1), original(*a))[1]
+        try:
+            all_prompts, loras = _mixed(prompts, requests)
+            outs = llm.generate(all_prompts, GREEDY, use_tqdm=False, lora_request=loras)
+        finally:
+            kernels.lora_add = original
+        assert calls, "the LoRA kernels did not run"
+        assert [o.token_ids for o in outs] == _expected(prompts, requests, expected, zip(all_prompts, loras))
+        base_only = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in base_only] == expected[None]
+    finally:
+        llm.shutdown()
