@@ -1,5 +1,6 @@
 """LoRA adapters on a GPU: the Triton shrink/expand kernels in a mixed batch (adapters and the base, more
-adapters than slots) give transformers' merged-adapter greedy tokens; CUDA graphs keep the base model's steps."""
+adapters than slots), eager prefills and decode steps replaying the LoRA CUDA graphs, give transformers'
+merged-adapter greedy tokens; the base model's steps keep theirs."""
 from __future__ import annotations
 
 import pytest
@@ -20,6 +21,9 @@ def test_mixed_batch_on_gpu_kernels_matches_transformers(setup, max_loras, free_
         from engine.kernels import lora as kernels
 
         original = kernels.lora_add
+        graphs, lora_replays = llm.runner.graphs, []
+        choose = graphs._graph
+        graphs._graph = lambda inputs, bs: (lora_replays.append(inputs.lora_slot_ids is not None), choose(inputs, bs))[1]
         kernels.lora_add = lambda *a: (calls.append(1), original(*a))[1]
         try:
             all_prompts, loras = _mixed(prompts, requests)
@@ -27,6 +31,7 @@ def test_mixed_batch_on_gpu_kernels_matches_transformers(setup, max_loras, free_
         finally:
             kernels.lora_add = original
         assert calls, "the LoRA kernels did not run"
+        assert llm.runner.graphs.lora_graphs and any(lora_replays), "no decode step replayed a LoRA graph"
         assert [o.token_ids for o in outs] == _expected(prompts, requests, expected, zip(all_prompts, loras))
         base_only = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert [o.token_ids for o in base_only] == expected[None]

@@ -228,12 +228,14 @@ class ModelRunner:
         if inputs.pending_rows is not None:  # tokens the previous launch sampled on the device
             input_ids[to(inputs.pending_rows)] = self._pending_tokens(to(inputs.pending_src))
         if self.lora is not None:
-            self._set_lora(inputs)
-        if self.graphs is not None and inputs.is_decode and inputs.lora_slot_ids is None and self.graphs.fits(inputs):
+            self.lora.apply_loads(inputs.lora_loads)
+        if self.graphs is not None and inputs.is_decode and self.graphs.fits(inputs):
             return self.graphs.replay(inputs, input_ids)
         if (self.prefill_graphs is not None and not inputs.is_decode and inputs.mrope_positions is None
                 and inputs.lora_slot_ids is None and self.prefill_graphs.fits(inputs)):
             return self.prefill_graphs.replay(inputs, input_ids)
+        if self.lora is not None:  # an eager step: each slot's rows, for every LoRA projection
+            self.lora.set_rows(inputs.lora_slot_ids, self.device)
         self.ctx.meta = AttentionMetadata(
             slot_mapping=to(inputs.slot_mapping), cu_seqlens_q=to(inputs.cu_seqlens_q),
             seqlens_k=to(inputs.seqlens_k), block_tables=to(inputs.block_tables),
@@ -247,12 +249,6 @@ class ModelRunner:
                 return self.model(input_ids, to(inputs.positions))
         finally:
             self.ctx.meta = None
-
-    def _set_lora(self, inputs: StepInputs) -> None:
-        """The step's adapters into their slots, and each slot's rows (steps with adapter rows run eagerly)."""
-        for slot, int_id, name, path in inputs.lora_loads:
-            self.lora.load(slot, int_id, name, path)
-        self.lora.set_rows(inputs.lora_slot_ids, self.device)
 
     def copy_blocks(self, inputs: StepInputs) -> None:
         """The step's copies on write: each source block's K and V, in every layer, into its destination."""
@@ -299,9 +295,10 @@ class ModelRunner:
         its plan (Sampler.plan), as the other ranks were sent it: a sharded step samples here."""
         graphs = self.graphs
         if (st is not None and graphs is not None and graphs.samples and inputs.is_decode
-                and inputs.samples_every_row and inputs.prompt_rows is None and inputs.lora_slot_ids is None
-                and graphs.fits(inputs)):
+                and inputs.samples_every_row and inputs.prompt_rows is None and graphs.fits(inputs)):
             self.copy_blocks(inputs)
+            if self.lora is not None:
+                self.lora.apply_loads(inputs.lora_loads)
             if inputs.finished_request_ids:
                 self._forget_images(inputs.finished_request_ids)
             tokens, logits = self.sampler.replay_graph(graphs, inputs, st)

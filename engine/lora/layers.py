@@ -35,7 +35,7 @@ class LoRALinear:
     @property
     def active(self) -> bool:
         """Whether this step has rows under an adapter (else the projection runs as without LoRA)."""
-        return bool(self.pool.groups)
+        return self.pool.active
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out += each row's x @ A[slot]^T @ B[slot]^T (in place): the engine's Triton shrink/expand kernels on
@@ -43,6 +43,8 @@ class LoRALinear:
         kernels = _kernels_for(x, None, "lora") if self.pool.tiles is not None else None
         if kernels is not None and x.dim() == 2 and x.stride(1) == 1 and out.stride(1) == 1:
             return kernels.lora_add(x, out, self.a, self.b, self.pool.tiles)
+        if self.pool.tiles is not None and not self.pool.groups:  # a decode graph's tiles: the kernels only
+            raise RuntimeError("a LoRA decode graph needs the engine's LoRA kernels (CUDA, fused_layers=True)")
         for slot, rows in self.pool.groups:
             rows_x = x.index_select(0, rows)
             delta = (rows_x @ self.a[slot].T) @ self.b[slot].T
@@ -80,11 +82,21 @@ class LoRAPool:
         self.packed_modules = getattr(model, "packed_modules", {})
         self.groups: list[tuple[int, torch.Tensor]] = []  # this step's (slot, its input rows on the device)
         self.tiles = None  # on CUDA, the same rows as the kernels take them (engine/kernels/lora.py's LoRATiles)
+        self.active = False  # this step (or the decode graph being captured) has rows under an adapter
         self.layers: dict[str, LoRALinear] = {}
         for name, module in model.named_modules():
             if name.rsplit(".", 1)[-1] in LORA_PROJECTIONS and hasattr(module, "weight"):
                 module.lora = self.layers[name] = LoRALinear(self, module, isinstance(module, RowParallelLinear))
         self.host: dict[int, Adapter] = {}  # adapters read from disk, by int_id
+
+    def apply_loads(self, loads: list[tuple[int, int, str, str]]) -> None:
+        """A step's adapters into their slots (StepInputs.lora_loads), before its forward pass."""
+        for slot, int_id, name, path in loads:
+            self.load(slot, int_id, name, path)
+
+    def use_tiles(self, tiles) -> None:
+        """Capturing a decode graph: the kernels read the rows from these static buffers (None: done)."""
+        self.groups, self.tiles, self.active = [], tiles, tiles is not None
 
     def load(self, slot: int, int_id: int, name: str, path: str) -> None:
         adapter = self.host.get(int_id)
@@ -95,7 +107,7 @@ class LoRAPool:
 
     def set_rows(self, slot_ids: torch.Tensor | None, device: torch.device) -> None:
         """This step's rows of each slot, from the step's slot per input row (-1: the base model)."""
-        self.groups, self.tiles = [], None
+        self.groups, self.tiles, self.active = [], None, slot_ids is not None
         if slot_ids is None:
             return
         for slot in sorted(set(slot_ids.tolist()) - {-1}):
