@@ -121,3 +121,24 @@ def test_batch_lines_name_an_adapter_with_lora():
     plain = parse_line(json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/completions",
                                    "body": {"model": "chat", "prompt": "hi"}}))
     assert "lora" not in plain.job
+
+
+@pytest.mark.parametrize("flag, words", [
+    ("sql", ["--lora", "give NAME=PATH"]),
+    ("sql=/no/such/adapter", ["--lora sql:", "no adapter_config.json"]),
+])
+def test_a_bad_lora_flag_is_one_line_before_anything_loads(url, flag, words):
+    from test_cli_errors import assert_one_line_error, redline
+
+    done = redline("worker", "--model", "tiny", "--log-level", "ERROR", "--device", "cpu", "--redis-url", url,
+                   "--lora", flag)
+    assert_one_line_error(done, 2, *words)
+
+
+def test_a_rank_above_max_lora_rank_stops_the_worker_in_one_line(url, models):
+    from test_cli_errors import assert_one_line_error, redline
+
+    base, paths, _ = models
+    done = redline("worker", "--model", str(base), "--device", "cpu", "--redis-url", url, "--max-lora-rank", "4",
+                   "--lora", f"sql={paths['sql']}")
+    assert_one_line_error(done, 2, "--lora sql:", "rank 8; max_lora_rank is 4")
