@@ -66,14 +66,14 @@ class StepBuffer:
 
 @torch.inference_mode()
 def capture_largest_first(ctx, sizes: list[int], meta, step, graphs: dict, outputs: dict,
-                          edges_moved: dict | None = None) -> None:
+                          edges_moved: dict | None = None, pool=None) -> None:
     """One CUDA graph of step(size) per size into graphs[size] (what it returns into outputs[size]), largest
     first so that the smaller graphs fit in the first one's memory pool. For each size, ctx.meta = meta(size)
     and a warm-up run outside the capture (kernels compile there); then fresh metadata, since what the backend
     derived during the warm-up (a decode order) must be derived again inside the capture, from the buffers
     each replay refills. With edges_moved, the graphs of sizes graph_edges.rewrites have their edges from
-    GEMMs (all, or those into kernels other than attention) opened at launch, recorded there per size."""
-    pool = None
+    GEMMs (all, or those into kernels other than attention) opened at launch, recorded there per size. pool: an
+    earlier set's memory pool to share (graphs never replayed at once)."""
     for size in reversed(sizes):
         ctx.meta = meta(size)
         step(size)
@@ -166,7 +166,7 @@ class DecodeGraphs:
 
         try:
             capture_largest_first(self.runner.ctx, self.sizes, lambda bs: self._meta(bs, max_model_len), step,
-                                  self.lora_graphs, self.lora_outputs)
+                                  self.lora_graphs, self.lora_outputs, pool=self.graphs[self.max_bs].pool())
         finally:
             self.logits = base_logits
 
