@@ -37,3 +37,13 @@ def test_mixed_batch_on_gpu_kernels_matches_transformers(setup, max_loras, free_
         assert [o.token_ids for o in base_only] == expected[None]
     finally:
         llm.shutdown()
+
+
+def test_shutdown_hands_the_lora_slots_back(setup, free_gpu):  # noqa: F811
+    import torch
+
+    base = setup[0]
+    before = torch.cuda.memory_allocated()
+    llm = LLM(str(base), device="cuda", enable_lora=True, max_loras=8, max_lora_rank=64, gpu_memory_utilization=0.2)
+    llm.shutdown()
+    assert torch.cuda.memory_allocated() <= before + (1 << 20)

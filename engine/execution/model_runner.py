@@ -108,7 +108,7 @@ class ModelRunner:
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
         self.attn_layers = []
-        self.kv_cache = self.model = None
+        self.kv_cache = self.model = self.lora = None  # the LoRA slots too
         self.image_embeds = {}
         self.sampler.release()
         gc.collect()  # the modules are in cycles (each parameter's weight_loader is bound to its module)
