@@ -87,7 +87,8 @@ def test_prefix_cache_blocks_are_not_shared_across_adapters(setup):
     hits = llm.block_manager.num_cache_hits
     assert hits > 0  # the second prompt reused the first one's prefix under the same adapter
     base_outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert llm.block_manager.num_cache_hits == hits + (hits)  # the base hits only its own first prompt's blocks
+    # the base model's second prompt hits its first prompt's blocks, none of the adapter's
+    assert llm.block_manager.num_cache_hits == 2 * hits
     other = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=requests[1])
     reference = LLM(str(base), device="cpu", enable_lora=True, max_lora_rank=16, enable_prefix_caching=False)
     assert [o.token_ids for o in first] == [o.token_ids for o in reference.generate(
