@@ -98,13 +98,18 @@ def test_gateway_lists_adapters_and_runs_a_request_whose_model_names_one(models,
         try:
             client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
             listed = [m.id for m in client.models.list().data]
-            texts = {model: client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_NEW,
-                                                      temperature=0).choices[0].text
-                     for model in ("tiny-qwen3", "sql", "chat")}
+            answers = {model: client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_NEW,
+                                                        temperature=0)
+                       for model in ("tiny-qwen3", "sql", "chat")}
+            streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+                model="sql", prompt=PROMPT, max_tokens=MAX_NEW, temperature=0, stream=True))
         finally:
             stop_process(proc)
     assert listed == ["tiny-qwen3", "sql", "chat"]
+    assert {model: a.model for model, a in answers.items()} == {m: m for m in answers}  # who answered
+    texts = {model: a.choices[0].text for model, a in answers.items()}
     decode = AutoTokenizer.from_pretrained(base).decode
+    assert streamed == texts["sql"]
     assert texts == {"tiny-qwen3": decode(expected[None]), "sql": decode(expected["sql"]),
                      "chat": decode(expected["chat"])}
 
