@@ -46,6 +46,48 @@ def case(rows: int, k: int, n: int, w: int, slots: int, dtype, device, pad: bool
     return {"relative_error": err, "base_rows_changed": int((out[base_rows] != before[base_rows]).sum())}
 
 
+def engine_on_kernels() -> dict:
+    """A CPU engine whose LoRA projections run the kernels (as on CUDA), against the same engine's torch path:
+    the pool's packed A/B layout, the rows' tiles and the strides the layers hand the kernels."""
+    import importlib
+    import tempfile
+
+    from engine import LLM, LoRARequest, SamplingParams
+    from engine.lora import layers
+    from tests.conftest import make_checkpoint
+    from tests.lora_helpers import ADAPTERS, make_adapter
+
+    with tempfile.TemporaryDirectory() as tmp:
+        base = make_checkpoint("qwen3", Path(tmp) / "base")
+        requests = [LoRARequest(name, i + 1, str(make_adapter(base, Path(tmp) / name, rank, alpha, targets, rslora, i)))
+                    for i, (name, rank, alpha, targets, rslora) in enumerate(ADAPTERS[:2])]
+        prompts = [[5, 17, 99, 3, 250, 7, 8, 9, 10, 11], [40, 41, 42], [300, 2, 77, 81, 90]]
+        loras = [requests[0], None, requests[1]]
+        greedy = SamplingParams(temperature=0, max_tokens=4)
+
+        def run() -> list[list[int]]:
+            llm = LLM(str(base), device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16)
+            return [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False, lora_request=loras)]
+
+        torch_tokens = run()
+        plain = LLM(str(base), device="cpu")
+        base_tokens = [o.token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
+        kernels = importlib.import_module("engine.kernels.lora")
+        calls = []
+        set_rows = layers.LoRAPool.set_rows
+
+        def set_rows_with_tiles(pool, slot_ids, device):
+            set_rows(pool, slot_ids, device)
+            if pool.groups:  # what the pool builds on CUDA
+                pool.tiles = kernels.LoRATiles(*(torch.tensor(v, dtype=torch.int32) for v in kernels.make_tiles(slot_ids)))
+
+        layers.LoRAPool.set_rows = set_rows_with_tiles
+        layers._kernels_for = lambda x, weight, name: calls.append(name) or kernels
+        kernel_tokens = run()
+    return {"tokens_equal": kernel_tokens == torch_tokens, "kernel_calls": len(calls),
+            "adapters_change_tokens": base_tokens[0] != torch_tokens[0] and base_tokens[2] != torch_tokens[2]}
+
+
 def main(device: str) -> None:
     f32, bf16 = torch.float32, torch.bfloat16
     results = {
@@ -54,6 +96,8 @@ def main(device: str) -> None:
         "padded_tiles_fp32": case(20, 32, 64, 16, 2, f32, device, pad=True, seed=2),  # graph-style empty tiles
         "decode_bf16": case(9, 128, 192, 64, 4, bf16, device, seed=3),
     }
+    if device == "cpu":
+        results["engine_on_kernels"] = engine_on_kernels()
     print(json.dumps(results))
 
 

@@ -1,5 +1,6 @@
 """The LoRA shrink/expand kernels (engine/kernels/lora.py) against the torch products, under the Triton
-interpreter (tests/lora_cases.py) and, marked gpu, compiled on a GPU."""
+interpreter (tests/lora_cases.py: alone, and in a CPU engine whose LoRA projections call them as on CUDA) and,
+marked gpu, compiled on a GPU."""
 from __future__ import annotations
 
 import importlib.util
@@ -23,6 +24,12 @@ def results() -> dict:
 def test_each_row_gets_its_slots_product_and_base_rows_none(results, case):
     assert results[case]["relative_error"] <= TOLERANCE[case]
     assert results[case]["base_rows_changed"] == 0
+
+
+def test_an_engine_whose_lora_projections_run_the_kernels_gives_the_torch_paths_tokens(results):
+    outcome = results["engine_on_kernels"]
+    assert outcome["adapters_change_tokens"] and outcome["kernel_calls"] > 0
+    assert outcome["tokens_equal"]
 
 
 @pytest.mark.gpu
