@@ -76,7 +76,7 @@ class LoRAPool:
     read once from disk) and sets each step's rows per slot before the forward pass."""
 
     def __init__(self, model: nn.Module, max_loras: int, max_rank: int, tp_rank: int = 0):
-        from engine.layers.linear import RowParallelLinear
+        from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 
         self.max_loras, self.max_rank, self.tp_rank = max_loras, max_rank, tp_rank
         self.packed_modules = getattr(model, "packed_modules", {})
@@ -85,7 +85,9 @@ class LoRAPool:
         self.active = False  # this step (or the decode graph being captured) has rows under an adapter
         self.layers: dict[str, LoRALinear] = {}
         for name, module in model.named_modules():
-            if name.rsplit(".", 1)[-1] in LORA_PROJECTIONS and hasattr(module, "weight"):
+            # the decoder layers' projections (adapter.check_adapter names the same ones)
+            if (name.startswith("model.layers.") and name.rsplit(".", 1)[-1] in LORA_PROJECTIONS
+                    and isinstance(module, (ColumnParallelLinear, RowParallelLinear))):
                 module.lora = self.layers[name] = LoRALinear(self, module, isinstance(module, RowParallelLinear))
         self.host: dict[int, Adapter] = {}  # adapters read from disk, by int_id
 
