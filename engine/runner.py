@@ -140,6 +140,7 @@ class Runner(Protocol):
     num_kvcache_blocks: int
     uses_mrope: bool
     has_lm_head: bool  # False: an embedding checkpoint without one (it cannot generate)
+    lora_modules: frozenset[str]  # the projections a LoRA adapter may adapt (engine/lora/layers.py), by name
 
     def execute_model(self, inputs: StepInputs) -> object:
         """Queue the step's forward pass (and the sampling where it can run with it); a handle for

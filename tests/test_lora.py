@@ -130,6 +130,10 @@ def test_bad_lora_requests_are_refused_in_one_line(setup, tmp_path):
                      lora_request=[requests[0], LoRARequest("clash", requests[0].int_id, requests[1].path), None])
     with pytest.raises(ValueError, match="positive integer"):
         LoRARequest("zero", 0, requests[0].path)
+    one_layer = LLM(str(make_checkpoint("qwen3", tmp_path / "one-layer", num_hidden_layers=1)), device="cpu",
+                    enable_lora=True, max_lora_rank=16)
+    with pytest.raises(ValueError, match=r"adapts model\.layers\.1\..*, which this model does not have"):
+        one_layer.generate(prompts, GREEDY, use_tqdm=False, lora_request=requests[0])
     # nothing of the refused calls stayed in the engine: the next call runs as usual
     assert len(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=requests[0])) == len(prompts)
     assert not llm.has_unfinished()

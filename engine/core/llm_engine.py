@@ -121,9 +121,8 @@ class LLMEngine:
             raise ValueError("a LoRA request needs an engine started with enable_lora=True")
         known = self._lora_paths.get(lora.int_id)
         if known is None:
-            hf = self.config.text_config
             check_adapter(lora.name, lora.path, self.config.max_lora_rank,
-                          model_class(self.config.hf_config.architectures).packed_modules, hf.num_hidden_layers)
+                          model_class(self.config.hf_config.architectures).packed_modules, self.runner.lora_modules)
             self._lora_paths[lora.int_id] = lora.path
         elif known != lora.path:
             raise ValueError(f"LoRA int_id {lora.int_id} names adapter {known!r}; {lora.path!r} needs an id of its own")

@@ -76,6 +76,7 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # LoRA adapters' device slots, allocated before the KV cache takes what is left
         self.lora = LoRAPool(self.model, config.max_loras, config.max_lora_rank, tp.rank) if config.enable_lora else None
+        self.lora_modules = frozenset(self.lora.layers) if self.lora is not None else frozenset()
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.sampler = Sampler(self.device, config.seed, config.text_config.vocab_size)
         if capture_graphs:

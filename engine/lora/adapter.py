@@ -98,11 +98,10 @@ def load_adapter(name: str, path: str, max_rank: int, packed_modules: dict) -> A
     return Adapter(name, path, rank, modules)
 
 
-def check_adapter(name: str, path: str, max_rank: int, packed_modules: dict, num_layers: int) -> Adapter:
-    """load_adapter, and every module it adapts is a projection of this model's decoder layers."""
+def check_adapter(name: str, path: str, max_rank: int, packed_modules: dict, known: frozenset[str]) -> Adapter:
+    """load_adapter, and every module it adapts is one of `known`, the model's LoRA projections (the runner's
+    lora_modules)."""
     adapter = load_adapter(name, path, max_rank, packed_modules)
-    known = {f"model.layers.{i}.{where}" for i in range(num_layers)
-             for where in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}
     unknown = sorted(set(adapter.modules) - known)
     if unknown:
         raise ValueError(f"adapter {path!r} adapts {unknown[0]}, which this model does not have")
