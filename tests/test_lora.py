@@ -60,6 +60,17 @@ def test_mixed_batch_matches_transformers_with_each_adapter_merged(setup):
     assert [o.token_ids for o in outs] == _expected(prompts, requests, expected, zip(all_prompts, loras))
 
 
+def test_chat_takes_lora_requests_as_generate_does(setup):
+    base, _, requests, _ = setup
+    llm = LLM(str(base), device="cpu", enable_lora=True, max_lora_rank=16)
+    conversation = [{"role": "user", "content": "Name a color."}]
+    chats = llm.chat([conversation] * 2, GREEDY, use_tqdm=False, lora_request=[requests[1], None])
+    prompt = llm.encode_chat(conversation)
+    generated = llm.generate([prompt] * 2, GREEDY, use_tqdm=False, lora_request=[requests[1], None])
+    assert [o.token_ids for o in chats] == [o.token_ids for o in generated]
+    assert chats[0].token_ids != chats[1].token_ids
+
+
 def test_more_adapters_than_slots_in_one_call(setup):
     base, prompts, requests, expected = setup
     llm = LLM(str(base), device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16, kvcache_block_size=8)

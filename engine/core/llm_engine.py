@@ -659,13 +659,15 @@ class LLMEngine:
 
     def chat(self, conversations: list[list[dict]] | list[dict],
              sampling_params: SamplingParams | BeamSearchParams | list | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """generate() for chat conversations (each a list of {"role", "content"} messages, or one such
         list), through the model's chat template; one output per conversation. A content may be a list of
         OpenAI-style parts, text and (a vision-language model) image_url with a data URL."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        return self.generate([self.encode_chat(list(c)) for c in conversations], sampling_params, use_tqdm)
+        return self.generate([self.encode_chat(list(c)) for c in conversations], sampling_params, use_tqdm,
+                             lora_request=lora_request)
 
     def beam_search(self, prompts: list[str] | list[list[int]], params: BeamSearchParams,
                     use_tqdm: bool = True) -> list[RequestOutput]:
