@@ -4,12 +4,13 @@
 The heavy parts (torch, the models) load on first use of LLM/LLMEngine, so `engine.sampling.params`
 is importable by producers that have no torch.
 """
+from engine.lora.request import LoRARequest
 from engine.sampling.params import BeamSearchParams, SamplingParams
 
 _LAZY = {"LLM": "engine.core.llm_engine", "LLMEngine": "engine.core.llm_engine",
          **dict.fromkeys(("RequestOutput", "CompletionOutput", "StepResult", "StepStats"), "engine.core.outputs")}
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "LoRARequest", "RequestOutput", "CompletionOutput",
            "StepResult", "StepStats"]
 
 

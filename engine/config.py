@@ -105,7 +105,7 @@ class EngineConfig(EngineOptions):
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         for name in ("max_num_seqs", "max_seqs_per_request", "max_num_batched_tokens", "max_model_len",
                      "kvcache_block_size", "num_kvcache_blocks", "max_images_per_prompt", "max_image_bytes",
-                     "max_pixels_per_prompt"):
+                     "max_pixels_per_prompt", "max_loras", "max_lora_rank"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
         util = self.gpu_memory_utilization

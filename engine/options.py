@@ -43,6 +43,9 @@ class EngineOptions:
     # of the engine's Triton layer kernels; attention keeps its backend), to debug
     fused_layers: bool = _option(True, "off: the layers as plain PyTorch ops (debugging)")
     tp_all_reduce: str = _option("engine", "engine (the engine's all-reduce kernels on GPUs) | nccl")
+    enable_lora: bool = _option(False, "serve LoRA adapters per request (engine/lora)")
+    max_loras: int = _option(4, "LoRA adapters held on the device at once (slots)")
+    max_lora_rank: int = _option(64, "largest LoRA rank an adapter may have")
     max_images_per_prompt: int = _option(MAX_IMAGES_PER_PROMPT, "vision-language models: most images in one job")
     max_image_bytes: int = _option(MAX_IMAGE_BYTES, "vision-language models: most bytes of one encoded image")
     max_pixels_per_prompt: int = _option(MAX_PIXELS_PER_PROMPT, "vision-language models: most pixels (width x "

@@ -95,6 +95,10 @@ class StepInputs:
     prompt_rows: torch.Tensor | None = None
     prompt_next_ids: torch.Tensor | None = None
     num_prompt_top: int = 0
+    # LoRA adapters (engine/lora/): each input row's adapter slot (-1: the base model; None: no row has one), and
+    # the adapters to load into their slots before the forward pass: (slot, int_id, name, path)
+    lora_slot_ids: torch.Tensor | None = None
+    lora_loads: list[tuple[int, int, str, str]] = field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:
@@ -136,6 +140,7 @@ class Runner(Protocol):
     num_kvcache_blocks: int
     uses_mrope: bool
     has_lm_head: bool  # False: an embedding checkpoint without one (it cannot generate)
+    lora_modules: frozenset[str]  # the projections a LoRA adapter may adapt (engine/lora/layers.py), by name
 
     def execute_model(self, inputs: StepInputs) -> object:
         """Queue the step's forward pass (and the sampling where it can run with it); a handle for

@@ -39,9 +39,10 @@ class Batch:
     line_ids: list[str]
 
     @classmethod
-    def from_lines(cls, lines: list[str], batch_id: str, endpoint: str | None = None) -> "Batch":
-        """endpoint: every line must ask for it (`parse_line`)."""
-        parsed = [parse_line(raw, endpoint) for raw in lines]
+    def from_lines(cls, lines: list[str], batch_id: str, endpoint: str | None = None,
+                   adapters: tuple[str, ...] = ()) -> "Batch":
+        """endpoint: every line must ask for it; adapters: LoRA adapter names `model` may give (`parse_line`)."""
+        parsed = [parse_line(raw, endpoint, adapters) for raw in lines]
         mark_repeated_ids(parsed)
         return cls(parsed, [f"{batch_id}-{i}" for i in range(len(lines))])
 

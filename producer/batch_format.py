@@ -20,6 +20,7 @@ import base64
 import json
 import struct
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from engine.sampling.params import nesting_exceeds
@@ -56,9 +57,9 @@ class BatchLine:
     base64: bool = False  # an embeddings request asked for encoding_format base64
 
 
-def parse_line(raw: str, endpoint: str | None = None) -> BatchLine:
+def parse_line(raw: str, endpoint: str | None = None, adapters: Collection[str] = ()) -> BatchLine:
     """One input line as a job for `Client.submit_many`, or the reason it cannot be one. With `endpoint`,
-    every line must ask for that one (an OpenAI batch names its endpoint once)."""
+    every line must ask for that one (an OpenAI batch names its endpoint once). adapters: see request_job."""
     req, error = load_json(raw)
     if error is not None:
         return BatchLine(None, error=f"line {error}")
@@ -78,7 +79,7 @@ def parse_line(raw: str, endpoint: str | None = None) -> BatchLine:
     elif not isinstance(body, dict):
         line.error = "body must be a JSON object"
     else:
-        line.job, line.error = request_job(line.url, body)
+        line.job, line.error = request_job(line.url, body, adapters)
         line.with_logprobs = line.job.get("sampling", {}).get("logprobs") is not None
         line.base64 = line.url == EMBEDDINGS and body.get("encoding_format") == "base64"
     return line
@@ -119,12 +120,14 @@ def _is_noop(value, noops: tuple) -> bool:
     return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in noops)
 
 
-def request_job(url: str, body: dict) -> tuple[dict, str | None]:
-    """(The job for the request body of one endpoint, as `Client.submit` takes it; or why it cannot run)."""
+def request_job(url: str, body: dict, adapters: Collection[str] = ()) -> tuple[dict, str | None]:
+    """(The job for the request body of one endpoint, as `Client.submit` takes it; or why it cannot run). A
+    generation runs under the LoRA adapter its `lora` field names, or, where `model` is one of `adapters`
+    (the gateway's --lora names), under that one."""
     if url == EMBEDDINGS:
         return embedding_job(body)
     unknown = sorted(set(body) - set(SAMPLING_FIELDS) - LOGPROB_FIELDS - set(NOT_YET) - INFORMATIONAL - INPUTS
-                     - {"response_format", "echo"})
+                     - {"response_format", "echo", "lora"})
     if unknown:
         more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
         return {}, f"unsupported body fields: {', '.join(u[:30] for u in unknown[:5])}{more}"
@@ -155,6 +158,11 @@ def request_job(url: str, body: dict) -> tuple[dict, str | None]:
     if schema is not None:
         sampling["json_schema"] = schema
     job: dict = {"sampling": sampling, "stream": False}
+    lora = body.get("lora")
+    if lora is None and isinstance(body.get("model"), str) and body["model"] in adapters:
+        lora = body["model"]
+    if lora is not None:
+        job["lora"] = lora
     if url == "/v1/chat/completions":
         if not isinstance(body.get("messages"), list):
             return {}, "a chat completion needs messages"

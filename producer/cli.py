@@ -46,6 +46,7 @@ def register(subparsers) -> None:
                                                      "(repeatable)")
     submit.add_argument("--job-id", help="your id for the job; an id that exists is not enqueued again")
     submit.add_argument("--priority", type=int, default=0, help="0 (default), 1 or 2: higher runs first")
+    submit.add_argument("--lora", help="run under this LoRA adapter of the worker's (its --lora NAME=PATH)")
     submit.add_argument("--deadline", type=float, help="seconds after which an unstarted job expires")
     submit.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     submit.add_argument("--no-wait", action="store_true",
@@ -103,6 +104,8 @@ def _job(args: argparse.Namespace) -> dict:
     if args.embed is not None:
         if args.prompt is not None or args.stream or any(v is not None for v in sampling.values()):
             raise UsageError("--embed takes no prompt, --stream or sampling flags")
+        if args.lora is not None:
+            raise UsageError("--embed takes no --lora")
         return {**job, "stream": False, "embed": args.embed, "dimensions": args.dimensions}
     if args.dimensions is not None:
         raise UsageError("--dimensions goes with --embed")
@@ -126,6 +129,8 @@ def _job(args: argparse.Namespace) -> dict:
     if args.json_schema is not None and args.json_schema.startswith("@"):
         sampling["json_schema"] = _read_schema(args.json_schema[1:])
     job["sampling"] = {k: v for k, v in sampling.items() if v is not None}
+    if args.lora is not None:
+        job["lora"] = args.lora
     return job
 
 

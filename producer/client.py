@@ -79,11 +79,12 @@ def build_job(prompt: str | None = None, *, messages: list | None = None,
               prompt_token_ids: list[int] | None = None, sampling: dict | p.Sampling | None = None,
               job_id: str | None = None, priority: int = 0, deadline_s: float | None = None,
               stream: bool = True, embed: list[str] | list[list[int]] | None = None,
-              dimensions: int | None = None) -> tuple[str, int, str]:
+              dimensions: int | None = None, lora: str | None = None) -> tuple[str, int, str]:
     """Validate one job; return (job_id, priority, JSON of its JobSpec). Raises ValueError."""
     job_id = p.check_job_id(job_id) if job_id is not None else p.new_job_id()
     given = {"prompt": prompt, "messages": messages, "prompt_token_ids": prompt_token_ids,
-             "sampling": sampling, "deadline_s": deadline_s, "embed": embed, "dimensions": dimensions}
+             "sampling": sampling, "deadline_s": deadline_s, "embed": embed, "dimensions": dimensions,
+             "lora": lora}
     fields = {k: v for k, v in given.items() if v is not None}
     if priority:
         fields["priority"] = priority
@@ -190,7 +191,7 @@ class Client:
         kwargs: messages, prompt_token_ids, sampling (dict or Sampling), job_id, priority (0-2,
         higher first), deadline_s (seconds after enqueue), stream (write token deltas); or, for an
         embedding model's worker, embed (a list of texts or token-id lists; the result's `embeddings`) and
-        dimensions.
+        dimensions; lora: the name of a LoRA adapter the worker serves (`redline worker --lora NAME=PATH`).
         """
         job = build_job(prompt, **kwargs)
         keys, args = submit_call(self.keys, [job])

@@ -173,6 +173,10 @@ class ChatMessage(BaseModel):
         return value
 
 
+MAX_LORA_NAME_CHARS = 64
+LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"  # what `--lora NAME=PATH` and a job's `lora` may be
+
+
 class JobSpec(_Strict):
     """What a producer asks for: exactly one of prompt, messages or prompt_token_ids; or embed, an embedding
     job (its sampling unset)."""
@@ -193,6 +197,9 @@ class JobSpec(_Strict):
         Field(min_length=1, max_length=MAX_EMBED_INPUTS)] | None = None
     dimensions: int | None = Field(None, ge=1, le=MAX_EMBED_TOKENS)
     sampling: Sampling = Field(default_factory=Sampling)
+    # a LoRA adapter the worker was started with (`redline worker --lora NAME=PATH`), by name: never a path, so
+    # a job cannot make the worker read its disk; unset: the base model
+    lora: str | None = Field(None, min_length=1, max_length=MAX_LORA_NAME_CHARS, pattern=LORA_NAME_PATTERN)
     priority: int = 0
     deadline_s: float | None = Field(None, gt=0)  # seconds after enqueue; later → expired, never run
     stream: bool = True  # write token deltas as they are generated (the final text is always written)
@@ -206,6 +213,8 @@ class JobSpec(_Strict):
             raise ValueError("dimensions goes with embed")
         if self.embed is not None and "sampling" in self.model_fields_set:
             raise ValueError("an embedding job takes no sampling")
+        if self.embed is not None and self.lora is not None:
+            raise ValueError("an embedding job takes no lora")
         if self.prompt_token_ids is not None and not self.prompt_token_ids:
             raise ValueError("prompt_token_ids is empty")
         if self.messages is not None and not self.messages:

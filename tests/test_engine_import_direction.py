@@ -1,4 +1,4 @@
-"""Imports point down through the engine's rooms: kernels, then the model's layers and models, the inputs,
+"""Imports point down through the engine's rooms: kernels, then the model's layers and models, LoRA adapters, the inputs,
 the step's boundary (engine/runner.py), the configuration, sampling, execution on the device, and last the
 loop (engine/core/). Nothing imports a room above its own, even inside a function, so the runner is called
 with plain step inputs and cannot call back into the loop."""
@@ -10,7 +10,7 @@ import sys
 from queue_helpers import REPO_ROOT
 
 # lowest first: a module may import its own room and the rooms before it
-ROOMS = ["builtin", "kernels", "attention", "layers", "models", "inputs", "runner", "options", "config", "sampling",
+ROOMS = ["builtin", "kernels", "attention", "layers", "models", "lora", "inputs", "runner", "options", "config", "sampling",
          "execution", "core"]
 ENGINE = REPO_ROOT / "engine"
 CHECK = """

@@ -55,6 +55,9 @@ def test_redline_schema_prints_it(capsys):
     {"prompt": "Hi", "sampling": {"regex": "a" * 16385}},
     {"prompt": "Hi", "sampling": {"temprature": 0}},  # a misspelt field
     {"prompt": "Hi", "priorty": 1},
+    {"prompt": "Hi", "lora": "sql-v2"},
+    {"prompt": "Hi", "lora": "../adapters"},  # a name, never a path
+    {"prompt": "Hi", "lora": ""},
     {"prompt": 3},
 ])
 def test_the_schema_accepts_exactly_the_jobs_the_model_accepts(job):

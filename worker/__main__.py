@@ -51,6 +51,7 @@ def run_worker(args: argparse.Namespace) -> int:
         client = connect(settings.redis_url, password=settings.redis_password)  # the URL's own password wins
         check_server(client, settings.redis_url)
     config = EngineConfig(settings.model, **settings.engine_kwargs)  # a bad option or model: said before Redis starts
+    _check_adapters(settings, config)
     server = None if client else embedded_redis(settings.redis_data_dir)
     if server:
         settings.redis_url = server.url  # a Celery queue, if served, is read from the same Redis
@@ -59,6 +60,20 @@ def run_worker(args: argparse.Namespace) -> int:
     finally:
         if server:
             server.stop()
+
+
+def _check_adapters(settings, config) -> None:
+    """Every --lora adapter's directory and config, said in one line before anything loads."""
+    from engine.lora.adapter import read_adapter_config
+    from producer.cli import UsageError
+
+    for name, lora in settings.lora_requests.items():
+        try:
+            read_adapter_config(lora.path, config.max_lora_rank)
+        except ValueError as e:
+            raise UsageError(f"--lora {name}: {e}") from None
+    if settings.lora and not config.enable_lora:
+        raise UsageError("--lora needs enable_lora: leave --no-enable-lora out")
 
 
 def embedded_redis(data_dir: str):

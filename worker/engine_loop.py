@@ -29,10 +29,11 @@ class EngineLoop:
     """Drives one engine until the drain ends; `run()` raises what the engine raised."""
 
     def __init__(self, engine, in_flight: InFlight, preparation: Preparation, capacity: Capacity, drain: Drain,
-                 outbox, metrics, reader: Reader, sources: list) -> None:
+                 outbox, metrics, reader: Reader, sources: list, loras: dict | None = None) -> None:
         self.engine, self.in_flight, self.preparation = engine, in_flight, preparation
         self.capacity, self.drain, self.outbox, self.metrics = capacity, drain, outbox, metrics
         self.reader, self.sources = reader, sources  # the sources of jobs: done once they hand over no more
+        self.loras = loras or {}  # the LoRA adapters jobs may name (`--lora NAME=PATH`): LoRARequests by name
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.embeddings = EmbeddingJobs()  # embedding jobs: one engine request per input
         self.stats = StatsLog()
@@ -126,7 +127,13 @@ class EngineLoop:
             prompt = self.engine.encode_chat([m.model_dump() for m in spec.messages])
         # checked at admission (the constraint's compile check on the preparation threads): not again here
         params = SamplingParams.from_checked(spec.sampling.model_dump(exclude_none=True))
-        self.engine.add_request(prompt, params, request_id=job.job_id, stream=spec.stream)
+        lora = None
+        if spec.lora is not None:
+            lora = self.loras.get(spec.lora)
+            if lora is None:
+                raise ValueError(f"this worker serves no LoRA adapter {spec.lora!r}; it serves: "
+                                 f"{', '.join(self.loras) or 'none (start it with --lora NAME=PATH)'}")
+        self.engine.add_request(prompt, params, request_id=job.job_id, stream=spec.stream, lora_request=lora)
 
     def _hand_back_running(self) -> None:
         for job in self.preparation.take_all():

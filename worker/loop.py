@@ -75,7 +75,8 @@ class Worker:
 
             self.sources.append(CelerySource(settings, self.metrics, self))
         self.engine_loop = EngineLoop(engine, self.in_flight, self.preparation, self.capacity, self.drain,
-                                      self.writer.outbox, self.metrics, self.reader, self.sources)
+                                      self.writer.outbox, self.metrics, self.reader, self.sources,
+                                      settings.lora_requests)
         self.ready = threading.Event()  # set once the consumer group exists and the loop is running
         self.closed = threading.Event()  # set once the writer has written everything
         self.failed = False  # a thread or the engine failed: exit code 1

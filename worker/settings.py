@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import socket
 from dataclasses import fields
 from pathlib import Path
-from typing import Literal, get_args, get_type_hints
+from typing import Literal, get_args, get_origin, get_type_hints
 
-from pydantic import AliasChoices, Field, create_model
+from pydantic import AliasChoices, Field, create_model, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.options import EngineOptions
@@ -66,6 +67,26 @@ class _WorkerSettings(BaseSettings):
                                                  "Celery producers to the same Redis; results in Celery's backend)")
     celery_visibility_timeout: float = Field(60.0, gt=0, description="a Celery task whose worker has not been heard "
                                                                      "from this long goes back to its queue")
+    lora: list[str] = Field(default_factory=list,
+                            description="a LoRA adapter jobs may name (`lora: NAME`): NAME=PATH of a PEFT adapter "
+                                        "directory; repeatable (REDLINE_LORA: a JSON list); turns on enable_lora")
+
+    @field_validator("lora")
+    @classmethod
+    def _check_lora(cls, value: list[str]) -> list[str]:
+        names = [lora_name_and_path(entry)[0] for entry in value]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"adapter name {twice[0]!r} is given twice")
+        return value
+
+    @property
+    def lora_requests(self) -> dict:
+        """The adapters jobs may name, by name: LoRARequests with ids 1, 2, ... in the order given."""
+        from engine.lora.request import LoRARequest
+
+        return {name: LoRARequest(name, i + 1, path)
+                for i, (name, path) in enumerate(lora_name_and_path(entry) for entry in self.lora)}
 
     @property
     def engine_kwargs(self) -> dict:
@@ -73,7 +94,19 @@ class _WorkerSettings(BaseSettings):
         given = {k: getattr(self, k) for k in ENGINE_FIELDS if getattr(self, k) is not None}
         if self.cache_aware_admission:  # the engine's half of it, unless set on its own
             given.setdefault("prefer_cached_prefixes", True)
+        if self.lora:
+            given.setdefault("enable_lora", True)
         return given
+
+
+def lora_name_and_path(entry: str) -> tuple[str, str]:
+    """(NAME, PATH) of a `--lora NAME=PATH` entry; ValueError in one line otherwise."""
+    name, sep, path = entry.partition("=")
+    if not sep or not path or not re.fullmatch(protocol.LORA_NAME_PATTERN, name) \
+            or len(name) > protocol.MAX_LORA_NAME_CHARS:
+        raise ValueError(f"give NAME=PATH (NAME: letters, digits, '.', '_', '-', at most "
+                         f"{protocol.MAX_LORA_NAME_CHARS}), got {entry!r}")
+    return name, path
 
 
 def _engine_fields() -> dict:
@@ -104,7 +137,9 @@ def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -
         if field.default is not None and not field.default_factory:
             help_text += f" [{field.default}]"
         kinds = [t for t in (bool, int, float) if t in (field.annotation, *get_args(field.annotation))]
-        if kinds and kinds[0] is bool:
+        if get_origin(field.annotation) is list:  # repeatable
+            parser.add_argument(flag, dest=name, default=None, action="append", help=help_text)
+        elif kinds and kinds[0] is bool:
             parser.add_argument(flag, dest=name, default=None, action=argparse.BooleanOptionalAction,
                                 help=help_text)
         else:

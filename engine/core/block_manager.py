@@ -31,7 +31,17 @@ import xxhash
 from engine.core.sequence import Sequence
 
 
+LORA_ROOT = 0x4C6F5241  # marks the chain root of an adapter's blocks
 LONG_ROPE_ROOT = 0x4C6F6E67526F5045  # the hash a chain of long-factor blocks starts from (others: none, -1)
+
+
+def chain_root(seq: Sequence, long_rope: bool) -> int:
+    """The hash a sequence's block chain starts from: its rotary factors' and its LoRA adapter's (a block
+    computed under one adapter never serves another, nor the base model)."""
+    root = LONG_ROPE_ROOT if long_rope else -1
+    if seq.lora is None:
+        return root
+    return chain_hash([seq.lora.int_id], root, (LORA_ROOT,))
 
 
 def chain_hash(token_ids: list[int], prefix_hash: int, image_key: tuple[int, ...] | None = None) -> int:
@@ -44,12 +54,12 @@ def chain_hash(token_ids: list[int], prefix_hash: int, image_key: tuple[int, ...
     return h.intdigest()
 
 
-def prefix_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
+def prefix_block_hashes(token_ids: list[int], block_size: int, root: int = -1) -> list[int]:
     """The prefix-cache hashes of a text prompt's leading full blocks, as the block manager enters and looks
-    them up (a prompt without images, rotated with the short factors). The last token is always computed, so
-    the block that holds it is never looked up and has no hash here."""
+    them up (a prompt without images, rotated with the short factors; `root`: chain_root's, for an adapter's).
+    The last token is always computed, so the block that holds it is never looked up and has no hash here."""
     hashes: list[int] = []
-    prefix_hash = -1
+    prefix_hash = root
     for start in range(0, (len(token_ids) - 1) // block_size * block_size, block_size):
         prefix_hash = chain_hash(token_ids[start:start + block_size], prefix_hash)
         hashes.append(prefix_hash)
@@ -115,7 +125,7 @@ class BlockManager:
         hits: list[int] = []
         if not self.enable_prefix_caching or not seq.reuses_cached_prefix:
             return hits
-        prefix_hash = LONG_ROPE_ROOT if self.takes_long_rope(seq) else -1
+        prefix_hash = chain_root(seq, self.takes_long_rope(seq))
         # the last token is always computed, so a prompt never hits in full
         for i in range((seq.num_tokens - 1) // self.block_size):
             tokens, image_key = seq.block(i), seq.block_image_key(i)
@@ -159,7 +169,7 @@ class BlockManager:
         seq.block_table = hits + [self._take_free_block() for _ in range(seq.num_blocks - len(hits))]
         seq.num_hashed_blocks = len(hits)
         seq.hashed_prefix = (self.blocks[hits[-1]].hash if hits
-                             else LONG_ROPE_ROOT if seq.long_rope else -1)
+                             else chain_root(seq, seq.long_rope))
         seq.num_released_blocks = 0
         seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens

@@ -20,6 +20,9 @@ from engine.inputs.detokenizer import Detokenizer
 from engine.inputs.multimodal import ImagePrompts, MultimodalPrompt, chat_parts
 from engine.inputs.tokenizer import load_tokenizer
 from engine.layers.rotary import long_rope_rows
+from engine.lora.adapter import check_adapter
+from engine.lora.request import LoRARequest
+from engine.lora.slots import LoRASlots
 from engine.models import model_class
 from engine.runner import GrammarMasks, Runner, StepInputs
 from engine.sampling.grammar import GrammarCache
@@ -58,7 +61,9 @@ class LLMEngine:
                                           config.enable_prefix_caching, long_after,
                                           max(windows) if all(windows) else 0)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.prefer_cached_prefixes and config.enable_prefix_caching)
+                                   config.prefer_cached_prefixes and config.enable_prefix_caching,
+                                   LoRASlots(config.max_loras) if config.enable_lora else None)
+        self._lora_paths: dict[int, str] = {}  # each adapter int_id checked so far, and its path
         self.requests: dict[str, SequenceGroup] = {}
         self._aborted: list[SequenceGroup] = []
         self._request_ids = count()
@@ -80,17 +85,19 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int] | dict | MultimodalPrompt,
                     sampling_params: SamplingParams | BeamSearchParams | dict | None = None,
-                    request_id: str | None = None, stream: bool = False) -> str:
+                    request_id: str | None = None, stream: bool = False, lora_request: LoRARequest | None = None) -> str:
         """Queue one request (sampling, or beam search with BeamSearchParams); returns its id. A prompt is
         text, token ids, {"prompt": text or ids, "images": [PIL.Image | bytes | path | data URL, ...]} (a
         vision-language model), or what prepare_prompt / encode_chat returned. stream: its outputs carry
-        each step's new text (`new_text`), not only the final text. Raises ValueError for bad input,
-        leaving the engine as it was."""
+        each step's new text (`new_text`), not only the final text. lora_request: the LoRA adapter it runs
+        under (None: the base model). Raises ValueError for bad input, leaving the engine as it was."""
         self._check_open()
         if not self.runner.has_lm_head:
             raise ValueError(f"model {self.config.model!r} has no LM head (an embedding checkpoint): it cannot "
                              "generate; use embed()")
         params = _as_params(sampling_params)
+        if lora_request is not None:
+            self._check_lora(lora_request)
         prepared = self.prepare_prompt(prompt)
         token_ids = self._check_length(prepared.token_ids if isinstance(prepared, MultimodalPrompt) else prepared)
         if request_id is None:
@@ -98,6 +105,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         group = self._new_group(request_id, token_ids, params, stream)
+        group.first.lora = lora_request
         if isinstance(prepared, MultimodalPrompt):
             group.first.multimodal = prepared.multimodal
             group.first.mrope_position_delta = prepared.multimodal.mrope_position_delta
@@ -106,6 +114,20 @@ class LLMEngine:
             self._scoring.add(request_id)
         self.scheduler.add(group.first)
         return request_id
+
+    def _check_lora(self, lora: LoRARequest) -> None:
+        """An adapter this engine can run: read and checked from disk the first time its int_id comes."""
+        if not isinstance(lora, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
+        if not self.config.enable_lora:
+            raise ValueError("a LoRA request needs an engine started with enable_lora=True")
+        known = self._lora_paths.get(lora.int_id)
+        if known is None:
+            check_adapter(lora.name, lora.path, self.config.max_lora_rank,
+                          model_class(self.config.hf_config.architectures).packed_modules, self.runner.lora_modules)
+            self._lora_paths[lora.int_id] = lora.path
+        elif known != lora.path:
+            raise ValueError(f"LoRA int_id {lora.int_id} names adapter {known!r}; {lora.path!r} needs an id of its own")
 
     def add_embed_request(self, prompt: str | list[int], dimensions: int | None = None,
                           request_id: str | None = None) -> str:
@@ -561,20 +583,25 @@ class LLMEngine:
 
     def generate(self, prompts: list[str] | list[list[int]] | list[dict],
                  sampling_params: SamplingParams | BeamSearchParams | list | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order. A prompt is text, token ids or, for a
         vision-language model, {"prompt": ..., "images": [...]} (add_request). sampling_params: one for all
-        prompts or a list, one per prompt."""
+        prompts or a list, one per prompt; lora_request likewise (None: the base model)."""
         if isinstance(prompts, (str, dict, MultimodalPrompt)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
+        if not isinstance(lora_request, list):
+            lora_request = [lora_request] * len(prompts)
+        if len(lora_request) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(lora_request)} LoRA requests")
         ids: list[str] = []
         try:
-            for prompt, sp in zip(prompts, sampling_params):
-                ids.append(self.add_request(prompt, sp))
+            for prompt, sp, lora in zip(prompts, sampling_params, lora_request):
+                ids.append(self.add_request(prompt, sp, lora_request=lora))
         except Exception:
             self._drop(ids)
             raise
@@ -646,13 +673,15 @@ class LLMEngine:
 
     def chat(self, conversations: list[list[dict]] | list[dict],
              sampling_params: SamplingParams | BeamSearchParams | list | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """generate() for chat conversations (each a list of {"role", "content"} messages, or one such
         list), through the model's chat template; one output per conversation. A content may be a list of
         OpenAI-style parts, text and (a vision-language model) image_url with a data URL."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        return self.generate([self.encode_chat(list(c)) for c in conversations], sampling_params, use_tqdm)
+        return self.generate([self.encode_chat(list(c)) for c in conversations], sampling_params, use_tqdm,
+                             lora_request=lora_request)
 
     def beam_search(self, prompts: list[str] | list[list[int]], params: BeamSearchParams,
                     use_tqdm: bool = True) -> list[RequestOutput]:

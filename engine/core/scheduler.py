@@ -2,7 +2,8 @@
 
 Each step gets a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs). Running
 sequences go first: decodes (one token each), then prompts part-way through a chunked prefill; the
-budget left admits waiting sequences, whose prompts are cut into chunks when they do not fit. When a
+budget left admits waiting sequences (one under a LoRA adapter only when its adapter has or can take a
+device slot: engine/lora/slots.py), whose prompts are cut into chunks when they do not fit. When a
 decode needs a KV block and none is free, the newest running sequence is preempted: its blocks are
 freed and it waits to be recomputed (its computed blocks usually come back from the prefix cache). With
 LongRoPE, a running sequence that grows past the switch to the long factors is recomputed the same way, from
@@ -25,8 +26,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from itertools import islice
 
-from engine.core.block_manager import BlockManager, prefix_block_hashes
+from engine.core.block_manager import BlockManager, chain_root, prefix_block_hashes
 from engine.core.sequence import Sequence, SequenceStatus
+from engine.lora.slots import LoRASlots
 
 # with prefer_cached, waiting sequences looked at for the best cached prefix each admission: the queue's
 # head and what came soon after it (the worker keeps the engine's waiting list short; LLM.generate may not)
@@ -39,6 +41,7 @@ class ScheduledBatch:
     num_tokens: list[int]         # tokens computed for each sequence in this step
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination), before the step
     forks: dict[int, list[Sequence]] = field(default_factory=dict)     # seq_id -> sequences sampled from its row
+    lora_loads: list[tuple[int, int, str, str]] = field(default_factory=list)  # (slot, int_id, name, path), first
 
     def sampled(self) -> list[Sequence]:
         """The sequences that get a token from this step, in the order of the step's logits rows: each whose
@@ -63,9 +66,10 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefer_cached: bool = False):
+                 prefer_cached: bool = False, lora_slots: LoRASlots | None = None):
         self.block_manager = block_manager
         self.prefer_cached = prefer_cached  # admit waiting sequences whose prefix is cached first
+        self.lora_slots = lora_slots  # the device's adapter slots (an engine serving LoRA adapters)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -117,6 +121,8 @@ class Scheduler:
                 break
             if len(self.running) + seq.admission_width > self.max_num_seqs or not self.block_manager.can_allocate(seq):
                 break
+            if seq.lora is not None and not self._take_lora_slot(seq):
+                break
             if seq is self.waiting[0]:
                 self.waiting.popleft()
             else:
@@ -128,6 +134,8 @@ class Scheduler:
             if computing is not None and self._passable(seq):
                 computing.update(self._prefix_hashes(seq)[seq.num_hashed_blocks:])
         batch.block_copies = self.block_manager.take_copies()
+        if self.lora_slots is not None:
+            batch.lora_loads = self.lora_slots.take_loads()
         return batch
 
     def _passable(self, seq: Sequence) -> bool:
@@ -141,7 +149,8 @@ class Scheduler:
         """The prefix-cache hashes of a passable `seq`'s leading blocks, kept on it while its length stays."""
         memo = seq.prefix_hashes
         if memo is None or memo[0] != seq.num_tokens:
-            memo = seq.prefix_hashes = (seq.num_tokens, prefix_block_hashes(seq.token_ids, seq.block_size))
+            hashes = prefix_block_hashes(seq.token_ids, seq.block_size, chain_root(seq, False))
+            memo = seq.prefix_hashes = (seq.num_tokens, hashes)
         return memo[1]
 
     def _blocks_computing(self) -> set[int]:
@@ -165,6 +174,15 @@ class Scheduler:
             if hits > best_hits:
                 best, best_hits = seq, hits
         return best
+
+    def _take_lora_slot(self, seq: Sequence) -> bool:
+        """Give `seq` its adapter's slot; False while every slot holds another adapter that running sequences use."""
+        busy = {s.lora_slot for s in self.running if s.lora is not None}
+        slot = self.lora_slots.acquire(seq.lora, busy)
+        if slot is None:
+            return False
+        seq.lora_slot = slot
+        return True
 
     def _add(self, batch: ScheduledBatch, seq: Sequence, n: int) -> int:
         """Schedule n prompt tokens of `seq`; at its prompt's end a group's first sequence forks."""

@@ -57,6 +57,8 @@ class Sequence:
         self.multimodal = None         # engine.multimodal.MultimodalInputs of a prompt with images (seed 003)
         self.mrope_position_delta = 0  # M-RoPE: a token past the prompt rotates at its index + this (seed 001)
         self.pooling = None            # engine.core.pooling.PooledState of an embedding request (never sampled)
+        self.lora = None               # engine.lora.LoRARequest of a request under an adapter (None: the base model)
+        self.lora_slot = -1            # its adapter's device slot while it runs (engine/lora/slots.py)
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

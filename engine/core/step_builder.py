@@ -39,6 +39,12 @@ class StepBuilder:
         """The step's inputs, before the engine advances its sequences; scored: its sequences' rows that score
         prompt tokens (engine/core/prompt_logprobs.py's prompt_spans)."""
         inputs = self._forward_inputs(batch, scored)
+        if batch.lora_loads:
+            inputs.lora_loads = batch.lora_loads
+        if any(s.lora is not None for s in batch.seqs):
+            inputs.lora_slot_ids = torch.tensor([s.lora_slot if s.lora is not None else -1
+                                                 for s, n in zip(batch.seqs, batch.num_tokens) for _ in range(n)],
+                                                dtype=torch.int64)
         if batch.block_copies:
             inputs.block_copies = torch.tensor(batch.block_copies, dtype=torch.int64).T.contiguous()
         if sampled:

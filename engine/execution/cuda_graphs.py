@@ -66,14 +66,14 @@ class StepBuffer:
 
 @torch.inference_mode()
 def capture_largest_first(ctx, sizes: list[int], meta, step, graphs: dict, outputs: dict,
-                          edges_moved: dict | None = None) -> None:
+                          edges_moved: dict | None = None, pool=None) -> None:
     """One CUDA graph of step(size) per size into graphs[size] (what it returns into outputs[size]), largest
     first so that the smaller graphs fit in the first one's memory pool. For each size, ctx.meta = meta(size)
     and a warm-up run outside the capture (kernels compile there); then fresh metadata, since what the backend
     derived during the warm-up (a decode order) must be derived again inside the capture, from the buffers
     each replay refills. With edges_moved, the graphs of sizes graph_edges.rewrites have their edges from
-    GEMMs (all, or those into kernels other than attention) opened at launch, recorded there per size."""
-    pool = None
+    GEMMs (all, or those into kernels other than attention) opened at launch, recorded there per size. pool: an
+    earlier set's memory pool to share (graphs never replayed at once)."""
     for size in reversed(sizes):
         ctx.meta = meta(size)
         step(size)
@@ -100,10 +100,22 @@ class DecodeGraphs:
         self.max_blocks = cfg.max_blocks_per_seq
         dev = runner.device
         i64, i32 = torch.int64, torch.int32
+        # LoRA (engine/lora): a second set of graphs for steps with adapter rows, their kernels reading the rows'
+        # tiles (engine/kernels/lora.py) from this buffer; only where the layers run the engine's kernels
+        self.lora = runner.lora if runner.lora is not None and cfg.fused_layers else None
+        lora_tiles = 0
+        lora_fields = []
+        if self.lora is not None:
+            from engine.kernels.lora import max_tiles
+
+            lora_tiles = max_tiles(max_bs, self.lora.max_loras)
+            lora_fields = [("lora_order", i32, max_bs), ("lora_tile_slot", i32, lora_tiles),
+                           ("lora_tile_start", i32, lora_tiles), ("lora_tile_end", i32, lora_tiles)]
         # block tables last: a step copies only the rows it has
         self.buffer = StepBuffer([("input_ids", i64, max_bs), ("positions", i64, max_bs),
                                   ("slot_mapping", i64, max_bs), ("pending_src", i64, max_bs), ("seed", i64, 1),
-                                  ("seqlens_k", i32, max_bs), ("block_tables", i32, max_bs * self.max_blocks)], dev)
+                                  ("seqlens_k", i32, max_bs), *lora_fields,
+                                  ("block_tables", i32, max_bs * self.max_blocks)], dev)
         a = self.buffer.arrays
         self.input_ids, self.positions, self.slot_mapping = a["input_ids"], a["positions"], a["slot_mapping"]
         self.pending_src, self.seed, self.seqlens_k = a["pending_src"], a["seed"], a["seqlens_k"]
@@ -125,6 +137,38 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self._capture_all(cfg.max_model_len)
+        self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.lora_outputs: dict[int, torch.Tensor] = {}
+        self.lora_logits: dict[int, torch.Tensor] = {}
+        if self.lora is not None:
+            a["lora_tile_slot"].fill_(-1)
+            self._capture_lora(cfg.max_model_len)
+
+    def _lora_tiles(self, bs: int):
+        """The tiles a LoRA graph of size bs reads: as many as bs rows over the slots can need."""
+        from engine.kernels.lora import LoRATiles, max_tiles
+
+        a, count = self.buffer.arrays, max_tiles(bs, self.lora.max_loras)
+        return LoRATiles(a["lora_order"], a["lora_tile_slot"][:count], a["lora_tile_start"][:count],
+                         a["lora_tile_end"][:count])
+
+    def _capture_lora(self, max_model_len: int) -> None:
+        """The graphs of decode steps with adapter rows: the layers with their LoRA products (the LoRA
+        projections unfused from their norms), the kernels' tiles read from the step buffer."""
+        base_logits, self.logits = self.logits, self.lora_logits  # _step keeps each size's logits there
+
+        def step(bs: int) -> torch.Tensor:
+            self.lora.use_tiles(self._lora_tiles(bs))
+            try:
+                return self._step(bs)
+            finally:
+                self.lora.use_tiles(None)
+
+        try:
+            capture_largest_first(self.runner.ctx, self.sizes, lambda bs: self._meta(bs, max_model_len), step,
+                                  self.lora_graphs, self.lora_outputs, pool=self.graphs[self.max_bs].pool())
+        finally:
+            self.logits = base_logits
 
     def _meta(self, bs: int, max_seqlen_k: int) -> AttentionMetadata:
         return AttentionMetadata(self.slot_mapping[:bs], self.cu_seqlens_q[: bs + 1], self.seqlens_k[:bs],
@@ -148,7 +192,26 @@ class DecodeGraphs:
                               self.graphs, self.outputs, self.edges_moved)
 
     def fits(self, inputs) -> bool:
-        return len(inputs.input_ids) <= self.max_bs and inputs.block_tables.shape[1] <= self.max_blocks
+        return (len(inputs.input_ids) <= self.max_bs and inputs.block_tables.shape[1] <= self.max_blocks
+                and (inputs.lora_slot_ids is None or self.lora is not None))
+
+    def _graph(self, inputs, bs: int) -> tuple[torch.cuda.CUDAGraph, dict, dict]:
+        """(The graph of size bs for the step, its hidden states by size, its logits by size)."""
+        if inputs.lora_slot_ids is None:
+            return self.graphs[bs], self.outputs, self.logits
+        return self.lora_graphs[bs], self.lora_outputs, self.lora_logits
+
+    def _upload_lora(self, a: dict, inputs, bs: int) -> None:
+        """The step's rows per adapter slot as its LoRA graph's kernels read them (empty tiles: slot -1)."""
+        from engine.kernels.lora import make_tiles, max_tiles
+
+        order, slots, starts, ends = make_tiles(inputs.lora_slot_ids)
+        count = max_tiles(bs, self.lora.max_loras)
+        a["lora_order"][:len(order)] = order
+        a["lora_tile_slot"][:count] = -1
+        a["lora_tile_slot"][:len(slots)] = slots
+        a["lora_tile_start"][:len(starts)] = starts
+        a["lora_tile_end"][:len(ends)] = ends
 
     def _size(self, num_seqs: int) -> int:
         return next(s for s in self.sizes if s >= num_seqs)
@@ -169,6 +232,8 @@ class DecodeGraphs:
         if pending and inputs.pending_rows is not None:
             a["pending_src"][inputs.pending_rows.numpy()] = inputs.pending_src.numpy()
         a["seed"][0] = seed
+        if inputs.lora_slot_ids is not None:
+            self._upload_lora(a, inputs, bs)
         width = inputs.block_tables.shape[1]
         tables = a["block_tables"].reshape(self.max_bs, self.max_blocks)
         tables[:n, :width] = inputs.block_tables.numpy()
@@ -183,8 +248,9 @@ class DecodeGraphs:
         self._upload(inputs, bs, seed=0, pending=False)
         self.input_ids[:n].copy_(input_ids)
         self._tokens_sampled = None  # the graph samples over self.tokens all the same
-        self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        graph, outputs, _ = self._graph(inputs, bs)
+        graph.replay()
+        return outputs[bs][:n]
 
     def replay_sampled(self, inputs, temperatures: torch.Tensor | None, seed: int,
                        previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,9 +271,10 @@ class DecodeGraphs:
                 self.temperatures[n:].zero_()
             self._temperatures_of = temperatures
         self._upload(inputs, bs, seed, pending=True)
-        self.graphs[bs].replay()
+        graph, _, logits = self._graph(inputs, bs)
+        graph.replay()
         self._tokens_sampled = self.tokens[:n]
-        return self._tokens_sampled, self.logits[bs][:n]
+        return self._tokens_sampled, logits[bs][:n]
 
 
 PREFILL_GRAPH_TOKENS = [16, 32, 64, 128, 256, 512, 1024, 2048]

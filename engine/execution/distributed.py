@@ -103,6 +103,7 @@ class TPDriver:
         self.sampler = self.runner.sampler
         self.uses_mrope = self.runner.uses_mrope
         self.has_lm_head = self.runner.has_lm_head
+        self.lora_modules = self.runner.lora_modules
 
     @property
     def worker_pids(self) -> list[int]:

@@ -15,6 +15,7 @@ from engine.inputs.loader import load_weights
 from engine.layers.attention import Attention
 from engine.layers.fusion import PlainTorch
 from engine.layers.parallel import TPGroup
+from engine.lora.layers import LoRAPool
 from engine.models import model_class
 from engine.runner import GrammarMasks, ImageSlice, StepInputs
 from engine.sampling.sampler import PromptScores, SampledTokens, Sampler, SamplingTensors, StepSampling, score_prompt
@@ -74,6 +75,10 @@ class ModelRunner:
         # M-RoPE (engine/inputs/multimodal.py): positions past a prompt with images are offset by its delta
         self.uses_mrope = getattr(self.model, "uses_mrope", False)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        # LoRA adapters' device slots, allocated before the KV cache takes what is left
+        self.lora = (LoRAPool(self.model, config.max_loras, config.max_lora_rank, self.dtype, self.device, tp.rank)
+                     if config.enable_lora else None)
+        self.lora_modules = frozenset(self.lora.layers) if self.lora is not None else frozenset()
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.sampler = Sampler(self.device, config.seed, config.text_config.vocab_size)
         if capture_graphs:
@@ -106,7 +111,7 @@ class ModelRunner:
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
         self.attn_layers = []
-        self.kv_cache = self.model = None
+        self.kv_cache = self.model = self.lora = None  # the LoRA slots too
         self.image_embeds = {}
         self.sampler.release()
         gc.collect()  # the modules are in cycles (each parameter's weight_loader is bound to its module)
@@ -225,11 +230,15 @@ class ModelRunner:
         input_ids = to(inputs.input_ids)
         if inputs.pending_rows is not None:  # tokens the previous launch sampled on the device
             input_ids[to(inputs.pending_rows)] = self._pending_tokens(to(inputs.pending_src))
+        if self.lora is not None:
+            self.lora.apply_loads(inputs.lora_loads)
         if self.graphs is not None and inputs.is_decode and self.graphs.fits(inputs):
             return self.graphs.replay(inputs, input_ids)
         if (self.prefill_graphs is not None and not inputs.is_decode and inputs.mrope_positions is None
-                and self.prefill_graphs.fits(inputs)):
+                and inputs.lora_slot_ids is None and self.prefill_graphs.fits(inputs)):
             return self.prefill_graphs.replay(inputs, input_ids)
+        if self.lora is not None:  # an eager step: each slot's rows, for every LoRA projection
+            self.lora.set_rows(inputs.lora_slot_ids, self.device)
         self.ctx.meta = AttentionMetadata(
             slot_mapping=to(inputs.slot_mapping), cu_seqlens_q=to(inputs.cu_seqlens_q),
             seqlens_k=to(inputs.seqlens_k), block_tables=to(inputs.block_tables),
@@ -291,6 +300,8 @@ class ModelRunner:
         if (st is not None and graphs is not None and graphs.samples and inputs.is_decode
                 and inputs.samples_every_row and inputs.prompt_rows is None and graphs.fits(inputs)):
             self.copy_blocks(inputs)
+            if self.lora is not None:
+                self.lora.apply_loads(inputs.lora_loads)
             if inputs.finished_request_ids:
                 self._forget_images(inputs.finished_request_ids)
             tokens, logits = self.sampler.replay_graph(graphs, inputs, st)

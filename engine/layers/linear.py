@@ -16,6 +16,9 @@ from engine.layers.parallel import SINGLE, PushedSum, TPGroup, divide
 class _Linear(nn.Module):
     split_dim = None  # the weight's dimension split across ranks: 0 (output features), 1 (input features)
     quant = None  # a QuantMethod where the checkpoint quantizes this layer (engine/layers/quant)
+    # engine/lora/layers.py's LoRALinear where the engine serves LoRA adapters: add(x, out) adds each row's
+    # adapter product to the projection's output
+    lora = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup, full_shape: tuple,
                  part_sizes: list[int] | None = None):
@@ -38,9 +41,8 @@ class _Linear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant is not None:
-            return self.quant.apply(self, x, self.bias)
-        return linear(x, self.weight, self.bias)
+        out = linear(x, self.weight, self.bias) if self.quant is None else self.quant.apply(self, x, self.bias)
+        return out if self.lora is None or not self.lora.active else self.lora.add(x, out)
 
     def part_index(self, shard_id) -> int:
         """The packed part a checkpoint tensor's shard id names."""
@@ -128,6 +130,9 @@ class RowParallelLinear(_Linear):
     load_full = weight_loader
 
     def forward(self, x: torch.Tensor) -> "torch.Tensor | PushedSum":
+        if self.lora is not None and self.lora.active:  # this rank's part of x @ A^T @ B^T joins its partial sum
+            out = linear(x, self.weight, self.bias) if self.quant is None else self.quant.apply(self, x, self.bias)
+            return self._reduced(self.lora.add(x, out))
         if self.quant is not None:
             return self._reduced(self.quant.apply(self, x, self.bias))
         return self._reduced(self.tp.partial_linear(x, self.weight, self.bias))
@@ -135,7 +140,7 @@ class RowParallelLinear(_Linear):
     def forward_act_and_mul(self, gate_up: torch.Tensor, act: str = "silu") -> "torch.Tensor | PushedSum":
         """forward(act_and_mul(gate_up, act)); the activation is fused into the projection where this rank's
         part is a plain product (always for decode rows; see TPGroup.partial_linear)."""
-        if self.quant is None and self.tp.is_plain_product(gate_up):
+        if self.quant is None and self.tp.is_plain_product(gate_up) and (self.lora is None or not self.lora.active):
             return self._reduced(act_and_mul_linear(gate_up, self.weight, self.bias, act))
         return self.forward(act_and_mul(gate_up, act))
 

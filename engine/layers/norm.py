@@ -33,7 +33,8 @@ class RMSNorm(nn.Module):
         rank, for the rows the GEMV takes (decode), the add and the norm run in the projection's prologue:
         one kernel less. gated (one rank, rows the TMA GEMM takes: fusion.takes_gated_tma): proj is the
         [gate | up] projection and the first result silu(gate) * up, from the GEMM's epilogue."""
-        if self.tp.size == 1 and proj.tp.size == 1 and proj.quant is None:  # quantized: no float weight to fuse
+        if (self.tp.size == 1 and proj.tp.size == 1 and proj.quant is None  # quantized: no float weight to fuse
+                and not getattr(getattr(proj, "lora", None), "active", False)):
             return add_rms_norm_linear(x, residual, self.weight, self.eps, proj.weight, proj.bias, gated=gated,
                                        unit_offset=self.unit_offset)
         if gated:

@@ -50,7 +50,9 @@ class DecoderAttention(nn.Module):
         """Attention over the packed q/k/v rows (qkv_proj's output, which the layer computes with its
         norm), then the output projection."""
         q_norm, k_norm = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
-        after_gemv = takes_gemv(qkv, self.qkv_proj.weight)  # the decode kernel can then start before it ends
+        # the decode kernel can then start before the GEMV ends (not where a LoRA product is added after it)
+        lora = getattr(self.qkv_proj, "lora", None)
+        after_gemv = takes_gemv(qkv, self.qkv_proj.weight) and (lora is None or not lora.active)
         return self.o_proj(self.attn(qkv, positions, self.rotary_emb, q_norm, k_norm, after_gemv))
 
 

@@ -51,8 +51,9 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None)
                          redis_client=connect(settings.redis_url, asyncio=True, pool_size=REDIS_CONNECTIONS,
                                               socket_timeout=None, **password))
     files = FileStore(client.redis, client.keys)
-    batches = BatchStore(client, files, settings.model_name, metrics, offload)
-    online = Online(client, settings.model_name, settings.request_timeout, metrics, offload)
+    adapters = tuple(settings.lora)
+    batches = BatchStore(client, files, settings.model_name, metrics, offload, adapters)
+    online = Online(client, settings.model_name, settings.request_timeout, metrics, offload, adapters)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -110,16 +111,22 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None)
             return await online.answer(request, url, await _json(request, offload))
         return endpoint
 
-    model = {"id": settings.model_name, "object": "model", "created": CREATED, "owned_by": "redline"}
+    # the base model, then each LoRA adapter (OpenAI's `parent` and `root` name the base, as vLLM lists them)
+    models = {settings.model_name: {"id": settings.model_name, "object": "model", "created": CREATED,
+                                    "owned_by": "redline"}}
+    for name in adapters:
+        models.setdefault(name, {"id": name, "object": "model", "created": CREATED, "owned_by": "redline",
+                                 "parent": settings.model_name, "root": settings.model_name})
 
     async def list_models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [model]})
+        return JSONResponse({"object": "list", "data": list(models.values())})
 
     async def get_model(request: Request) -> Response:
-        if request.path_params["model"] != settings.model_name:
+        found = models.get(request.path_params["model"])
+        if found is None:
             raise APIError(404, f"no model {request.path_params['model']!r}; this gateway serves "
-                                f"{settings.model_name!r}", code="model_not_found")
-        return JSONResponse(model)
+                                f"{', '.join(map(repr, models))}", code="model_not_found")
+        return JSONResponse(found)
 
     async def healthz(request: Request) -> Response:
         return PlainTextResponse("ok\n")

@@ -79,10 +79,11 @@ def check_metadata(metadata) -> dict | None:
     return metadata
 
 
-def prepare(lines: list[str], batch_id: str, endpoint: str, window_s: int) -> tuple[Batch, list[tuple]]:
+def prepare(lines: list[str], batch_id: str, endpoint: str, window_s: int,
+            adapters: tuple[str, ...] = ()) -> tuple[Batch, list[tuple]]:
     """The batch's lines, parsed, and the validated jobs (`build_job`'s) of those that can run (the others'
-    lines say why)."""
-    batch = Batch.from_lines(lines, batch_id, endpoint)
+    lines say why). adapters: the LoRA adapter names a line's `model` may give."""
+    batch = Batch.from_lines(lines, batch_id, endpoint, adapters)
     jobs = []
     for line, job_id in zip(batch.lines, batch.line_ids):
         if line.error is None:
@@ -96,8 +97,10 @@ def prepare(lines: list[str], batch_id: str, endpoint: str, window_s: int) -> tu
 class BatchStore:
     """The batches of one queue: created from files, advanced and finalized by every gateway."""
 
-    def __init__(self, client, files: FileStore, model_name: str, metrics, offload: Offload) -> None:
+    def __init__(self, client, files: FileStore, model_name: str, metrics, offload: Offload,
+                 adapters: tuple[str, ...] = ()) -> None:
         self.client, self.files, self.model_name = client, files, model_name
+        self.adapters = adapters  # LoRA adapter names a line's model may give
         self.metrics, self.offload = metrics, offload
         self.redis, self.keys = client.redis, client.keys
         self.scripts = GatewayScripts(self.redis)
@@ -152,7 +155,8 @@ class BatchStore:
         """Submit the batch's jobs (again, after a gateway died: ids that exist are not enqueued twice)."""
         window_s = request["expires_at"] - request["created_at"]
         try:
-            batch, jobs = await self.offload(prepare, lines, batch_id, request["endpoint"], window_s)
+            batch, jobs = await self.offload(prepare, lines, batch_id, request["endpoint"], window_s,
+                                             self.adapters)
         except Exception as e:  # noqa: BLE001 - an input no line check foresaw fails its batch, never loops it
             log.exception("batch %s: its input could not be prepared", batch_id)
             return await self._fail(batch_id, f"the input could not be prepared: {type(e).__name__}: {str(e)[:200]}")

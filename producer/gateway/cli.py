@@ -22,6 +22,9 @@ def register(subparsers) -> None:
                         help="a bearer key clients must send (repeatable; REDLINE_API_KEYS=k1,k2); none: no check")
     parser.add_argument("--model-name", default=None,
                         help="the model name /v1/models lists and responses carry [redline]")
+    parser.add_argument("--lora", dest="lora", action="append", default=None, metavar="NAME",
+                        help="a LoRA adapter name the workers serve (repeatable): listed by /v1/models, and a "
+                             "request's model may name it")
     parser.add_argument("--max-file-bytes", type=int, default=None, help="largest upload to /v1/files [100 MiB]")
     parser.add_argument("--max-request-bytes", type=int, default=None, help="largest other request body [4 MiB]")
     parser.add_argument("--request-timeout", type=float, default=None,

@@ -34,8 +34,10 @@ RESULT_STATUS = {p.FAILED: 400, p.EXPIRED: 503, p.CANCELLED: 500}  # a job that 
 class Online:
     """The online endpoints of one gateway, over its AsyncClient."""
 
-    def __init__(self, client, model_name: str, timeout_s: float, metrics, offload: Offload) -> None:
+    def __init__(self, client, model_name: str, timeout_s: float, metrics, offload: Offload,
+                 adapters: tuple[str, ...] = ()) -> None:
         self.client, self.model_name, self.timeout_s = client, model_name, timeout_s
+        self.adapters = adapters  # LoRA adapter names a request's model may give
         self.metrics, self.offload = metrics, offload
 
     async def answer(self, request: Request, url: str, body: dict) -> Response:
@@ -47,17 +49,20 @@ class Online:
         prompt_only = _prompt_only(url, body)
         if prompt_only:  # the engine generates at least one token: one is made, and left out of the answer
             body = {**body, "max_tokens": 1}
-        built, sampling = await self.offload(_build, url, body, job_id, stream, self.timeout_s)
+        built, sampling = await self.offload(_build, url, body, job_id, stream, self.timeout_s,
+                                            self.adapters)
         with_logprobs = sampling.get("logprobs") is not None
+        # the answer names the model that answered: an adapter the request named, else the base
+        model = body["model"] if body.get("model") in self.adapters else self.model_name
         keys, args = submit_call(self.client.keys, [built])
         await self.client.scripts.submit(keys=keys, args=args)
         deadline = time.monotonic() + self.timeout_s
         if stream:
-            return await self._stream(request, job_id, chat, sampling.get("n", 1), include_usage, deadline)
+            return await self._stream(request, job_id, chat, sampling.get("n", 1), include_usage, deadline, model)
         result = await self._wait(request, job_id, deadline, self.client.result)
         if not result.ok:
             raise _failed(result.status, result.error)
-        return JSONResponse(response_body(url, result, with_logprobs, self.model_name, prompt_only))
+        return JSONResponse(response_body(url, result, with_logprobs, model, prompt_only))
 
     async def _embed(self, request: Request, body: dict) -> Response:
         """An embeddings request: one embedding job, its vectors in OpenAI's shape."""
@@ -92,12 +97,12 @@ class Online:
         return await anext(self.client.stream(job_id, timeout=timeout))
 
     async def _stream(self, request: Request, job_id: str, chat: bool, n: int, include_usage: bool,
-                      deadline: float) -> Response:
+                      deadline: float, model: str) -> Response:
         first = await self._wait(request, job_id, deadline, self._first_delta)
         if first.finished and first.status != p.SUCCEEDED and not first.text:
             raise _failed(first.status, first.error)  # refused before it ran: an answer, not a stream
         rest = self.client.stream(job_id, after=first.id or "0-0", timeout=max(deadline - time.monotonic(), 0.01))
-        chunks = Chunks(job_id, chat, self.model_name, include_usage)
+        chunks = Chunks(job_id, chat, model, include_usage)
         return EventStream(self._events(job_id, first, rest, chunks, n), self.metrics)
 
     async def _events(self, job_id: str, first: p.TokenDelta, deltas: AsyncIterator[p.TokenDelta],
@@ -190,9 +195,10 @@ class EventStream(StreamingResponse):
                 await self.body_iterator.aclose()
 
 
-def _build(url: str, body: dict, job_id: str, stream: bool, deadline_s: float) -> tuple[tuple[str, int, str], dict]:
+def _build(url: str, body: dict, job_id: str, stream: bool, deadline_s: float,
+           adapters: tuple[str, ...] = ()) -> tuple[tuple[str, int, str], dict]:
     """(The validated job, as `build_job` returns it; its sampling) for a request body; 400 if it cannot run."""
-    job, error = request_job(url, {k: v for k, v in body.items() if k not in ("stream", "stream_options")})
+    job, error = request_job(url, {k: v for k, v in body.items() if k not in ("stream", "stream_options")}, adapters)
     if error is not None:
         raise invalid(error)
     sampling = job["sampling"]

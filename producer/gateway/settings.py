@@ -25,6 +25,10 @@ class GatewaySettings(BaseSettings):
                                           "REDLINE_API_KEYS takes them comma-separated")
     model_name: str = Field("redline", min_length=1,
                             description="the model name /v1/models lists and responses carry (the workers' model)")
+    lora: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="LoRA adapter names the workers serve (their --lora NAME=PATH): /v1/models "
+                                          "lists them and a request's `model` may name one; REDLINE_LORA takes them "
+                                          "comma-separated")
     max_file_bytes: int = Field(100 * MiB, ge=1024, description="largest file POST /v1/files takes")
     max_request_bytes: int = Field(4 * MiB, ge=1024, description="largest body of any other request")
     request_timeout: float = Field(600.0, gt=0, description="an online request without a result this long after "
@@ -36,7 +40,7 @@ class GatewaySettings(BaseSettings):
                                              "the one waiting longest for a request head, else is answered 503")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "lora", mode="before")
     @classmethod
     def _comma_separated(cls, value):
         if isinstance(value, str):

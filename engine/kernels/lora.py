@@ -1,0 +1,131 @@
+"""LoRA's two products over a step's rows grouped by adapter slot: shrink (x @ A^T: each row's few LoRA
+columns) and expand (out += y @ B^T).
+
+The rows of each slot are cut into tiles of at most BLOCK_M rows, all of one slot (LoRATiles: the rows in
+slot order and each tile's slot, first and end position in that order); a program takes one tile and one
+block of output columns, loading its slot's A or B block once for all the tile's rows. A tile of slot -1 does
+nothing, so a decode step's tiles can sit in fixed device buffers of max_tiles(rows) entries (CUDA graphs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.common import interpreted
+
+BLOCK_M = 16  # rows of a tile (tl.dot's smallest)
+
+
+@dataclass
+class LoRATiles:
+    order: torch.Tensor       # [rows] int32: the rows under an adapter, grouped by slot (padded with 0)
+    tile_slot: torch.Tensor   # [tiles] int32: each tile's slot, -1: an empty tile
+    tile_start: torch.Tensor  # [tiles] int32: its first position in `order`
+    tile_end: torch.Tensor    # [tiles] int32: one past its last
+
+
+def max_tiles(rows: int, slots: int) -> int:
+    """The most tiles `rows` rows spread over `slots` slots can need."""
+    return triton.cdiv(rows, BLOCK_M) + slots
+
+
+def make_tiles(slot_ids: torch.Tensor) -> tuple[list[int], list[int], list[int], list[int]]:
+    """(order, tile slots, tile starts, tile ends) of a step's slot per row (-1: the base), on the host."""
+    order, slots, starts, ends = [], [], [], []
+    ids = slot_ids.tolist()
+    for slot in sorted(set(ids) - {-1}):
+        rows = [i for i, s in enumerate(ids) if s == slot]
+        first = len(order)
+        order += rows
+        for start in range(first, len(order), BLOCK_M):
+            slots.append(slot)
+            starts.append(start)
+            ends.append(min(start + BLOCK_M, len(order)))
+    return order, slots, starts, ends
+
+
+@triton.jit
+def _tile_rows(order_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, tile, BLOCK_M: tl.constexpr):
+    slot = tl.load(tile_slot_ptr + tile)
+    start = tl.load(tile_start_ptr + tile)
+    end = tl.load(tile_end_ptr + tile)
+    pos = start + tl.arange(0, BLOCK_M)
+    row_mask = pos < end
+    rows = tl.load(order_ptr + pos, mask=row_mask, other=0).to(tl.int64)
+    return slot, rows, row_mask
+
+
+@triton.jit
+def _matmul_rows(src_ptr, src_stride, w_ptr, w_stride_slot, w_stride_n, slot, rows, row_mask, cols, col_mask,
+                 K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """src[rows] @ W[slot][cols]^T in float32: W [slots, N, K] contiguous in K."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        x = tl.load(src_ptr + rows[:, None] * src_stride + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + slot.to(tl.int64) * w_stride_slot + cols[None, :] * w_stride_n + ks[:, None],
+                    mask=col_mask[None, :] & k_mask[:, None], other=0.0)
+        if UPCAST:
+            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(x.to(w.dtype), w)
+    return acc
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, x_stride, a_ptr, a_stride_slot, y_ptr, y_stride, order_ptr, tile_slot_ptr,
+                   tile_start_ptr, tile_end_ptr, W, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    tile = tl.program_id(0)
+    slot, rows, row_mask = _tile_rows(order_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, tile, BLOCK_M)
+    if slot < 0:
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < W
+    acc = _matmul_rows(x_ptr, x_stride, a_ptr, a_stride_slot, K, slot, rows, row_mask, cols, col_mask, K,
+                       BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+    tl.store(y_ptr + rows[:, None] * y_stride + cols[None, :], acc, mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _expand_kernel(y_ptr, y_stride, b_ptr, b_stride_slot, out_ptr, out_stride, order_ptr, tile_slot_ptr,
+                   tile_start_ptr, tile_end_ptr, N, W, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    tile = tl.program_id(0)
+    slot, rows, row_mask = _tile_rows(order_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, tile, BLOCK_M)
+    if slot < 0:
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    acc = _matmul_rows(y_ptr, y_stride, b_ptr, b_stride_slot, W, slot, rows, row_mask, cols, col_mask, W,
+                       BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+    mask = row_mask[:, None] & col_mask[None, :]
+    ptrs = out_ptr + rows[:, None] * out_stride + cols[None, :]
+    old = tl.load(ptrs, mask=mask, other=0.0)
+    tl.store(ptrs, (old.to(tl.float32) + acc).to(old.dtype), mask=mask)
+
+
+def lora_add(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, tiles: LoRATiles) -> torch.Tensor:
+    """out[r] += (x[r] @ A[slot]^T) @ B[slot]^T for each row r under an adapter, in place; a [slots, W, K],
+    b [slots, N, W]. The W LoRA columns of each row stay in float32 between the two products."""
+    rows, k = x.shape
+    slots, w, _ = a.shape
+    n = out.shape[1]
+    assert x.stride(1) == 1 and out.stride(1) == 1 and a.is_contiguous() and b.is_contiguous()
+    y = torch.empty(rows, w, dtype=torch.float32, device=x.device)
+    num_tiles = tiles.tile_slot.numel()
+    upcast = interpreted() or x.dtype == torch.float32
+    block_w = max(16, triton.next_power_of_2(min(w, 64)))
+    _shrink_kernel[(num_tiles, triton.cdiv(w, block_w))](
+        x, x.stride(0), a, a.stride(0), y, y.stride(0), tiles.order, tiles.tile_slot, tiles.tile_start,
+        tiles.tile_end, w, k, BLOCK_M=BLOCK_M, BLOCK_N=block_w, BLOCK_K=64, UPCAST=upcast)
+    block_n = 64
+    _expand_kernel[(num_tiles, triton.cdiv(n, block_n))](
+        y, y.stride(0), b, b.stride(0), out, out.stride(0), tiles.order, tiles.tile_slot, tiles.tile_start,
+        tiles.tile_end, n, w, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_w, UPCAST=upcast)
+    return out
