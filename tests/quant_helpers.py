@@ -347,6 +347,29 @@ def eager_and_graph_tokens(model_dir, prompts: list[list[int]], max_tokens: int 
     return outs[0], outs[1]
 
 
+def assert_graph_tokens_score_as_eager(model_dir, prompts: list[list[int]]) -> None:
+    """Greedy tokens of eager steps and of the decode graphs, each scored by an eager prefill of the checkpoint
+    (prompt_logprobs): the graphs' tokens lie as close to the best token as the eager steps' own (their mean
+    log-probability below the best within 0.05 of eager's), and none far (1.5: a stale or wrong graph picks
+    tokens several nats down)."""
+    from engine import LLM, SamplingParams
+
+    runs = eager_and_graph_tokens(model_dir, prompts)
+    llm = LLM(str(model_dir), dtype="bfloat16", enforce_eager=True, num_kvcache_blocks=128)
+    scoring = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    gaps = []  # per run: each generated token's log-probability below the best, in the scoring prefill
+    for tokens in runs:
+        outs = llm.generate([p + t for p, t in zip(prompts, tokens)], scoring, use_tqdm=False)
+        gaps.append([max(lp.logprob for lp in entry.values()) - entry[token].logprob
+                     for out, p, t in zip(outs, prompts, tokens)
+                     for entry, token in zip(out.prompt_logprobs[len(p):], t)])
+    llm.shutdown()
+    eager, graphs = (sum(g) / len(g) for g in gaps)
+    print(f"mean log-probability below the best: eager {eager:.4f}, graphs {graphs:.4f}; "
+          f"tokens equal in {sum(a == b for a, b in zip(*runs))}/{len(prompts)}")
+    assert graphs <= eager + 0.05 and max(gaps[1]) < 1.5
+
+
 def kv_cache_bytes(model: str) -> int:
     """The KV cache an engine of `model` (dummy weights) sizes itself on this GPU."""
     from engine import LLM

@@ -40,8 +40,8 @@ def test_gpu_embeddings_equal_sentence_transformers(tmp_path, pooling):
         assert min(cosines(got[i], ref)) > least
     assert done[gen].token_ids == alone
     assert min(cosines(vectors([done[r] for r in emb]), ref)) > least
-    if pooling == "lasttoken":
-        assert outs[len(TEXTS) + 1].num_cached_tokens > 0
+    if pooling == "lasttoken":  # a repeat finds its text's blocks (not the one admitted beside it: not yet entered)
+        assert any(o.num_cached_tokens > 0 for o in outs[len(TEXTS):])
 
 
 def test_gpu_embed_bench_on_the_qwen3_embedding_shape(capsys):

@@ -22,8 +22,9 @@ def _poisoned(monkeypatch):
     from engine.kernels import fused_moe
     original = torch.empty
 
-    def empty(*shape, **kw):
-        return original(*shape, **kw).fill_(float("nan"))
+    def empty(*shape, **kw):  # float buffers (the routing's integer ones hold no values to poison)
+        t = original(*shape, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
     monkeypatch.setattr(fused_moe.torch, "empty", empty)
 
 
@@ -51,20 +52,25 @@ def test_fused_moe_on_mxfp4_experts_equals_the_dequantized_reference(tokens, hid
     assert rel < 2e-2, rel
 
 
-def test_gpt_oss_20b_in_mxfp4_has_twice_the_kv_cache_of_bf16_on_one_gpu(free_gpu):
-    """bf16 experts take ~38 GB of gpt-oss-20b's ~42 GB; MXFP4 ones ~10 GB: the KV cache gets what they save."""
+def test_gpt_oss_20b_in_mxfp4_gives_its_kv_cache_the_memory_its_experts_save(free_gpu):
+    """bf16 experts take ~38 GB of gpt-oss-20b's ~42 GB; MXFP4 ones ~10 GB: the KV cache gets what they save (on
+    an 80 GB H100 that doubles it; on a 141 GB H200, whose cache is larger to start with, it does not), and the
+    MXFP4 model generates."""
     from engine.builtin import BUILTIN_MODELS
     from worker.bench_engine import BENCH_QUANTIZATIONS, quantized_shape
 
-    sizes = {}
+    kv, weights = {}, {}
     for name, model in (("bf16", "gpt-oss-20b"), ("mxfp4", quantized_shape(BUILTIN_MODELS["gpt-oss-20b"],
                                                                             BENCH_QUANTIZATIONS["mxfp4"]))):
         llm = LLM(model, load_format="dummy", max_model_len=4096)
         runner = llm.runner
-        sizes[name] = runner.num_kvcache_blocks * runner._kv_bytes_per_block()
+        kv[name] = runner.num_kvcache_blocks * runner._kv_bytes_per_block()
+        weights[name] = sum(t.numel() * t.element_size()
+                            for t in [*runner.model.parameters(), *runner.model.buffers()])
         if name == "mxfp4":
             outs = llm.generate([[5, 6, 7, 8]] * 4, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
             assert all(len(o.token_ids) == 16 for o in outs)
         llm.shutdown()
-    print(f"KV cache bytes: {sizes}")
-    assert sizes["mxfp4"] >= 2 * sizes["bf16"]
+    print(f"KV cache bytes: {kv}; weight bytes: {weights}")
+    saved = weights["bf16"] - weights["mxfp4"]
+    assert saved > 25e9 and kv["mxfp4"] - kv["bf16"] >= 0.9 * saved

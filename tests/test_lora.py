@@ -162,3 +162,22 @@ def test_tensor_parallel_adapters_match_transformers(setup):
         assert [o.token_ids for o in outs] == _expected(prompts, requests, expected, zip(all_prompts, loras))
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block-16", "awq"])
+def test_adapter_on_a_quantized_base_matches_transformers_on_its_dequantized_weights(tmp_path, fmt):
+    """A quantized checkpoint's projections hold no float weight; an adapter adds to their products all the same:
+    tokens equal transformers' on the dequantized weights with the adapter merged."""
+    from tests.quant_helpers import quantize_checkpoint
+
+    base = make_checkpoint("qwen3", tmp_path / "base")
+    reference = quantize_checkpoint(base, tmp_path / fmt, fmt)
+    name, rank, alpha, targets, rslora = ADAPTERS[1]  # every projection
+    adapter = make_adapter(reference, tmp_path / name, rank, alpha, targets, rslora, seed=3)
+    prompts = _prompts(3, seed=11)
+    want = hf_greedy(merge_adapter(reference, adapter, tmp_path / "merged"), prompts, MAX_NEW)
+    llm = LLM(str(tmp_path / fmt), device="cpu", enable_lora=True, max_lora_rank=16, kvcache_block_size=8)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=LoRARequest(name, 1, str(adapter)))
+    assert [o.token_ids for o in outs] == want
+    base_tokens = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert base_tokens == hf_greedy(reference, prompts, MAX_NEW)

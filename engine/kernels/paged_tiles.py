@@ -149,9 +149,12 @@ def query_for_cache(q, cache_dtype: tl.constexpr):
 
 @triton.jit
 def mma(a, b, UPCAST: tl.constexpr):
-    """tl.dot(a, b) in fp32; UPCAST does it on fp32 operands (the CPU interpreter mis-multiplies bf16)."""
+    """tl.dot(a, b) in fp32; float32 operands (a float32 model) in full precision, not TF32; UPCAST does it on
+    fp32 operands (the CPU interpreter mis-multiplies bf16)."""
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
     return tl.dot(a, b)
 
 

@@ -75,9 +75,10 @@ class GptOssDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp)
         self.self_attn = GptOssAttention(cfg, tp, ctx, rotary, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp)
+        alpha = getattr(cfg, "swiglu_alpha", 1.702)  # configs of transformers before it was a field: always 1.702
         self.mlp = FusedMoE(cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts, cfg.num_experts_per_tok,
                             tp, renormalize=True, activation="swiglu_clamped", expert_bias=True, router_bias=True,
-                            swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit)
+                            swiglu_alpha=alpha, swiglu_limit=cfg.swiglu_limit)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None):
         """(x, residual) in, as the Llama decoder carries them; (this rank's MoE output, the stream) out."""

@@ -201,7 +201,7 @@ class Int4Method(QuantMethod):
                 size = layer.in_features // layer.group_size
                 rows = rows.narrow(0, layer.tp.rank * size, size)
         if kind == "g_idx":
-            if getattr(param, "loaded", False) and not torch.equal(param.data, rows.reshape(-1)):
+            if getattr(param, "loaded", False) and not torch.equal(param.data, rows.reshape(-1).to(param.device)):
                 raise ValueError(f"the {self.name} checkpoint gives the parts of one packed projection (q/k/v or "
                                  "gate/up) different g_idx; the engine runs them as one projection of one order")
             param.data.copy_(rows.reshape(-1))
