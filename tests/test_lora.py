@@ -181,3 +181,19 @@ def test_adapter_on_a_quantized_base_matches_transformers_on_its_dequantized_wei
     assert [o.token_ids for o in outs] == want
     base_tokens = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert base_tokens == hf_greedy(reference, prompts, MAX_NEW)
+
+
+def test_an_adapters_prefix_hashes_are_those_its_blocks_are_cached_by(setup):
+    """What cache-aware admission reads ahead with: a prompt's block hashes under an adapter are the ones the
+    prefix cache enters for it, and not the base model's; with prefer_cached_prefixes a mixed batch keeps its
+    tokens."""
+    base, prompts, requests, expected = setup
+    llm = LLM(str(base), device="cpu", enable_lora=True, max_loras=4, max_lora_rank=16, kvcache_block_size=8,
+              prefer_cached_prefixes=True)
+    prompt = list(range(5, 5 + 3 * 8 + 3))
+    llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=requests[0])
+    under, plain = llm.prefix_block_hashes(prompt, requests[0]), llm.prefix_block_hashes(prompt)
+    assert len(under) == 3 and llm.num_cached_blocks(under) == 3 and llm.num_cached_blocks(plain) == 0
+    all_prompts, loras = _mixed(prompts, requests)
+    outs = llm.generate(all_prompts, GREEDY, use_tqdm=False, lora_request=loras)
+    assert [o.token_ids for o in outs] == _expected(prompts, requests, expected, zip(all_prompts, loras))

@@ -45,10 +45,13 @@ def _lora_flags(paths) -> list[str]:
     return [f"{name}={path}" for name, path in paths.items()]
 
 
-def test_jobs_run_under_the_adapter_they_name(url, models, engine):
+@pytest.mark.parametrize("cache_aware", [False, True], ids=["arrival", "cache-aware"])
+def test_jobs_run_under_the_adapter_they_name(url, models, engine, cache_aware):
+    """Also with cache-aware admission, which reads jobs ahead and hashes their prompts under their adapter."""
     base, paths, expected = models
     sampling = {"temperature": 0, "max_tokens": MAX_NEW}
-    with worker_thread(url, new_queue(), engine, model=str(base), lora=_lora_flags(paths)) as worker:
+    with worker_thread(url, new_queue(), engine, model=str(base), lora=_lora_flags(paths),
+                       cache_aware_admission=cache_aware) as worker:
         client = Client(url, queue=worker.settings.queue)
         ids = {name: client.submit(prompt_token_ids=PROMPT, sampling=sampling, lora=name) for name in paths}
         ids[None] = client.submit(prompt_token_ids=PROMPT, sampling=sampling)

@@ -220,21 +220,27 @@ class Worker:
         self.preparation.submit(job)
 
     def _prompt_hashes(self, job: Job) -> list[int]:
-        """The prefix-cache hashes of a job read ahead, its prompt tokenized here once (the engine thread takes
-        the ids); none for a model that takes images, or a prompt the engine thread will refuse."""
+        """The prefix-cache hashes of a job read ahead (under its LoRA adapter's root), its prompt tokenized here
+        once (the engine thread takes the ids); none for a model that takes images, or a job the engine thread
+        will refuse."""
         spec, engine = job.spec, self.engine
         if getattr(engine, "images", None) is not None:
             return []
+        lora = None
+        if spec.lora is not None:
+            lora = self.engine_loop.loras.get(spec.lora)
+            if lora is None:  # an adapter this worker does not serve: the engine thread fails the job
+                return []
         try:
             if spec.prompt_token_ids is not None:
-                return engine.prefix_block_hashes(spec.prompt_token_ids)
+                return engine.prefix_block_hashes(spec.prompt_token_ids, lora)
             if spec.messages is not None:
                 job.prompt = engine.encode_chat([m.model_dump() for m in spec.messages])
             else:
                 job.prompt = engine.prepare_prompt(spec.prompt)
         except Exception:  # noqa: BLE001 - a job can fail only itself: the engine thread fails it with the reason
             return []
-        return engine.prefix_block_hashes(job.prompt)
+        return engine.prefix_block_hashes(job.prompt, lora)
 
     def cancel(self, job_id: str) -> None:
         """Cancel a job: aborted in the engine if it runs here, settled as cancelled if it arrives later."""

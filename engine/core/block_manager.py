@@ -39,9 +39,12 @@ def chain_root(seq: Sequence, long_rope: bool) -> int:
     """The hash a sequence's block chain starts from: its rotary factors' and its LoRA adapter's (a block
     computed under one adapter never serves another, nor the base model)."""
     root = LONG_ROPE_ROOT if long_rope else -1
-    if seq.lora is None:
-        return root
-    return chain_hash([seq.lora.int_id], root, (LORA_ROOT,))
+    return root if seq.lora is None else adapter_root(seq.lora.int_id, root)
+
+
+def adapter_root(int_id: int, root: int = -1) -> int:
+    """The chain root of blocks computed under the LoRA adapter `int_id` (from `root`: the rotary factors')."""
+    return chain_hash([int_id], root, (LORA_ROOT,))
 
 
 def chain_hash(token_ids: list[int], prefix_hash: int, image_key: tuple[int, ...] | None = None) -> int:

@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
 from engine.core.beam_search import BeamSearch
-from engine.core.block_manager import BlockManager, prefix_block_hashes
+from engine.core.block_manager import BlockManager, adapter_root, prefix_block_hashes
 from engine.core.outputs import EmbeddingOutput, RequestOutput, StepResult, StepStats, request_output
 from engine.core.pooling import Pooling, PooledState, check_dimensions, pooled_positions, read_pooling
 from engine.core.prompt_logprobs import prompt_spans
@@ -155,10 +155,11 @@ class LLMEngine:
         self.scheduler.add(group.first)
         return request_id
 
-    def prefix_block_hashes(self, token_ids: list[int]) -> list[int]:
-        """The prefix-cache hashes of a text prompt's leading KV blocks (block_manager.prefix_block_hashes);
-        callable on any thread."""
-        return prefix_block_hashes(token_ids, self.config.kvcache_block_size)
+    def prefix_block_hashes(self, token_ids: list[int], lora_request: LoRARequest | None = None) -> list[int]:
+        """The prefix-cache hashes of a text prompt's leading KV blocks (block_manager.prefix_block_hashes), under
+        `lora_request`'s adapter if given; callable on any thread."""
+        root = -1 if lora_request is None else adapter_root(lora_request.int_id)
+        return prefix_block_hashes(token_ids, self.config.kvcache_block_size, root)
 
     def num_cached_blocks(self, hashes: list[int]) -> int:
         """How many of those leading blocks the prefix cache holds now: a hint, readable on any thread."""
