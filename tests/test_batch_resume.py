@@ -47,10 +47,17 @@ def batch_cmd(src, out, url: str, queue: str, *extra: str) -> list[str]:
             "--queue", queue, *extra]
 
 
+def _default_sigint() -> None:
+    """In the child: Ctrl-C's default action. A suite started in the background (`nohup ... &`) ignores SIGINT,
+    its children inherit that, and Python then installs no KeyboardInterrupt handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_cli(cmd: list[str], stderr_path, timeout: float = 120) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     with open(stderr_path, "w") as err:
-        return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
+        return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err,
+                                preexec_fn=_default_sigint)
 
 
 def interrupt_after(tmp_path, url: str, queue: str, k: int, *extra: str) -> tuple[int, str, list[dict]]:
