@@ -53,6 +53,22 @@ def capture(call):
     raise RuntimeError("the call launched no Triton kernel")
 
 
+def launches(call) -> list:
+    """(JITFunction, args, kwargs) of every Triton launch `call()` makes, none of them run."""
+    from triton.runtime.jit import JITFunction
+
+    recorded, original = [], JITFunction.run
+
+    def record(self, *args, grid, warmup, **kwargs):
+        recorded.append((self, args, kwargs))
+    JITFunction.run = record
+    try:
+        call()
+    finally:
+        JITFunction.run = original
+    return recorded
+
+
 # compile-time switches the wrappers set from the tensors' device: their values on a CUDA GPU
 ON_CUDA = {"PDL": True, "FAST_LOG": True, "UPCAST": False}
 

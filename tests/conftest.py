@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,56 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
                                  pad_token_id=0)
             outs.append(gen[0, len(p):].tolist())
     return outs
+
+
+def preempt_every(llm, steps: int, sliding_only: bool = False) -> None:
+    """Make the scheduler preempt its newest running sequence every `steps` schedules (a sliding window's
+    sequences hand back the blocks their windows passed, so a small KV cache alone rarely runs short);
+    sliding_only: only where the model's layers slide."""
+    if sliding_only and not llm.block_manager.sliding_window:
+        return
+    schedule, count = llm.scheduler.schedule, []
+
+    def schedule_preempting():
+        count.append(1)
+        if len(count) % steps == 0 and llm.scheduler.running:
+            llm.scheduler.preempt(llm.scheduler.running[-1])
+        return schedule()
+
+    llm.scheduler.schedule = schedule_preempting
+
+
+def watch_chunks(llm) -> list[int]:
+    """The list the scheduler's steps will add each partial prompt chunk's token count to (chunked prefill)."""
+    chunks, schedule = [], llm.scheduler.schedule
+
+    def schedule_watched():
+        batch = schedule()
+        chunks.extend(n for s, n in zip(batch.seqs, batch.num_tokens) if s.num_computed_tokens + n < s.num_tokens)
+        return batch
+
+    llm.scheduler.schedule = schedule_watched
+    return chunks
+
+
+def kernels_compiled_for_hopper(call, names: tuple[str, ...] = ()) -> list[str]:
+    """Compile each Triton kernel `call()` launches (none of them run; only those `names` names, if given) for
+    sm_90 as the wrappers launch it (bench/kernel_ir.py), each within the H100's 227 KB of shared memory; their
+    names. Skips the test where this Triton has no CUDA backend."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+    import kernel_ir
+
+    compiled = []
+    for kernel, args, kwargs in kernel_ir.launches(call):
+        if names and kernel.fn.__name__ not in names:
+            continue
+        try:
+            binary = kernel_ir.compile_for(kernel, args, kwargs, 90)
+        except ImportError as e:  # a Triton without the CUDA backend
+            pytest.skip(f"cannot compile for sm_90 here: {e}")
+        assert binary.metadata.shared <= 227 * 1024, kernel.fn.__name__
+        compiled.append(kernel.fn.__name__)
+    return compiled
 
 
 def pytest_collection_modifyitems(config, items):

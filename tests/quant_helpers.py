@@ -136,6 +136,22 @@ def quantize_checkpoint(src: Path, out: Path, fmt: str | Format, ignore: tuple[s
     `out`-dequantized; returns that reference's directory. ignore: module names left in float (as the format's
     config names them)."""
     form = FORMATS[fmt]() if isinstance(fmt, str) else fmt
+
+    def convert(name: str, tensor: torch.Tensor):
+        module = name.removesuffix(".weight")
+        if not name.endswith(".weight") or module.rsplit(".", 1)[-1] not in LINEAR_NAMES \
+                or any(module == i or module.endswith("." + i) for i in ignore):
+            return None
+        tensors, deq = form.quantize(tensor)
+        return {f"{module}.{suffix}": t.contiguous() for suffix, t in tensors.items()}, deq.to(tensor.dtype)
+
+    return _write_quantized(src, out, convert, form.quantization_config(list(ignore)))
+
+
+def _write_quantized(src: Path, out: Path, convert: Callable, quantization_config: dict) -> Path:
+    """`src`'s files copied to `out` and `out`-dequantized; each tensor that convert(name, tensor) turns into
+    (quantized tensors by name, dequantized tensor) written so, the others as they are; `out`'s config given
+    quantization_config. Returns the dequantized checkpoint's directory."""
     out, reference = Path(out), Path(str(out) + "-dequantized")
     for target in (out, reference):
         shutil.copytree(src, target, dirs_exist_ok=True)
@@ -144,18 +160,16 @@ def quantize_checkpoint(src: Path, out: Path, fmt: str | Format, ignore: tuple[s
     quantized, dequantized = {}, {}
     for file in sorted(Path(src).glob("*.safetensors")):
         for name, tensor in load_file(file).items():
-            module = name.removesuffix(".weight")
-            if name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEAR_NAMES \
-                    and not any(module == i or module.endswith("." + i) for i in ignore):
-                tensors, deq = form.quantize(tensor)
-                quantized.update({f"{module}.{suffix}": t.contiguous() for suffix, t in tensors.items()})
-                dequantized[name] = deq.to(tensor.dtype)
-            else:
+            converted = convert(name, tensor)
+            if converted is None:
                 quantized[name] = dequantized[name] = tensor
+            else:
+                tensors, dequantized[name] = converted
+                quantized.update(tensors)
     save_file(quantized, out / "model.safetensors", metadata={"format": "pt"})
     save_file(dequantized, reference / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = form.quantization_config(list(ignore))
+    config["quantization_config"] = quantization_config
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return reference
 
@@ -278,26 +292,14 @@ def quantize_mxfp4_checkpoint(src: Path, out: Path) -> Path:
     (gate_up_proj_blocks [E, 2I, H/32, 16] and _scales [E, 2I, H/32] of gate_up_proj's transpose, down_proj_blocks
     [E, H, I/32, 16] and _scales of down_proj's; biases in float) to `out`, and the dequantized float checkpoint
     to `out`-dequantized; returns that reference's directory."""
-    out, reference = Path(out), Path(str(out) + "-dequantized")
-    for target in (out, reference):
-        shutil.copytree(src, target, dirs_exist_ok=True)
-        for f in target.glob("*.safetensors"):
-            f.unlink()
-    quantized, dequantized = {}, {}
-    for file in sorted(Path(src).glob("*.safetensors")):
-        for name, tensor in load_file(file).items():
-            if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
-                blocks, scales, deq = mxfp4_quantize(tensor.transpose(1, 2))
-                quantized[f"{name}_blocks"], quantized[f"{name}_scales"] = blocks, scales
-                dequantized[name] = deq.transpose(1, 2).contiguous().to(tensor.dtype)
-            else:
-                quantized[name] = dequantized[name] = tensor
-    save_file(quantized, out / "model.safetensors", metadata={"format": "pt"})
-    save_file(dequantized, reference / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": MXFP4_NOT_CONVERTED}
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    return reference
+    def convert(name: str, tensor: torch.Tensor):
+        if not name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            return None
+        blocks, scales, deq = mxfp4_quantize(tensor.transpose(1, 2))
+        return {f"{name}_blocks": blocks, f"{name}_scales": scales}, deq.transpose(1, 2).contiguous().to(tensor.dtype)
+
+    return _write_quantized(src, out, convert,
+                            {"quant_method": "mxfp4", "modules_to_not_convert": MXFP4_NOT_CONVERTED})
 
 
 # ---- shared by the GPU tests of the quantized kernels (tests/test_gpu_quant_*.py) ----------------------------
@@ -370,10 +372,14 @@ def assert_graph_tokens_score_as_eager(model_dir, prompts: list[list[int]]) -> N
     assert graphs <= eager + 0.05 and max(gaps[1]) < 1.5
 
 
-def kv_cache_bytes(model: str) -> int:
-    """The KV cache an engine of `model` (dummy weights) sizes itself on this GPU."""
+def kv_cache_bytes(model: str, quantization: str | None = None) -> int:
+    """The KV cache an engine of `model` (dummy weights; quantized as `redline bench --quantization` quantizes
+    them, if given) sizes itself on this GPU."""
     from engine import LLM
+    from worker.bench_engine import BENCH_QUANTIZATIONS, quantized_shape, resolve_model
 
+    if quantization is not None:
+        model = quantized_shape(resolve_model(model), BENCH_QUANTIZATIONS[quantization])
     llm = LLM(model, load_format="dummy", enforce_eager=True, max_model_len=4096)
     size = llm.runner.num_kvcache_blocks * llm.runner._kv_bytes_per_block()
     llm.shutdown()

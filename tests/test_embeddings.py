@@ -156,6 +156,18 @@ def test_legacy_pooling_config_reads_as_published():
     assert _pooling_method(legacy) == "lasttoken"
 
 
+def beside_generation(llm, prompts: list[str], params: SamplingParams, texts: list[str]) -> tuple[list, list]:
+    """Generation requests of `prompts` and embedding requests of `texts`, added together and stepped to the end:
+    (the generations' outputs, the embeddings' outputs), each in order."""
+    gen_ids = [llm.add_request(p, params) for p in prompts]
+    emb_ids = [llm.add_embed_request(t) for t in texts]
+    done = {}
+    while llm.has_unfinished():
+        for out in llm.step().finished:
+            done[out.request_id] = out
+    return [done[r] for r in gen_ids], [done[r] for r in emb_ids]
+
+
 def test_embedding_requests_beside_generation_leave_its_tokens_unchanged(tmp_path):
     """Embedding rows are pooled and never sampled: generated tokens are those of the same prompts alone. Async
     scheduling, as on GPUs: pooled sums are collected a step after their launch, with sampled tokens in flight."""
@@ -166,16 +178,11 @@ def test_embedding_requests_beside_generation_leave_its_tokens_unchanged(tmp_pat
     try:
         alone = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         ref = vectors(llm.embed(TEXTS, use_tqdm=False))
-        gen_ids = [llm.add_request(p, params) for p in prompts]
-        emb_ids = [llm.add_embed_request(t) for t in TEXTS]
-        done = {}
-        while llm.has_unfinished():
-            for out in llm.step().finished:
-                done[out.request_id] = out
+        generated, embedded = beside_generation(llm, prompts, params, TEXTS)
     finally:
         llm.shutdown()
-    assert [done[r].token_ids for r in gen_ids] == alone
-    assert min(cosines(vectors([done[r] for r in emb_ids]), ref)) > 0.9999
+    assert [o.token_ids for o in generated] == alone
+    assert min(cosines(vectors(embedded), ref)) > 0.9999
 
 
 def test_embed_bench_runs_and_its_floor_counts_the_multiplied_parameters(capsys):

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, watch_chunks
 
 MAX_NEW = 24
 
@@ -53,15 +53,7 @@ def test_preemption_keeps_tokens_identical(reference):
 def test_chunked_prefill_keeps_tokens_identical(reference):
     model_dir, prompts, expected = reference
     llm = LLM(str(model_dir), device="cpu", kvcache_block_size=8, max_num_batched_tokens=16)
-    chunked = []
-    orig = llm.scheduler.schedule
-
-    def spy():
-        batch = orig()
-        chunked.extend(n for s, n in zip(batch.seqs, batch.num_tokens) if s.num_computed_tokens + n < s.num_tokens)
-        return batch
-
-    llm.scheduler.schedule = spy
+    chunked = watch_chunks(llm)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
     assert chunked, "no prompt was split into chunks"
     assert [o.token_ids for o in outs] == expected

@@ -7,12 +7,12 @@ sm_90 as the engine launches it. The GPU's shapes (up to 128 experts, 16k tokens
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.conftest import kernels_compiled_for_hopper
 from tests.interpreter import run_under_interpreter
 
 CASES = Path(__file__).with_name("fused_moe_cases.py")
@@ -65,30 +65,11 @@ def test_engine_on_the_fused_kernels_gives_transformers_greedy_tokens(results, f
     assert results[f"engine_{family}"]["fused_calls"] > 0
 
 
-def _launches(call) -> list:
-    """(JITFunction, args, kwargs) of every Triton launch `call()` makes, none of them run."""
-    from triton.runtime.jit import JITFunction
-
-    launches, original = [], JITFunction.run
-
-    def record(self, *args, grid, warmup, **kwargs):
-        launches.append((self, args, kwargs))
-    JITFunction.run = record
-    try:
-        call()
-    finally:
-        JITFunction.run = original
-    return launches
-
-
 @pytest.mark.parametrize("shape", ["qwen3-30b-a3b-decode", "gpt-oss-20b-prefill"])
 def test_kernels_compile_for_hopper_as_the_engine_launches_them(shape, monkeypatch):
     """Each kernel of a layer's routing and experts, launched by the wrappers with the GPU's block sizes on the
     shape's bf16 tensors, compiles for sm_90 (bench/kernel_ir.py) within the H100's shared memory."""
     from engine.kernels import fused_moe
-
-    sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
-    import kernel_ir
 
     monkeypatch.setattr(fused_moe, "interpreted", lambda: False)  # the GPU's block sizes
     tokens, hidden, inter, num_experts, top_k, bias, activation = {
@@ -105,11 +86,4 @@ def test_kernels_compile_for_hopper_as_the_engine_launches_them(shape, monkeypat
         fused_moe.route_top_k(logits, top_k, True)
         fused_moe.fused_experts(x, w13, w2, weights, experts, b13, b2, activation)
 
-    launches = _launches(layer)
-    assert len(launches) == 6
-    for kernel, args, kwargs in launches:
-        try:
-            compiled = kernel_ir.compile_for(kernel, args, kwargs, 90)
-        except ImportError as e:  # a Triton without the CUDA backend
-            pytest.skip(f"cannot compile for sm_90 here: {e}")
-        assert compiled.metadata.shared <= 227 * 1024, kernel.fn.__name__
+    assert len(kernels_compiled_for_hopper(layer)) == 6

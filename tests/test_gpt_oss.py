@@ -15,7 +15,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.builtin import TINY_MODEL_DIR
 from engine.layers import moe
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, watch_chunks
 from tests.interpreter import run_under_interpreter
 from tests.test_tp import assert_ranks_gone, generate_ids
 from tests.test_windowed_families import prompts_of
@@ -95,14 +95,7 @@ def test_prefix_cache_preemption_and_chunked_prefill_keep_tokens_identical(refer
     model_dir, prompts, expected = reference
     llm = LLM(str(model_dir), device="cpu", kvcache_block_size=4, num_kvcache_blocks=40, max_model_len=128,
               max_num_batched_tokens=24)
-    chunked, schedule = [], llm.scheduler.schedule
-
-    def spy():
-        batch = schedule()
-        chunked.extend(n for s, n in zip(batch.seqs, batch.num_tokens) if s.num_computed_tokens + n < s.num_tokens)
-        return batch
-
-    llm.scheduler.schedule = spy
+    chunked = watch_chunks(llm)
     assert generate_ids(llm, prompts + prompts[-6:], GREEDY) == expected + expected[-6:]
     assert chunked, "no prompt was split into chunks"
     assert llm.scheduler.num_preemptions > 0

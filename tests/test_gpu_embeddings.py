@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from test_embeddings import TEXTS, cosines, make_embedding_model, reference, vectors
+from test_embeddings import TEXTS, beside_generation, cosines, make_embedding_model, reference, vectors
 
 from engine import LLM, SamplingParams
 
@@ -27,19 +27,14 @@ def test_gpu_embeddings_equal_sentence_transformers(tmp_path, pooling):
         # beside generation: its tokens are those of the prompt alone
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         alone = llm.generate(["one two three"], params, use_tqdm=False)[0].token_ids
-        gen = llm.add_request("one two three", params)
-        emb = [llm.add_embed_request(t) for t in TEXTS]
-        done = {}
-        while llm.has_unfinished():
-            for out in llm.step().finished:
-                done[out.request_id] = out
+        [generated], embedded = beside_generation(llm, ["one two three"], params, TEXTS)
     finally:
         llm.shutdown()
     got = vectors(outs).view(40, len(TEXTS), -1)
     for i in range(40):
         assert min(cosines(got[i], ref)) > least
-    assert done[gen].token_ids == alone
-    assert min(cosines(vectors([done[r] for r in emb]), ref)) > least
+    assert generated.token_ids == alone
+    assert min(cosines(vectors(embedded), ref)) > least
     if pooling == "lasttoken":  # a repeat finds its text's blocks (not the one admitted beside it: not yet entered)
         assert any(o.num_cached_tokens > 0 for o in outs[len(TEXTS):])
 

@@ -14,7 +14,7 @@ from engine.execution.model_runner import prefill_inputs
 from engine.layers.moe import experts_reference, route
 from tests.test_gpu_engine import assert_greedy_as_close_to_fp32_as_transformers_bf16
 from tests.test_moe_families import MOE_FAMILIES, make_moe_checkpoint
-from tests.test_windowed_families import preempt_every
+from tests.conftest import preempt_every
 
 pytestmark = pytest.mark.gpu
 MAX_NEW = 16
@@ -175,7 +175,7 @@ def test_greedy_tokens_as_close_to_transformers_fp32_as_its_bf16(gpu_checkpoint,
     prompts = prompts_of()
     llm = LLM(str(gpu_checkpoint), device="cuda", dtype="bfloat16", **{"max_model_len": 1024, **engine_kwargs})
     if "num_kvcache_blocks" in engine_kwargs:  # (Mixtral's window on every layer: blocks past it are handed back)
-        preempt_every(llm, 10)
+        preempt_every(llm, 10, sliding_only=True)
     greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW)
     llm.generate(prompts[:8], greedy, use_tqdm=False)  # so the batch below finds cached prefixes
     outs = llm.generate(prompts, greedy, use_tqdm=False)

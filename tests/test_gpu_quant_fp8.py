@@ -152,10 +152,6 @@ def test_decode_graphs_choose_the_tokens_eager_steps_score_best(fp8_checkpoints,
 
 def test_the_8b_shape_in_fp8_gives_its_kv_cache_the_memory_its_weights_save(free_gpu):
     """Qwen3-8B's linears hold ~6.9e9 weights: in fp8 the KV cache gains about 6.9 GB (at least 5 GB)."""
-    from engine.builtin import BUILTIN_MODELS
-    from worker.bench_engine import BENCH_QUANTIZATIONS, quantized_shape
-
-    sizes = {"bf16": kv_cache_bytes("qwen3-8b"),
-             "fp8": kv_cache_bytes(quantized_shape(BUILTIN_MODELS["qwen3-8b"], BENCH_QUANTIZATIONS["fp8"]))}
+    sizes = {"bf16": kv_cache_bytes("qwen3-8b"), "fp8": kv_cache_bytes("qwen3-8b", "fp8")}
     print(f"KV cache bytes: {sizes}")
     assert sizes["fp8"] - sizes["bf16"] > 5e9

@@ -86,10 +86,6 @@ def test_decode_graphs_choose_the_tokens_eager_steps_score_best(int4_checkpoints
 
 def test_the_8b_shape_in_int4_gives_its_kv_cache_the_memory_its_weights_save(free_gpu):
     """Qwen3-8B's linears hold ~6.9e9 weights: in int4 (groups of 128) they take ~3.6 GB instead of ~13.9 GB."""
-    from engine.builtin import BUILTIN_MODELS
-    from worker.bench_engine import BENCH_QUANTIZATIONS, quantized_shape
-
-    sizes = {"bf16": kv_cache_bytes("qwen3-8b"),
-             "awq": kv_cache_bytes(quantized_shape(BUILTIN_MODELS["qwen3-8b"], BENCH_QUANTIZATIONS["awq"]))}
+    sizes = {"bf16": kv_cache_bytes("qwen3-8b"), "awq": kv_cache_bytes("qwen3-8b", "awq")}
     print(f"KV cache bytes: {sizes}")
     assert sizes["awq"] - sizes["bf16"] > 9e9

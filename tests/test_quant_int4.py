@@ -11,13 +11,13 @@ invert each other and follow each format's documented layout.
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine.layers.quant import int4
+from tests.conftest import kernels_compiled_for_hopper
 from tests.interpreter import run_under_interpreter
 
 CASES = Path(__file__).with_name("quant_int4_cases.py")
@@ -80,21 +80,6 @@ def test_engine_on_the_int4_kernels_under_the_interpreter_gives_transformers_tok
     assert outcome["equal"] and outcome["gemv_calls"] > 0 and outcome["gemm_calls"] > 0
 
 
-def _launches(call) -> list:
-    from triton.runtime.jit import JITFunction
-
-    launches, original = [], JITFunction.run
-
-    def record(self, *args, grid, warmup, **kwargs):
-        launches.append((self, args, kwargs))
-    JITFunction.run = record
-    try:
-        call()
-    finally:
-        JITFunction.run = original
-    return launches
-
-
 @needs_triton
 @pytest.mark.parametrize("rows", [1, 3, 16, 512])
 def test_int4_kernels_compile_for_hopper_on_the_8b_shape(rows, monkeypatch):
@@ -103,9 +88,6 @@ def test_int4_kernels_compile_for_hopper_on_the_8b_shape(rows, monkeypatch):
     with the GPU's block sizes."""
     from engine.kernels import int4_gemm
 
-    sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
-    import kernel_ir
-
     monkeypatch.setattr(int4_gemm, "interpreted", lambda: False)
     monkeypatch.setattr(int4_gemm, "num_sms", lambda device: 132)
     k, n, group = 4096, 24576, 128
@@ -113,14 +95,7 @@ def test_int4_kernels_compile_for_hopper_on_the_8b_shape(rows, monkeypatch):
     qweight = torch.empty(k // 8, n, dtype=torch.int32)
     scales = torch.empty(k // group, n, dtype=torch.float16)
     zeros = torch.empty(k // group, n, dtype=torch.uint8)
-    launches = _launches(lambda: int4_gemm.int4_linear(x, qweight, scales, zeros, group))
-    assert len(launches) == 1
-    for kernel, args, kwargs in launches:
-        try:
-            compiled = kernel_ir.compile_for(kernel, args, kwargs, 90)
-        except ImportError as e:
-            pytest.skip(f"cannot compile for sm_90 here: {e}")
-        assert compiled.metadata.shared <= 227 * 1024, kernel.fn.__name__
+    assert len(kernels_compiled_for_hopper(lambda: int4_gemm.int4_linear(x, qweight, scales, zeros, group))) == 1
 
 
 # ---- checkpoints in each format, through the engine -----------------------------------------------------

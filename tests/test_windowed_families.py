@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.conftest import WINDOWED_FAMILIES, hf_greedy, make_checkpoint
+from tests.conftest import WINDOWED_FAMILIES, hf_greedy, make_checkpoint, preempt_every, watch_chunks
 from tests.interpreter import run_under_interpreter
 from tests.test_tp import assert_ranks_gone, generate_ids
 
@@ -44,20 +44,6 @@ def test_greedy_tokens_match_transformers(reference):
     assert generate_ids(llm, prompts, GREEDY) == expected
 
 
-def preempt_every(llm: LLM, steps: int) -> None:
-    """Where every layer slides, sequences hand back the blocks their windows passed and a small KV cache rarely
-    runs short: preempt the newest running sequence every `steps` schedules."""
-    schedule, count = llm.scheduler.schedule, []
-
-    def schedule_preempting():
-        count.append(1)
-        if llm.block_manager.sliding_window and len(count) % steps == 0 and llm.scheduler.running:
-            llm.scheduler.preempt(llm.scheduler.running[-1])
-        return schedule()
-
-    llm.scheduler.schedule = schedule_preempting
-
-
 def test_prefix_cache_preemption_and_chunked_prefill_keep_tokens_identical(reference):
     """Cached prefixes (blocks computed for another sequence, some older than the window), sequences
     preempted and recomputed, prompts split into chunks that start inside a window: transformers' tokens.
@@ -65,15 +51,8 @@ def test_prefix_cache_preemption_and_chunked_prefill_keep_tokens_identical(refer
     model_dir, prompts, expected = reference
     llm = LLM(str(model_dir), device="cpu", kvcache_block_size=4, num_kvcache_blocks=40, max_model_len=128,
               max_num_batched_tokens=24)
-    preempt_every(llm, 25)
-    chunked, schedule = [], llm.scheduler.schedule
-
-    def spy():
-        batch = schedule()
-        chunked.extend(n for s, n in zip(batch.seqs, batch.num_tokens) if s.num_computed_tokens + n < s.num_tokens)
-        return batch
-
-    llm.scheduler.schedule = spy
+    preempt_every(llm, 25, sliding_only=True)
+    chunked = watch_chunks(llm)
     assert generate_ids(llm, prompts + prompts[-6:], GREEDY) == expected + expected[-6:]
     assert chunked, "no prompt was split into chunks"
     assert llm.scheduler.num_preemptions > 0
@@ -86,7 +65,7 @@ def test_tp2_tokens_match_transformers_with_prefix_cache_and_preemption(referenc
     model_dir, prompts, expected = reference
     llm = LLM(str(model_dir), device="cpu", tensor_parallel_size=2, kvcache_block_size=4, num_kvcache_blocks=40,
               max_model_len=128, max_num_batched_tokens=32)
-    preempt_every(llm, 25)
+    preempt_every(llm, 25, sliding_only=True)
     pids = llm.runner.worker_pids
     try:
         assert generate_ids(llm, prompts + prompts[-4:], GREEDY) == expected + expected[-4:]
@@ -154,7 +133,7 @@ def test_phi3_longrope_sequences_that_cross_the_original_length_match_transforme
     expected = hf_greedy(model_dir, prompts, MAX_NEW)
     llm = LLM(str(model_dir), device="cpu", **engine_kwargs)
     if "num_kvcache_blocks" in engine_kwargs:
-        preempt_every(llm, 20)
+        preempt_every(llm, 20, sliding_only=True)
     released, release = [], llm.scheduler._release
     llm.scheduler._release = lambda seq, to_back=False: (released.append(seq.seq_id), release(seq, to_back))[1]
     assert generate_ids(llm, prompts, GREEDY) == expected
@@ -182,7 +161,7 @@ def test_mistral_long_generation_hands_back_blocks_outside_the_window_and_matche
     llm = LLM(str(model_dir), device="cpu", max_model_len=256, **engine_kwargs)
     assert llm.block_manager.sliding_window == 10
     if "num_kvcache_blocks" in engine_kwargs:
-        preempt_every(llm, 40)
+        preempt_every(llm, 40, sliding_only=True)
     held, schedule = [], llm.scheduler.schedule
 
     def spy():
