@@ -40,9 +40,14 @@ class _Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    @property
+    def lora_active(self) -> bool:
+        """Whether this step adds an adapter's product to this projection's (so no fusion may hide its input)."""
+        return self.lora is not None and self.lora.active
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = linear(x, self.weight, self.bias) if self.quant is None else self.quant.apply(self, x, self.bias)
-        return out if self.lora is None or not self.lora.active else self.lora.add(x, out)
+        return self.lora.add(x, out) if self.lora_active else out
 
     def part_index(self, shard_id) -> int:
         """The packed part a checkpoint tensor's shard id names."""
@@ -130,17 +135,14 @@ class RowParallelLinear(_Linear):
     load_full = weight_loader
 
     def forward(self, x: torch.Tensor) -> "torch.Tensor | PushedSum":
-        if self.lora is not None and self.lora.active:  # this rank's part of x @ A^T @ B^T joins its partial sum
-            out = linear(x, self.weight, self.bias) if self.quant is None else self.quant.apply(self, x, self.bias)
-            return self._reduced(self.lora.add(x, out))
-        if self.quant is not None:
-            return self._reduced(self.quant.apply(self, x, self.bias))
+        if self.quant is not None or self.lora_active:  # this rank's part of x @ A^T @ B^T joins its partial sum
+            return self._reduced(super().forward(x))
         return self._reduced(self.tp.partial_linear(x, self.weight, self.bias))
 
     def forward_act_and_mul(self, gate_up: torch.Tensor, act: str = "silu") -> "torch.Tensor | PushedSum":
         """forward(act_and_mul(gate_up, act)); the activation is fused into the projection where this rank's
         part is a plain product (always for decode rows; see TPGroup.partial_linear)."""
-        if self.quant is None and self.tp.is_plain_product(gate_up) and (self.lora is None or not self.lora.active):
+        if self.quant is None and self.tp.is_plain_product(gate_up) and not self.lora_active:
             return self._reduced(act_and_mul_linear(gate_up, self.weight, self.bias, act))
         return self.forward(act_and_mul(gate_up, act))
 

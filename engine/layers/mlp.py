@@ -32,6 +32,6 @@ class GatedMLP(nn.Module):
     def activates_in_gate_up(self, x: torch.Tensor) -> bool:
         """Whether, for x's rows, gate_up_proj's GEMM gives act(gate) * up itself (SwiGLU on one rank, the TMA
         GEMM's rows): the layer then calls down_proj on that."""
-        lora = getattr(self.gate_up_proj, "lora", None)  # a LoRA projection adds its product after the GEMM
-        return (self.act == "silu" and self.gate_up_proj.tp.size == 1 and (lora is None or not lora.active)
+        # (not where an adapter's product is added after the GEMM)
+        return (self.act == "silu" and self.gate_up_proj.tp.size == 1 and not self.gate_up_proj.lora_active
                 and takes_gated_tma(x, self.gate_up_proj.weight))

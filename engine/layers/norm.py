@@ -34,7 +34,7 @@ class RMSNorm(nn.Module):
         one kernel less. gated (one rank, rows the TMA GEMM takes: fusion.takes_gated_tma): proj is the
         [gate | up] projection and the first result silu(gate) * up, from the GEMM's epilogue."""
         if (self.tp.size == 1 and proj.tp.size == 1 and proj.quant is None  # quantized: no float weight to fuse
-                and not getattr(getattr(proj, "lora", None), "active", False)):
+                and not proj.lora_active):
             return add_rms_norm_linear(x, residual, self.weight, self.eps, proj.weight, proj.bias, gated=gated,
                                        unit_offset=self.unit_offset)
         if gated:

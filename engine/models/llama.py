@@ -51,8 +51,7 @@ class DecoderAttention(nn.Module):
         norm), then the output projection."""
         q_norm, k_norm = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
         # the decode kernel can then start before the GEMV ends (not where a LoRA product is added after it)
-        lora = getattr(self.qkv_proj, "lora", None)
-        after_gemv = takes_gemv(qkv, self.qkv_proj.weight) and (lora is None or not lora.active)
+        after_gemv = takes_gemv(qkv, self.qkv_proj.weight) and not self.qkv_proj.lora_active
         return self.o_proj(self.attn(qkv, positions, self.rotary_emb, q_norm, k_norm, after_gemv))
 
 
