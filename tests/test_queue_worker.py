@@ -89,14 +89,15 @@ def test_finished_jobs_expire_and_stream_replays_the_result_once_deltas_are_gone
 
 
 def test_a_reader_that_reconnects_mid_stream_resumes_without_gaps(url, client, engine):
-    sampling = {"temperature": 1.0, "seed": 3, "max_tokens": 150, "ignore_eos": True}
+    # a writer held up by a busy machine sends everything after the prefill's token as one delta,
+    # so the reader leaves after the first: the one delta that is certain to come mid-generation
+    sampling = {"temperature": 1.0, "seed": 3, "max_tokens": 400, "ignore_eos": True}
     with worker_thread(url, client.keys.queue, engine):
         job_id = client.submit(prompt_token_ids=[5, 6, 7], sampling=sampling)
         first = []
         for delta in client.stream(job_id, timeout=60):
             first.append(delta)
-            if len(first) == 3:
-                break  # the reader goes away mid-generation
+            break  # the reader goes away mid-generation
         assert not first[-1].finished
         with Client(client.url, client.keys.queue) as reconnected:
             rest = list(reconnected.stream(job_id, after=first[-1].id, timeout=60))
