@@ -17,7 +17,7 @@ OPEN_BATCH_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
 FINAL_BATCH_STATUSES = ("completed", "failed", "expired", "cancelled")
 # why the gateway closed a connection itself: its request head did not arrive in time, it waited for a head
 # when a new connection needed its place, or every place was busy with a request
-DROP_REASONS = ("head_timeout", "evicted", "refused")
+DROP_REASONS = ("head_timeout", "body_timeout", "evicted", "refused")
 UNROUTED = "unrouted"  # the route label of a request no route matches (404)
 
 

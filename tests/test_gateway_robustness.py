@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import re
+import select
 import socket
 import time
 import urllib.error
@@ -144,6 +145,61 @@ def test_past_max_connections_busy_with_requests_a_new_client_gets_a_503(stack):
         assert metric(port, "redline_gateway_connections_dropped_total", reason="refused") == 1
     finally:
         for s in busy:
+            s.close()
+        stop_process(gateway)
+
+
+def _read_answer(s: socket.socket) -> bytes:
+    """Everything the gateway sends on `s` until it closes the connection."""
+    answer = b""
+    while chunk := s.recv(65536):
+        answer += chunk
+    return answer
+
+
+def test_bodies_that_trickle_in_are_answered_408_and_free_their_places(stack):
+    """Four clients send whole heads, then their bodies a byte every half second (slowloris on the body), and
+    so hold every place (--max-connections 4): each is answered 408 and closed once --body-timeout has passed,
+    and new clients are answered again. A body sent in pieces that arrives within the deadline is answered."""
+    url, queue, _ = stack
+    gateway = start_gateway(url, queue, port := free_port(), "--body-timeout", "2", "--max-connections", "4")
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n")
+    trickles = []
+    try:
+        for _ in range(4):
+            s = socket.create_connection(("127.0.0.1", port), timeout=30)
+            s.sendall(head % 1000 + b"{")
+            trickles.append(s)
+        started = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            def trickle(s: socket.socket) -> bytes:
+                for _ in range(60):  # 30 s of a byte every half second, until the gateway answers
+                    s.sendall(b" ")
+                    if select.select([s], [], [], 0.5)[0]:
+                        break
+                return _read_answer(s)
+            answers_408 = list(pool.map(trickle, trickles))
+        took = time.monotonic() - started
+        assert 1.5 < took < 20, took
+        for answer in answers_408:
+            assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+            error = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
+            assert "did not arrive in time" in error["message"] and error["type"] == "timeout"
+        assert answers(port)
+        assert metric(port, "redline_gateway_connections_dropped_total", reason="body_timeout") == 4
+        # in three pieces over a second: within the deadline, so answered as any other request
+        body = json.dumps({"model": "redline", "prompt": "hi", "max_tokens": 2}).encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+            s.sendall(head.replace(b"Host: x", b"Host: x\r\nConnection: close") % len(body))
+            for piece in (body[:5], body[5:20], body[20:]):
+                time.sleep(0.5)
+                s.sendall(piece)
+            answer = _read_answer(s)
+        assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+        assert json.loads(answer.partition(b"\r\n\r\n")[2])["usage"]["completion_tokens"] == 2
+    finally:
+        for s in trickles:
             s.close()
         stop_process(gateway)
 

@@ -299,7 +299,6 @@ class BatchStore:
         """Write the output and error files of a batch whose jobs are all final, then its final status."""
         if await self._move(batch_id, "finalizing", allowed, finalizing_at=int(time.time())) != 1:
             return  # another gateway finalizes it, or it is final already
-        request = json.loads(h["batch"])
         summaries = json.loads(await self.redis.hget(self.keys.batch(batch_id), "lines") or "[]")
         results: list = []
         for start in range(0, len(summaries), READ_CHUNK):

@@ -31,6 +31,9 @@ def register(subparsers) -> None:
                         help="seconds an online request waits for its result before it is cancelled (504) [600]")
     parser.add_argument("--header-timeout", type=float, default=None,
                         help="seconds a client has to send a request's head before its connection is closed [10]")
+    parser.add_argument("--body-timeout", type=float, default=None,
+                        help="seconds a request's body has after its head, plus one per 64 KiB of it, before the "
+                             "request is answered 408 and its connection closed [30]")
     parser.add_argument("--max-connections", type=int, default=None,
                         help="client connections open at once; past it the one idle longest is closed, else 503 [1000]")
     parser.add_argument("--log-level", default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR"])

@@ -6,7 +6,7 @@ from starlette.responses import JSONResponse
 from ..protocol import clean_error
 
 TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-         405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
+         405: "invalid_request_error", 408: "timeout", 409: "invalid_request_error", 413: "invalid_request_error",
          503: "server_error", 504: "timeout"}
 
 

@@ -1,10 +1,12 @@
 """The gateway's HTTP server: uvicorn with h11, guarded so that no client can lock others out.
 
-uvicorn times out idle keep-alive connections but not a request head that never ends, so one client
-sending heads byte by byte (slowloris) held connections, and file descriptors, until the process could
-accept no more. `GuardedH11Protocol` closes a connection whose request head has not arrived whole within
-`header_timeout`, and keeps at most `max_connections` open: a new connection past that takes the place
-of the one that has waited longest for a head, or is answered 503 when every connection is busy.
+uvicorn times out idle keep-alive connections but not a request head or body that never ends, so one client
+sending heads or bodies byte by byte (slowloris) held connections, and file descriptors, until the process
+could accept no more. `GuardedH11Protocol` closes a connection whose request head has not arrived whole within
+`header_timeout`, answers 408 and closes one whose body has not arrived within `body_timeout` of its head plus
+a second for every BODY_MIN_RATE bytes received (a large upload on a slow link still finishes; a trickle does
+not), and keeps at most `max_connections` open: a new connection past that takes the place of the one that has
+waited longest for a head, or is answered 503 when every connection is busy.
 """
 from __future__ import annotations
 
@@ -23,8 +25,15 @@ log = logging.getLogger("redline.gateway")
 FILE_MARGIN = 64  # descriptors beyond connections and Redis: the listening socket, logs, the interpreter's own
 REFUSED = json.dumps(error_body(503, "the gateway has no free connection: every one is busy with a request; "
                                      "retry shortly")).encode()
-REFUSED_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
-                    b"content-length: " + str(len(REFUSED)).encode() + b"\r\n\r\n" + REFUSED)
+BODY_MIN_RATE = 64 * 1024  # bytes a second a request body is given beyond body_timeout
+
+
+def _closing_response(status: str, body: bytes) -> bytes:
+    return (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            f"content-length: {len(body)}\r\n\r\n").encode() + body
+
+
+REFUSED_RESPONSE = _closing_response("503 Service Unavailable", REFUSED)
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -32,12 +41,14 @@ class GuardedH11Protocol(H11Protocol):
     `guarded_protocol` makes the subclass that carries the settings and metrics."""
 
     head_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
     max_connections: int = 1000
     metrics = None  # GatewayMetrics, or None
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        self.head_timer = None
+        self.head_timer = self.body_timer = None
+        self.body_since, self.body_bytes = 0.0, 0
         self.idle_since = self.loop.time()
         self._arm_head_timer()
         if self.metrics is not None:
@@ -47,6 +58,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc) -> None:
         self._disarm_head_timer()
+        self._disarm_body_timer()
         if self.metrics is not None:
             self.metrics.open_connections.dec()
         super().connection_lost(exc)
@@ -54,9 +66,17 @@ class GuardedH11Protocol(H11Protocol):
     def data_received(self, data: bytes) -> None:
         if self.head_timer is None and self.waiting_for_head():
             self._arm_head_timer()  # the first bytes of a request on a kept-alive connection
+        if self.body_timer is not None:
+            self.body_bytes += len(data)
         super().data_received(data)
         if not self.waiting_for_head():
             self._disarm_head_timer()
+        if self.conn.their_state is h11.SEND_BODY:
+            if self.body_timer is None:  # a head has arrived whole; its body is still to come
+                self.body_since, self.body_bytes = self.loop.time(), 0
+                self._arm_body_timer()
+        else:
+            self._disarm_body_timer()
 
     def on_response_complete(self) -> None:
         self.idle_since = self.loop.time()
@@ -79,6 +99,32 @@ class GuardedH11Protocol(H11Protocol):
         if self.waiting_for_head() and not self.transport.is_closing():
             self._drop("head_timeout")
 
+    def _body_deadline(self) -> float:
+        return self.body_since + self.body_timeout_s + self.body_bytes / BODY_MIN_RATE
+
+    def _arm_body_timer(self) -> None:
+        self.body_timer = self.loop.call_at(self._body_deadline(), self._body_timed_out)
+
+    def _disarm_body_timer(self) -> None:
+        if self.body_timer is not None:
+            self.body_timer.cancel()
+            self.body_timer = None
+
+    def _body_timed_out(self) -> None:
+        self.body_timer = None
+        if self.conn.their_state is not h11.SEND_BODY or self.transport.is_closing():
+            return
+        if self.loop.time() < self._body_deadline():  # more came meanwhile: its deadline moved on
+            self._arm_body_timer()
+            return
+        if self.cycle is None or not self.cycle.response_started:
+            seconds = self.loop.time() - self.body_since
+            self.transport.write(_closing_response("408 Request Timeout", json.dumps(error_body(
+                408, f"the request body did not arrive in time: {self.body_bytes:,} bytes in {seconds:.0f} s "
+                     f"(the gateway gives a body {self.body_timeout_s:g} s plus a second per "
+                     f"{BODY_MIN_RATE // 1024} KiB)")).encode()))
+        self._drop("body_timeout")
+
     def _make_room(self) -> None:
         """Close the connection that has waited longest for a request head, or refuse this one."""
         waiting = [c for c in self.connections
@@ -92,6 +138,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def _drop(self, reason: str) -> None:
         self._disarm_head_timer()
+        self._disarm_body_timer()
         self.connections.discard(self)  # its place is free now, not when the close completes
         self.transport.close()
         if self.metrics is not None:
@@ -101,7 +148,8 @@ class GuardedH11Protocol(H11Protocol):
 def guarded_protocol(settings: GatewaySettings, metrics=None) -> type[GuardedH11Protocol]:
     """The protocol class for uvicorn's `http=`, carrying the settings' bounds."""
     return type("GatewayProtocol", (GuardedH11Protocol,), {
-        "head_timeout_s": settings.header_timeout, "max_connections": settings.max_connections, "metrics": metrics})
+        "head_timeout_s": settings.header_timeout, "body_timeout_s": settings.body_timeout,
+        "max_connections": settings.max_connections, "metrics": metrics})
 
 
 def raise_file_limit(needed: int) -> None:

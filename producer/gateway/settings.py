@@ -35,6 +35,9 @@ class GatewaySettings(BaseSettings):
                                                            "it was enqueued is cancelled and answered 504")
     header_timeout: float = Field(10.0, gt=0, le=3600, description="a connection whose request head has not arrived "
                                                                    "whole this many seconds after it began is closed")
+    body_timeout: float = Field(30.0, gt=0, le=3600, description="a request body that has not arrived whole this many "
+                                                                 "seconds after its head, plus a second per 64 KiB "
+                                                                 "of it, is answered 408 and its connection closed")
     max_connections: int = Field(1000, ge=1, le=1_000_000,
                                  description="client connections open at once; past it a new one takes the place of "
                                              "the one waiting longest for a request head, else is answered 503")
