@@ -22,6 +22,11 @@ from queue_helpers import url  # noqa: F401 - the fixture: a module's Redis, on 
 from test_celery import GREEDY, celery_worker, send
 from worker.celery_source import TASK_NAME, unacked_key
 
+try:
+    from compression import zstd  # Python 3.14
+except ImportError:
+    from backports import zstd  # redline's dependency before 3.14
+
 pytestmark = pytest.mark.filterwarnings("ignore:Call to deprecated setex:DeprecationWarning")
 
 MAX_JOB_BYTES = 64 * 1024  # the workers' max_job_bytes here: a bomb is refused at this many bytes
@@ -129,6 +134,7 @@ def zlib_bomb(size: int) -> bytes:
 BOMBS = {
     "bzip2": lambda: bz2.compress(bytes(2**25)) * (BOMB_BYTES // 2**25),  # streams one after another, 46 B each
     "zlib": lambda: zlib_bomb(BOMB_BYTES),
+    "zstd": lambda: zstd.compress(bytes(2**25)) * (BOMB_BYTES // 2**25),  # frames one after another
 }
 
 
@@ -166,11 +172,11 @@ def test_bodies_within_max_job_bytes_run_compressed_and_larger_or_unbounded_ones
     monkeypatch.setitem(kombu.compression._aliases, "reversed", "application/x-reversed")
     with celery_worker(url, producer, engine, max_job_bytes=MAX_JOB_BYTES) as worker:
         sent = [send(producer, worker, kwargs={"prompt": f"packed with {name}", "sampling": GREEDY}, compression=name)
-                for name in ("zlib", "gzip", "bzip2", "lzma")]
+                for name in ("zlib", "gzip", "bzip2", "lzma", "zstd")]
         reversed_ = send(producer, worker, kwargs={"prompt": "backwards", "sampling": GREEDY}, compression="reversed")
         padded = send(producer, worker, kwargs={"prompt": "y" * MAX_JOB_BYTES, "sampling": GREEDY}, compression="zlib")
         large = send(producer, worker, kwargs={"prompt_token_ids": [7] * MAX_JOB_BYTES, "sampling": GREEDY})
-        assert [r.get(timeout=60)["status"] for r in sent] == ["succeeded"] * 4
+        assert [r.get(timeout=60)["status"] for r in sent] == ["succeeded"] * 5
         with pytest.raises(Exception, match=r"compression 'application/x-reversed' .*send with zlib, bzip2, lzma"):
             reversed_.get(timeout=30)
         with pytest.raises(Exception, match="decompresses to more than"):

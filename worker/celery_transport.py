@@ -20,7 +20,6 @@ from kombu.transport import redis, virtual
 
 MAX_BODY_BYTES_OPTION = "max_body_bytes"  # the transport option that carries the worker's max_job_bytes
 LZMA_MEMORY_LIMIT = 128 * 2**20  # xz -9 needs 65 MiB to decompress; a larger dictionary is a bomb's
-BOUNDED_COMPRESSIONS = "zlib, bzip2, lzma"  # named to a producer whose compression is refused
 
 # kombu's decoder for each compression it registers → a fresh incremental decompressor of the same format
 _INCREMENTAL = {
@@ -37,6 +36,8 @@ except ImportError:
         zstd = None
 if zstd is not None:
     _INCREMENTAL[zstd.decompress] = zstd.ZstdDecompressor
+# named to a producer whose compression is refused
+BOUNDED_COMPRESSIONS = "zlib, bzip2, lzma" + (", zstd" if zstd is not None else "")
 
 
 class BadMessage(Exception):
