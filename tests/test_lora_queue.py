@@ -64,6 +64,30 @@ def test_jobs_run_under_the_adapter_they_name(url, models, engine, cache_aware):
     assert failed.error == "this worker serves no LoRA adapter 'nope'; it serves: sql, chat"
 
 
+@pytest.mark.parametrize("damage", ["tensors", "shapes"])
+def test_a_job_whose_adapter_cannot_be_read_fails_alone(url, models, engine, tmp_path, damage):
+    """An adapter whose config reads (so the worker starts) but whose tensors do not (a broken or mismatched
+    adapter_model.safetensors): the first job naming it fails with one line; the worker serves on."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    base, paths, expected = models
+    broken = shutil.copytree(paths["sql"], tmp_path / "broken")
+    weights = broken / "adapter_model.safetensors"
+    if damage == "tensors":
+        weights.write_bytes(b"not a safetensors file" * 10)
+    else:  # every lora_A one row short of the config's rank
+        save_file({k: (v[:-1] if "lora_A" in k else v).contiguous() for k, v in load_file(weights).items()}, weights)
+    sampling = {"temperature": 0, "max_tokens": MAX_NEW}
+    with worker_thread(url, new_queue(), engine, model=str(base), lora=[f"broken={broken}"]) as worker:
+        client = Client(url, queue=worker.settings.queue)
+        bad = client.result(client.submit(prompt_token_ids=PROMPT, sampling=sampling, lora="broken"), timeout=120)
+        good = client.result(client.submit(prompt_token_ids=PROMPT, sampling=sampling), timeout=120)
+    assert bad.status == "failed" and "\n" not in bad.error and str(broken) in bad.error, bad.error
+    assert good.status == "succeeded" and good.token_ids == expected[None]
+
+
 def test_a_job_names_an_adapter_never_a_path(url):
     with pytest.raises(ValueError, match="lora"):
         Client(url, queue=new_queue()).submit(prompt="hi", lora="/etc/adapters")

@@ -76,7 +76,11 @@ def load_adapter(name: str, path: str, max_rank: int, packed_modules: dict) -> A
     rank = cfg["r"]
     alpha = cfg.get("lora_alpha", rank)
     scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
-    tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
+    try:
+        tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
+    except Exception as e:  # noqa: BLE001 - safetensors' own error (a broken or truncated file), or the OS's
+        raise ValueError(f"adapter {path!r}: adapter_model.safetensors cannot be read ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else 'no detail'})") from None
     pairs: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _TENSOR.match(key)
