@@ -161,10 +161,9 @@ def _check_attention_backend(device: str, name: str) -> None:
         raise ValueError(f"attention_backend={name!r} needs a CUDA device, and this engine runs on {device}; "
                          "use 'auto' or 'torch'")
     if name == "flash":
-        from engine.attention import flash_available
+        from engine.attention import flash_available, flash_missing
         if not flash_available():
-            raise ValueError("attention_backend='flash' needs the flash_attn package (pip install 'redline[flash]'); "
-                             "or use 'auto'")
+            raise ValueError(f"attention_backend='flash' {flash_missing()}; or use 'auto'")
 
 
 def default_dtype(hf_config, on_gpu: bool) -> torch.dtype:

@@ -1,3 +1,9 @@
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from engine import LLM, SamplingParams
@@ -116,3 +122,20 @@ def test_an_error_of_one_request_during_a_step_fails_it_alone(llm):
     assert other.error is None and other.token_ids == expected[1].token_ids
     assert not llm.has_unfinished()
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the flash backend needs triton")
+def test_a_flash_attn_that_does_not_load_is_named_with_its_error(tmp_path):
+    """A flash_attn build that does not match the installed torch (the commonest failure) is reported with the
+    error its import raised, not as a missing package."""
+    broken = tmp_path / "flash_attn"
+    broken.mkdir()
+    (broken / "__init__.py").write_text("raise ImportError('flash_attn_2_cuda: undefined symbol: _ZN3c104SetDevice')\n")
+    probe = "from engine.attention import flash_missing; print(flash_missing())"
+    run = lambda path: subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                                      env={**os.environ, "PYTHONPATH": os.pathsep.join(path)}).stdout.strip()
+    repo = str(Path(__file__).resolve().parents[1])
+    assert run([repo, str(tmp_path)]).startswith("cannot load the installed flash_attn: ")
+    assert "undefined symbol: _ZN3c104SetDevice" in run([repo, str(tmp_path)])
+    if importlib.util.find_spec("flash_attn") is None:
+        assert run([repo]) == "needs the flash_attn package (pip install 'redline[flash]')"

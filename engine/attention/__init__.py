@@ -71,7 +71,7 @@ def get_backend(name: str, device: torch.device, kv_cache_dtype: torch.dtype | N
         from engine.attention.triton_backend import TritonBackend
         return TritonBackend()
     if not flash_available():
-        raise ValueError("attention_backend='flash' needs the flash_attn package (pip install 'redline[flash]')")
+        raise ValueError(f"attention_backend='flash' {flash_missing()}")
     from engine.attention.flash_backend import FlashBackend
     return FlashBackend()
 
@@ -83,3 +83,15 @@ def flash_available() -> bool:
     except ImportError:
         return False
     return installed()
+
+
+def flash_missing() -> str:
+    """What the flash backend lacks here, as the end of a sentence: the package, or why it does not load."""
+    try:
+        from engine.attention.flash_backend import flash_import_errors
+    except ImportError as e:  # no triton: the engine's KV-cache kernel, which the backend writes with
+        return f"needs triton ({e})"
+    errors = flash_import_errors()
+    if errors:  # a build that does not match this torch or GPU: the commonest failure
+        return f"cannot load the installed flash_attn: {errors[0]}"
+    return "needs the flash_attn package (pip install 'redline[flash]')"

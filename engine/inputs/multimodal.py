@@ -47,10 +47,6 @@ class MultimodalInputs:
     patch_offsets: list[int]                     # each image's first row in pixel_values, then the total
 
     @property
-    def num_images(self) -> int:
-        return len(self.image_grid_thw)
-
-    @property
     def end(self) -> int:
         """The prompt index after the last image token."""
         start, length = self.vision_placeholders[-1]
