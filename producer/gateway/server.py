@@ -90,9 +90,7 @@ class GuardedH11Protocol(H11Protocol):
         self.head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
 
     def _disarm_head_timer(self) -> None:
-        if self.head_timer is not None:
-            self.head_timer.cancel()
-            self.head_timer = None
+        self.head_timer = _cancelled(self.head_timer)
 
     def _head_timed_out(self) -> None:
         self.head_timer = None
@@ -106,9 +104,7 @@ class GuardedH11Protocol(H11Protocol):
         self.body_timer = self.loop.call_at(self._body_deadline(), self._body_timed_out)
 
     def _disarm_body_timer(self) -> None:
-        if self.body_timer is not None:
-            self.body_timer.cancel()
-            self.body_timer = None
+        self.body_timer = _cancelled(self.body_timer)
 
     def _body_timed_out(self) -> None:
         self.body_timer = None
@@ -143,6 +139,12 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
         if self.metrics is not None:
             self.metrics.connection_dropped(reason)
+
+
+def _cancelled(timer) -> None:
+    """Cancel an asyncio timer handle, if any; None, for the attribute that held it."""
+    if timer is not None:
+        timer.cancel()
 
 
 def guarded_protocol(settings: GatewaySettings, metrics=None) -> type[GuardedH11Protocol]:
