@@ -78,7 +78,8 @@ def test_kill_9_of_workers_mid_run_loses_and_duplicates_nothing(url):
 def test_sigterm_lets_running_jobs_finish_then_exits_0(url):
     client = Client(url, new_queue())
     proc = start_worker_process(url, client.keys.queue, "drainer", "--max-num-seqs", "2")
-    ids = client.submit_many([{"prompt_token_ids": [9, 8, 7 + i], "sampling": {"max_tokens": 200, "ignore_eos": True}}
+    # 1,000 tokens each: the first two still run when the signal comes, even where the stream lags the engine
+    ids = client.submit_many([{"prompt_token_ids": [9, 8, 7 + i], "sampling": {"max_tokens": 1000, "ignore_eos": True}}
                               for i in range(4)])
     for delta in client.stream(ids[0], timeout=60):
         if delta.index >= 5:
