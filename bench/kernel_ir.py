@@ -29,44 +29,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 1024, 16, 8, 128, 3072, 151936
 
 
-class _Captured(Exception):
-    def __init__(self, kernel, args, kwargs):
-        super().__init__(kernel)
-        self.kernel, self.args, self.kwargs = kernel, args, kwargs
+class _FirstLaunch(Exception):
+    """Ends the call at its first launch (capture): what follows may read results no kernel computed."""
 
 
-def capture(call):
-    """(JITFunction, args, kwargs) of the first Triton launch `call()` makes."""
-    from triton.runtime.jit import JITFunction
-
-    original = JITFunction.run
-
-    def run(self, *args, grid, warmup, **kwargs):
-        raise _Captured(self, args, kwargs)
-    JITFunction.run = run
-    try:
-        call()
-    except _Captured as launch:
-        return launch.kernel, launch.args, launch.kwargs
-    finally:
-        JITFunction.run = original
-    raise RuntimeError("the call launched no Triton kernel")
-
-
-def launches(call) -> list:
-    """(JITFunction, args, kwargs) of every Triton launch `call()` makes, none of them run."""
+def _launches(call, first_only: bool) -> list:
     from triton.runtime.jit import JITFunction
 
     recorded, original = [], JITFunction.run
 
     def record(self, *args, grid, warmup, **kwargs):
         recorded.append((self, args, kwargs))
+        if first_only:
+            raise _FirstLaunch
     JITFunction.run = record
     try:
         call()
+    except _FirstLaunch:
+        pass
     finally:
         JITFunction.run = original
     return recorded
+
+
+def capture(call):
+    """(JITFunction, args, kwargs) of the first Triton launch `call()` makes."""
+    found = _launches(call, first_only=True)
+    if not found:
+        raise RuntimeError("the call launched no Triton kernel")
+    return found[0]
+
+
+def launches(call) -> list:
+    """(JITFunction, args, kwargs) of every Triton launch `call()` makes, none of them run."""
+    return _launches(call, first_only=False)
 
 
 # compile-time switches the wrappers set from the tensors' device: their values on a CUDA GPU

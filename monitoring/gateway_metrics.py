@@ -15,8 +15,8 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    80.0, 160.0, 320.0, 640.0)
 OPEN_BATCH_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
 FINAL_BATCH_STATUSES = ("completed", "failed", "expired", "cancelled")
-# why the gateway closed a connection itself: its request head did not arrive in time, it waited for a head
-# when a new connection needed its place, or every place was busy with a request
+# why the gateway closed a connection itself: its request head or body did not arrive in time, it waited for a
+# head when a new connection needed its place, or every place was busy with a request
 DROP_REASONS = ("head_timeout", "body_timeout", "evicted", "refused")
 UNROUTED = "unrouted"  # the route label of a request no route matches (404)
 

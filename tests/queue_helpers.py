@@ -127,13 +127,10 @@ def log_of(proc: subprocess.Popen, tail: int = 4000) -> str:
 
 def stacks_of(proc: subprocess.Popen) -> str:
     """A worker process a test found stuck: aborted, so its log ends with every thread's stack."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGABRT)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    try:
+        stop_process(proc, signal.SIGABRT, timeout=10)
+    except subprocess.TimeoutExpired:
+        pass  # killed instead: its log holds what it wrote
     return log_of(proc, tail=16000)
 
 
