@@ -98,6 +98,27 @@ def test_dummy_mxfp4_experts_load_from_the_config_alone(tmp_path):
     assert len(generate_ids(llm, [[5, 6, 7]], GREEDY)[0]) == MAX_NEW
 
 
+def test_the_float_experts_mxfp4_replaces_are_freed_at_once():
+    """quantize() drops the float w13/w2 with their last reference, not at the garbage collector's next run: on a
+    GPU the KV cache is sized right after the model is built, and gpt-oss-20b's float experts are 38 GB."""
+    import gc
+    import weakref
+
+    from engine.layers.moe import ExpertWeights
+    from engine.layers.parallel import SINGLE
+    from engine.layers.quant.mxfp4 import Mxfp4Method
+
+    experts = ExpertWeights(num_experts=4, hidden_size=64, intermediate_size=64, bias=True, tp=SINGLE)
+    floats = [weakref.ref(experts.w13), weakref.ref(experts.w2)]
+    gc.disable()
+    try:
+        experts.quantize(Mxfp4Method({"quant_method": "mxfp4"}))
+        assert [ref() for ref in floats] == [None, None]
+    finally:
+        gc.enable()
+    assert experts.w13_blocks.dtype == torch.uint8
+
+
 @pytest.fixture(scope="module")
 def kernel_results() -> dict:
     return run_under_interpreter(CASES)

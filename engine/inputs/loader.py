@@ -68,7 +68,7 @@ def load_safetensors(model: nn.Module, model_dir: str) -> bool:
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights for: {', '.join(sorted(missing)[:5])}")
     for name, shard_ids in loaded.items():  # a parameter of many shards (stacked experts) says which it lacks
-        lacking = getattr(params[name], "missing_shards", lambda ids: [])(shard_ids)
+        lacking = getattr(params[name], "missing_shards", lambda param, ids: [])(params[name], shard_ids)
         if lacking:
             raise ValueError(f"checkpoint in {model_dir} lacks {name} for: {', '.join(lacking[:5])}")
     return model.tie_word_embeddings or "lm_head.weight" in loaded

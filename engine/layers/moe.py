@@ -131,7 +131,8 @@ class ExpertWeights(nn.Module):
         param.full_shape = full_shape
         param.weight_loader = self.weight_loader
         param.load_full = self.load_full
-        param.missing_shards = lambda shard_ids: self.missing_shards(param, shard_ids)
+        param.missing_shards = self.missing_shards  # bound to the module: a closure over param would be a cycle,
+        # which keeps the float experts that MXFP4 replaces (quantize) allocated until the garbage collector runs
         return param
 
     def missing_shards(self, param: nn.Parameter, shard_ids: set) -> list[str]:
