@@ -32,6 +32,8 @@ from engine.sampling.params import BeamSearchParams, SamplingParams, constraint
 
 # LLM.embed keeps at most this many requests per sequence slot in the engine, adding the rest as they finish
 EMBED_WINDOW_PER_SLOT = 4
+# every embedding request's sequence holds these (prefill only: nothing reads them but the scheduler)
+EMBED_PARAMS = SamplingParams(temperature=0, max_tokens=1)
 
 
 class LLMEngine:
@@ -147,8 +149,7 @@ class LLMEngine:
             request_id = f"req-{next(self._request_ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        group = SequenceGroup(request_id, token_ids, SamplingParams(temperature=0, max_tokens=1),
-                              self.config.kvcache_block_size)
+        group = SequenceGroup(request_id, token_ids, EMBED_PARAMS, self.config.kvcache_block_size)
         group.first.pooling = PooledState(self._pooling, dimensions)
         self.requests[request_id] = group
         self._embedding.add(request_id)
@@ -233,10 +234,11 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer files; pass the prompt as a list of token ids")
             token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, (list, tuple)) and all(issubclass(t, int) and t is not bool
+                                                       for t in set(map(type, prompt))):  # types, not tokens
             token_ids = list(prompt)
-            bad = next((i for i, t in enumerate(token_ids) if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
+            if token_ids and not (min(token_ids) >= 0 and max(token_ids) < self.vocab_size):
+                bad = next(i for i, t in enumerate(token_ids) if not 0 <= t < self.vocab_size)
                 raise ValueError(f"token id {token_ids[bad]} at position {bad} is outside the vocabulary "
                                  f"(ids must be in [0, {self.vocab_size}))")
         else:

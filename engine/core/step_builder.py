@@ -42,9 +42,8 @@ class StepBuilder:
         if batch.lora_loads:
             inputs.lora_loads = batch.lora_loads
         if any(s.lora is not None for s in batch.seqs):
-            inputs.lora_slot_ids = torch.tensor([s.lora_slot if s.lora is not None else -1
-                                                 for s, n in zip(batch.seqs, batch.num_tokens) for _ in range(n)],
-                                                dtype=torch.int64)
+            slot_ids = np.array([s.lora_slot if s.lora is not None else -1 for s in batch.seqs], dtype=np.int64)
+            inputs.lora_slot_ids = torch.from_numpy(np.repeat(slot_ids, batch.num_tokens))
         if batch.block_copies:
             inputs.block_copies = torch.tensor(batch.block_copies, dtype=torch.int64).T.contiguous()
         if sampled:
@@ -60,47 +59,50 @@ class StepBuilder:
     # ---- the forward pass -------------------------------------------------------------------------
 
     def _forward_inputs(self, batch: ScheduledBatch, scored: list) -> StepInputs:
-        if (not batch.forks and all(n == 1 for n in batch.num_tokens)
-                and all(s.num_uncomputed_tokens == 1 and s.pooling is None for s in batch.seqs)):
+        seqs, counts = batch.seqs, batch.num_tokens
+        if (not batch.forks and all(n == 1 for n in counts)
+                and all(s.num_uncomputed_tokens == 1 and s.pooling is None for s in seqs)):
             return self._decode_inputs(batch)
+        # per sequence in Python, per token in numpy (a prefill step carries thousands of tokens)
+        starts = [s.num_computed_tokens for s in seqs]
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu_q, lens_k, logits_indices = [0], [], []
-        bs = self.block_size
+        logits_indices: list[int] = []
         pending_rows, pending_src = [], []
         pooled_rows, pooled_segments = [], []
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            start = seq.num_computed_tokens
+        row = 0  # the sequence's first input row
+        for seq, start, n in zip(seqs, starts, counts):
             end = start + n
             if seq.pooling is not None:  # an embedding request: its rows are pooled, never sampled
-                rows = [len(input_ids) + p - start
-                        for p in pooled_positions(seq.pooling.pooling.method, start, end, seq.num_tokens)]
-                if rows:
-                    pooled_segments += [pooled_segments[-1] + 1 if pooled_segments else 0] * len(rows)
-                    pooled_rows += rows
+                pooled = pooled_positions(seq.pooling.pooling.method, start, end, seq.num_tokens)
+                if pooled:
+                    pooled_segments += [pooled_segments[-1] + 1 if pooled_segments else 0] * len(pooled)
+                    pooled_rows += range(row + pooled.start - start, row + pooled.stop - start)
             if end == seq.num_tokens and seq.token_ids[-1] < 0:
-                pending_rows.append(len(input_ids) + n - 1)
+                pending_rows.append(row + n - 1)
                 pending_src.append(seq.pending_index)
             input_ids.extend(seq.token_ids[start:end])
-            row = self.long_rope_row if seq.long_rope else 0
-            positions.extend(range(start + row, end + row))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            cu_q.append(cu_q[-1] + n)
-            lens_k.append(end)
+            row += n
             if end == seq.num_tokens and seq.pooling is None:  # sampled, once for it and each forked from it
-                logits_indices += [cu_q[-1] - 1] * (1 + len(batch.forks.get(seq.seq_id, ())))
-        width = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in batch.seqs]
+                logits_indices += [row - 1] * (1 + len(batch.forks.get(seq.seq_id, ())))
+        lengths = np.array(counts, dtype=np.int64)
+        cu_q = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=cu_q[1:])
+        lens_k = np.array(starts, dtype=np.int64) + lengths
+        owner = np.repeat(np.arange(len(seqs)), lengths)  # each input row's sequence
+        positions = np.arange(row, dtype=np.int64) + np.repeat(lens_k - lengths - cu_q[:-1], lengths)
+        width = max(len(s.block_table) for s in seqs)
+        tables = np.array([s.block_table + [-1] * (width - len(s.block_table)) for s in seqs], dtype=np.int64)
+        slots = tables[owner, positions // self.block_size] * self.block_size + positions % self.block_size
+        if self.long_rope_row:
+            positions += np.repeat(np.array([self.long_rope_row if s.long_rope else 0 for s in seqs]), lengths)
         inputs = StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64),
-            positions=torch.tensor(positions, dtype=torch.int64),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32),
-            seqlens_k=torch.tensor(lens_k, dtype=torch.int32),
-            block_tables=torch.tensor(tables, dtype=torch.int32),
-            max_seqlen_q=max(batch.num_tokens), max_seqlen_k=max(lens_k),
+            input_ids=torch.from_numpy(np.array(input_ids, dtype=np.int64)),
+            positions=torch.from_numpy(positions),
+            slot_mapping=torch.from_numpy(slots),
+            cu_seqlens_q=torch.from_numpy(cu_q.astype(np.int32)),
+            seqlens_k=torch.from_numpy(lens_k.astype(np.int32)),
+            block_tables=torch.from_numpy(tables.astype(np.int32)),
+            max_seqlen_q=max(counts), max_seqlen_k=int(lens_k.max()),
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
             **_pending(pending_rows, pending_src))
         if pooled_rows:
@@ -108,8 +110,8 @@ class StepBuilder:
             inputs.pooled_segments = torch.tensor(pooled_segments, dtype=torch.int64)
             inputs.num_pooled = pooled_segments[-1] + 1
         if scored:
-            _score_prompts(inputs, scored, cu_q)
-        if self.uses_mrope and any(s.multimodal is not None for s in batch.seqs):
+            _score_prompts(inputs, scored, cu_q.tolist())
+        if self.uses_mrope and any(s.multimodal is not None for s in seqs):
             _place_images(batch, inputs)
         return inputs
 
