@@ -44,11 +44,14 @@ def hf_fp32(gpu_checkpoint):
 
 @pytest.mark.parametrize("fused", [True, False], ids=["kernels", "eager-ops"])
 def test_gpt_oss_prompt_logits_match_transformers_bf16(gpu_checkpoint, hf_model, hf_fp32, fused, free_gpu):
-    """Our bf16 prompt logits are as close to transformers' fp32 ones as transformers' own bf16 logits are (within
-    1.5 times its error, or 1e-2)."""
+    """Our bf16 prompt logits are as close to transformers' fp32 ones as transformers' own bf16 logits are: over
+    all prompts within 1.5 times its error (or 1e-2), each prompt within 3 times. A short prompt's error is mostly
+    where one bf16 implementation sends a token to another expert than the other at a router near-tie (on the
+    CPU, over 200 prompts of 5-40 tokens, each implementation was over 1.5 times the other's error on a tenth of
+    them), so one prompt's 1.5 times would fail on luck."""
     llm = LLM(str(gpu_checkpoint), device="cuda", dtype="bfloat16", kvcache_block_size=16, num_kvcache_blocks=512,
               enforce_eager=True, fused_layers=fused)
-    runner, rows = llm.runner, []
+    runner, rows, sums, norms = llm.runner, [], [], 0.0
     for prompt in prompts_of(6):
         inputs = prefill_inputs([prompt], 16, -(-len(prompt) // 16))
         inputs.logits_indices = torch.arange(len(prompt))
@@ -58,11 +61,16 @@ def test_gpt_oss_prompt_logits_match_transformers_bf16(gpu_checkpoint, hf_model,
             ref16, ref32 = hf_model(ids).logits[0].float(), hf_fp32(ids).logits[0].float()
         error = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
         rows.append((len(prompt), error(ours, ref32), error(ref16, ref32), error(ours, ref16)))
+        # each prompt's squared errors, relative to all prompts' fp32 logits together
+        sums.append((float((ours - ref32).norm() ** 2), float((ref16 - ref32).norm() ** 2)))
+        norms += float(ref32.norm() ** 2)
     print("prompt length, relative error against transformers fp32 (ours, transformers bf16), ours against "
           "transformers bf16:", rows)
     for length, ours, theirs, _ in rows:
-        assert ours < max(1e-2, 1.5 * theirs), f"prompt of {length} tokens: {ours:.2e} against fp32, " \
-                                               f"transformers bf16 {theirs:.2e} ({rows})"
+        assert ours < max(1e-2, 3 * theirs), f"prompt of {length} tokens: {ours:.2e} against fp32, " \
+                                             f"transformers bf16 {theirs:.2e} ({rows})"
+    overall = [(sum(squares) / norms) ** 0.5 for squares in zip(*sums)]
+    assert overall[0] < max(1e-2, 1.5 * overall[1]), (overall, rows)
 
 
 @pytest.mark.parametrize("engine_kwargs", [

@@ -172,7 +172,7 @@ def test_prompt_logits_match_transformers_bf16(gpu_checkpoint, hf_model, hf_fp32
 ], ids=["graphs", "chunked-preempted", "small-batches"])
 def test_greedy_tokens_as_close_to_transformers_fp32_as_its_bf16(gpu_checkpoint, hf_model, hf_fp32, engine_kwargs,
                                                                free_gpu):
-    prompts = prompts_of()
+    prompts = prompts_of(72)  # a flip of one token's expert parts either run for good: a sum over few prompts is luck
     llm = LLM(str(gpu_checkpoint), device="cuda", dtype="bfloat16", **{"max_model_len": 1024, **engine_kwargs})
     if "num_kvcache_blocks" in engine_kwargs:  # (Mixtral's window on every layer: blocks past it are handed back)
         preempt_every(llm, 10, sliding_only=True)
