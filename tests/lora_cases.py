@@ -95,6 +95,7 @@ def main(device: str) -> None:
         "prefill_fp32": case(45, 64, 80, 48, 4, f32, device, seed=1),     # several tiles of one slot
         "padded_tiles_fp32": case(20, 32, 64, 16, 2, f32, device, pad=True, seed=2),  # graph-style empty tiles
         "decode_bf16": case(9, 128, 192, 64, 4, bf16, device, seed=3),
+        "split_k_fp32": case(21, 1000, 64, 32, 3, f32, device, pad=True, seed=4),  # K in 3 parts, the last short
     }
     if device == "cpu":
         results["engine_on_kernels"] = engine_on_kernels()

@@ -12,7 +12,8 @@ from tests.interpreter import run_under_interpreter
 
 CASES = Path(__file__).with_name("lora_cases.py")
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-TOLERANCE = {"decode_fp32": 1e-5, "prefill_fp32": 1e-5, "padded_tiles_fp32": 1e-5, "decode_bf16": 2e-2}
+TOLERANCE = {"decode_fp32": 1e-5, "prefill_fp32": 1e-5, "padded_tiles_fp32": 1e-5, "decode_bf16": 2e-2,
+             "split_k_fp32": 1e-5}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def test_compiled_kernels_on_gpu_match_torch(case):
     import torch
 
     args = {"decode_fp32": (7, 64, 96, 16, 3), "prefill_fp32": (45, 64, 80, 48, 4), "padded_tiles_fp32": (20, 32, 64, 16, 2),
-            "decode_bf16": (9, 128, 192, 64, 4)}[case]
-    got = lora_cases.case(*args, torch.float32 if f32 else torch.bfloat16, "cuda", pad=case.startswith("padded"))
+            "decode_bf16": (9, 128, 192, 64, 4), "split_k_fp32": (21, 1000, 64, 32, 3)}[case]
+    got = lora_cases.case(*args, torch.float32 if f32 else torch.bfloat16, "cuda", pad=case.startswith(("padded", "split")))
     assert got["relative_error"] <= (1e-3 if f32 else 2e-2)  # tf32-free fp32 dots; bf16 operands
     assert got["base_rows_changed"] == 0

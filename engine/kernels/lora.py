@@ -17,6 +17,9 @@ import triton.language as tl
 from engine.kernels.common import interpreted
 
 BLOCK_M = 16  # rows of a tile (tl.dot's smallest)
+SHRINK_BLOCK_K = 64
+SPLIT_MIN_K = 256  # the shrink splits K into parts of at least this many (a multiple of SHRINK_BLOCK_K)
+MAX_SPLITS = 8
 
 
 @dataclass
@@ -59,15 +62,19 @@ def _tile_rows(order_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, tile, BLO
 
 
 @triton.jit
-def _matmul_rows(src_ptr, src_stride, w_ptr, w_stride_slot, w_stride_n, slot, rows, row_mask, cols, col_mask,
-                 K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
-    """src[rows] @ W[slot][cols]^T in float32: W [slots, N, K] contiguous in K."""
+def _matmul_rows(src_ptr, src_stride, src_split_stride, w_ptr, w_stride_slot, w_stride_n, slot, rows, row_mask,
+                 cols, col_mask, k_start, k_end, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """src[rows][k_start:k_end] @ W[slot][cols][k_start:k_end]^T in float32: W [slots, N, K] contiguous in K; src
+    the sum of SPLITS partial arrays src_split_stride apart (the shrink's split-K parts)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < K
-        x = tl.load(src_ptr + rows[:, None] * src_stride + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                    other=0.0)
+        k_mask = ks < k_end
+        src = src_ptr + rows[:, None] * src_stride + ks[None, :]
+        x = tl.load(src, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        for part in tl.static_range(1, SPLITS):
+            x += tl.load(src + part * src_split_stride, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptr + slot.to(tl.int64) * w_stride_slot + cols[None, :] * w_stride_n + ks[:, None],
                     mask=col_mask[None, :] & k_mask[:, None], other=0.0)
         if UPCAST:
@@ -78,32 +85,36 @@ def _matmul_rows(src_ptr, src_stride, w_ptr, w_stride_slot, w_stride_n, slot, ro
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, x_stride, a_ptr, a_stride_slot, y_ptr, y_stride, order_ptr, tile_slot_ptr,
-                   tile_start_ptr, tile_end_ptr, W, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+def _shrink_kernel(x_ptr, x_stride, a_ptr, a_stride_slot, y_ptr, y_stride, y_split_stride, order_ptr,
+                   tile_slot_ptr, tile_start_ptr, tile_end_ptr, W, K, K_CHUNK, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """One tile, one block of LoRA columns, one chunk of K (program_id 2): its partial product into y's part."""
     tile = tl.program_id(0)
     slot, rows, row_mask = _tile_rows(order_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, tile, BLOCK_M)
     if slot < 0:
         return
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < W
-    acc = _matmul_rows(x_ptr, x_stride, a_ptr, a_stride_slot, K, slot, rows, row_mask, cols, col_mask, K,
-                       BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
-    tl.store(y_ptr + rows[:, None] * y_stride + cols[None, :], acc, mask=row_mask[:, None] & col_mask[None, :])
+    part = tl.program_id(2)
+    k_start = part * K_CHUNK
+    acc = _matmul_rows(x_ptr, x_stride, 0, a_ptr, a_stride_slot, K, slot, rows, row_mask, cols, col_mask, k_start,
+                       tl.minimum(k_start + K_CHUNK, K), 1, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+    y = y_ptr + part.to(tl.int64) * y_split_stride + rows[:, None] * y_stride + cols[None, :]
+    tl.store(y, acc, mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
-def _expand_kernel(y_ptr, y_stride, b_ptr, b_stride_slot, out_ptr, out_stride, order_ptr, tile_slot_ptr,
-                   tile_start_ptr, tile_end_ptr, N, W, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+def _expand_kernel(y_ptr, y_stride, y_split_stride, b_ptr, b_stride_slot, out_ptr, out_stride, order_ptr,
+                   tile_slot_ptr, tile_start_ptr, tile_end_ptr, N, W, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
     tile = tl.program_id(0)
     slot, rows, row_mask = _tile_rows(order_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, tile, BLOCK_M)
     if slot < 0:
         return
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    acc = _matmul_rows(y_ptr, y_stride, b_ptr, b_stride_slot, W, slot, rows, row_mask, cols, col_mask, W,
-                       BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+    acc = _matmul_rows(y_ptr, y_stride, y_split_stride, b_ptr, b_stride_slot, W, slot, rows, row_mask, cols,
+                       col_mask, 0, W, SPLITS, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
     mask = row_mask[:, None] & col_mask[None, :]
     ptrs = out_ptr + rows[:, None] * out_stride + cols[None, :]
     old = tl.load(ptrs, mask=mask, other=0.0)
@@ -117,15 +128,22 @@ def lora_add(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     slots, w, _ = a.shape
     n = out.shape[1]
     assert x.stride(1) == 1 and out.stride(1) == 1 and a.is_contiguous() and b.is_contiguous()
-    y = torch.empty(rows, w, dtype=torch.float32, device=x.device)
+    # split K: a step's few tiles (256 rows over 8 adapters: 16) times one block of LoRA columns would leave
+    # most SMs idle while each program walks all of K; the expand sums the parts as it loads them
+    splits = max(1, min(MAX_SPLITS, k // SPLIT_MIN_K))
+    k_chunk = triton.cdiv(triton.cdiv(k, splits), SHRINK_BLOCK_K) * SHRINK_BLOCK_K
+    splits = triton.cdiv(k, k_chunk)
+    y = torch.empty(splits, rows, w, dtype=torch.float32, device=x.device)
     num_tiles = tiles.tile_slot.numel()
     upcast = interpreted() or x.dtype == torch.float32
     block_w = max(16, triton.next_power_of_2(min(w, 64)))
-    _shrink_kernel[(num_tiles, triton.cdiv(w, block_w))](
-        x, x.stride(0), a, a.stride(0), y, y.stride(0), tiles.order, tiles.tile_slot, tiles.tile_start,
-        tiles.tile_end, w, k, BLOCK_M=BLOCK_M, BLOCK_N=block_w, BLOCK_K=64, UPCAST=upcast)
+    _shrink_kernel[(num_tiles, triton.cdiv(w, block_w), splits)](
+        x, x.stride(0), a, a.stride(0), y, y.stride(1), y.stride(0), tiles.order, tiles.tile_slot,
+        tiles.tile_start, tiles.tile_end, w, k, k_chunk, BLOCK_M=BLOCK_M, BLOCK_N=block_w, BLOCK_K=SHRINK_BLOCK_K,
+        UPCAST=upcast)
     block_n = 64
     _expand_kernel[(num_tiles, triton.cdiv(n, block_n))](
-        y, y.stride(0), b, b.stride(0), out, out.stride(0), tiles.order, tiles.tile_slot, tiles.tile_start,
-        tiles.tile_end, n, w, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_w, UPCAST=upcast)
+        y, y.stride(1), y.stride(0), b, b.stride(0), out, out.stride(0), tiles.order, tiles.tile_slot,
+        tiles.tile_start, tiles.tile_end, n, w, SPLITS=splits, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_w,
+        UPCAST=upcast)
     return out
