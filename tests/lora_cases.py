@@ -30,18 +30,32 @@ def tiles_on(slot_ids, device, pad_to: int = 0) -> LoRATiles:
                      as_i32(ends + [0] * pad))
 
 
-def case(rows: int, k: int, n: int, w: int, slots: int, dtype, device, pad: bool = False, seed: int = 0) -> dict:
+def case(rows: int, k: int, n: int, w: int, slots: int, dtype, device, pad: bool = False, seed: int = 0,
+         prologue: str | None = None) -> dict:
+    """prologue "norm" / "unit_norm" (Gemma's): x is a residual sum the kernel RMS-norms first; "silu_and_mul":
+    x is [gate | up] rows, 2k wide."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, k, generator=gen).to(dtype).to(device)
+    x = torch.randn(rows, 2 * k if prologue == "silu_and_mul" else k, generator=gen).to(dtype).to(device)
     out = torch.randn(rows, n, generator=gen).to(dtype).to(device)
     a = (torch.randn(slots, w, k, generator=gen) * 0.1).to(dtype).to(device)
     b = (torch.randn(slots, n, w, generator=gen) * 0.1).to(dtype).to(device)
+    norm_weight = (torch.rand(k, generator=gen) + 0.5).to(dtype).to(device)
     slot_ids = torch.randint(-1, slots, (rows,), generator=gen)
-    want = reference(x.cpu(), out.cpu(), a.cpu(), b.cpu(), slot_ids)
+    kwargs, inputs = {}, x.cpu().float()
+    if prologue in ("norm", "unit_norm"):
+        unit = prologue == "unit_norm"
+        kwargs["norm"] = (norm_weight, 1e-6, unit)
+        scale = norm_weight.cpu().float() + (1.0 if unit else 0.0)
+        inputs = inputs * torch.rsqrt(inputs.pow(2).mean(-1, keepdim=True) + 1e-6) * scale
+    elif prologue == "silu_and_mul":
+        kwargs["silu_and_mul"] = True
+        gate, up = inputs.chunk(2, -1)
+        inputs = torch.nn.functional.silu(gate) * up
+    want = reference(inputs, out.cpu(), a.cpu(), b.cpu(), slot_ids)
     tiles = tiles_on(slot_ids, device, max_tiles(rows, slots) if pad else 0)
     base_rows = (slot_ids == -1).to(device)
     before = out.clone()
-    lora_add(x, out, a, b, tiles)
+    lora_add(x, out, a, b, tiles, **kwargs)
     err = float((out.float().cpu() - want).abs().max() / want.abs().max())
     return {"relative_error": err, "base_rows_changed": int((out[base_rows] != before[base_rows]).sum())}
 
@@ -73,18 +87,28 @@ def engine_on_kernels() -> dict:
         plain = LLM(str(base), device="cpu")
         base_tokens = [o.token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
         kernels = importlib.import_module("engine.kernels.lora")
+        norm_module = importlib.import_module("engine.layers.norm")
         calls = []
         set_rows = layers.LoRAPool.set_rows
+        lora_add = kernels.lora_add
+
+        def recorded(*args, norm=None, silu_and_mul=False):
+            calls.append("norm" if norm is not None else "silu_and_mul" if silu_and_mul else "plain")
+            return lora_add(*args, norm=norm, silu_and_mul=silu_and_mul)
 
         def set_rows_with_tiles(pool, slot_ids, device):
             set_rows(pool, slot_ids, device)
             if pool.groups:  # what the pool builds on CUDA
-                pool.tiles = kernels.LoRATiles(*(torch.tensor(v, dtype=torch.int32) for v in kernels.make_tiles(slot_ids)))
+                tiles = kernels.make_tiles(slot_ids)
+                pool.tiles = kernels.LoRATiles(*(torch.tensor(v, dtype=torch.int32) for v in tiles))
 
         layers.LoRAPool.set_rows = set_rows_with_tiles
-        layers._kernels_for = lambda x, weight, name: calls.append(name) or kernels
+        layers._kernels_for = lambda x, weight, name: kernels
+        kernels.lora_add = recorded
+        # the rows go to the GEMV as a decode step's do on CUDA: the norms stay fused, their shrinks take them
+        norm_module.takes_gemv = lambda rows, weight: True
         kernel_tokens = run()
-    return {"tokens_equal": kernel_tokens == torch_tokens, "kernel_calls": len(calls),
+    return {"tokens_equal": kernel_tokens == torch_tokens, "kernel_calls": {c: calls.count(c) for c in set(calls)},
             "adapters_change_tokens": base_tokens[0] != torch_tokens[0] and base_tokens[2] != torch_tokens[2]}
 
 
@@ -96,6 +120,10 @@ def main(device: str) -> None:
         "padded_tiles_fp32": case(20, 32, 64, 16, 2, f32, device, pad=True, seed=2),  # graph-style empty tiles
         "decode_bf16": case(9, 128, 192, 64, 4, bf16, device, seed=3),
         "split_k_fp32": case(21, 1000, 64, 32, 3, f32, device, pad=True, seed=4),  # K in 3 parts, the last short
+        # the shrink's prologues, each over a split K: the norm's sums of squares span every part
+        "norm_fp32": case(19, 600, 64, 48, 3, f32, device, pad=True, seed=5, prologue="norm"),
+        "unit_norm_bf16": case(11, 512, 128, 32, 2, bf16, device, seed=6, prologue="unit_norm"),
+        "silu_and_mul_fp32": case(17, 520, 80, 16, 3, f32, device, seed=7, prologue="silu_and_mul"),
     }
     if device == "cpu":
         results["engine_on_kernels"] = engine_on_kernels()

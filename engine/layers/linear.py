@@ -142,8 +142,10 @@ class RowParallelLinear(_Linear):
     def forward_act_and_mul(self, gate_up: torch.Tensor, act: str = "silu") -> "torch.Tensor | PushedSum":
         """forward(act_and_mul(gate_up, act)); the activation is fused into the projection where this rank's
         part is a plain product (always for decode rows; see TPGroup.partial_linear)."""
-        if self.quant is None and self.tp.is_plain_product(gate_up) and not self.lora_active:
-            return self._reduced(act_and_mul_linear(gate_up, self.weight, self.bias, act))
+        if self.quant is None and self.tp.is_plain_product(gate_up):
+            out = act_and_mul_linear(gate_up, self.weight, self.bias, act)
+            # an adapter's shrink computes the activation in its prologue too; its product joins this rank's part
+            return self._reduced(self.lora.add_activated(gate_up, out, act) if self.lora_active else out)
         return self.forward(act_and_mul(gate_up, act))
 
     def _reduced(self, out):

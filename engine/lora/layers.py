@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers.fusion import _kernels_for
+from engine.layers.fusion import _kernels_for, act_and_mul
 from engine.lora.adapter import Adapter, load_adapter
 
 # the engine projections an adapter's checkpoint modules land in (LlamaForCausalLM.packed_modules)
@@ -24,7 +24,8 @@ class LoRALinear:
     def __init__(self, pool: "LoRAPool", layer: nn.Module, row_parallel: bool):
         self.pool, self.row_parallel = pool, row_parallel
         rank, slots = pool.max_rank, pool.max_loras
-        out_features, in_features = layer.out_features, layer.in_features  # this rank's (a quantized layer has no .weight)
+        # this rank's features (a quantized layer has no .weight)
+        out_features, in_features = layer.out_features, layer.in_features
         self.num_parts = 1 if row_parallel else len(layer.part_sizes)
         width = self.num_parts * rank
         kw = dict(dtype=pool.dtype, device=pool.device)
@@ -40,8 +41,8 @@ class LoRALinear:
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out += each row's x @ A[slot]^T @ B[slot]^T (in place): the engine's Triton shrink/expand kernels on
         CUDA (engine/kernels/lora.py), torch products per slot elsewhere and inside PlainTorch."""
-        kernels = _kernels_for(x, None, "lora") if self.pool.tiles is not None else None
-        if kernels is not None and x.dim() == 2 and x.stride(1) == 1 and out.stride(1) == 1:
+        kernels = self._kernels(x, out)
+        if kernels is not None:
             return kernels.lora_add(x, out, self.a, self.b, self.pool.tiles)
         if self.pool.tiles is not None and not self.pool.groups:  # a decode graph's tiles: the kernels only
             raise RuntimeError("a LoRA decode graph needs the engine's LoRA kernels (CUDA, fused_layers=True)")
@@ -50,6 +51,29 @@ class LoRALinear:
             delta = (rows_x @ self.a[slot].T) @ self.b[slot].T
             out.index_add_(0, rows, delta.to(out.dtype))
         return out
+
+    def add_normed(self, h: torch.Tensor, out: torch.Tensor, norm) -> torch.Tensor:
+        """add() of `norm`(h): for a projection whose own kernel took the norm into its prologue, the shrink
+        kernel takes it into its own (h: the residual sum the norm reads; norm: an RMSNorm)."""
+        kernels = self._kernels(h, out)
+        if kernels is not None and norm.weight.dtype == h.dtype:
+            return kernels.lora_add(h, out, self.a, self.b, self.pool.tiles,
+                                    norm=(norm.weight, norm.eps, norm.unit_offset))
+        return self.add(norm(h), out)
+
+    def add_activated(self, gate_up: torch.Tensor, out: torch.Tensor, act: str) -> torch.Tensor:
+        """add() of act(gate) x up of packed [gate | up] rows: for a projection whose own kernel computed the
+        activation in its prologue, the shrink kernel does too (SiLU)."""
+        kernels = self._kernels(gate_up, out) if act == "silu" else None
+        if kernels is not None:
+            return kernels.lora_add(gate_up, out, self.a, self.b, self.pool.tiles, silu_and_mul=True)
+        return self.add(act_and_mul(gate_up, act), out)
+
+    def _kernels(self, x: torch.Tensor, out: torch.Tensor):
+        """engine.kernels.lora where its kernels take these rows (CUDA, the pool's tiles, rows contiguous)."""
+        if self.pool.tiles is None or x.dim() != 2 or x.stride(1) != 1 or out.stride(1) != 1:
+            return None
+        return _kernels_for(x, None, "lora")
 
     def load(self, slot: int, parts: list, tp_rank: int) -> None:
         """Slot `slot` := these LoRAParts (none: zeros, the adapter leaves this projection alone)."""
