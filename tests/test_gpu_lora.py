@@ -24,7 +24,7 @@ def test_mixed_batch_on_gpu_kernels_matches_transformers(setup, max_loras, free_
         graphs, lora_replays = llm.runner.graphs, []
         choose = graphs._graph
         graphs._graph = lambda inputs, bs: (lora_replays.append(inputs.lora_slot_ids is not None), choose(inputs, bs))[1]
-        kernels.lora_add = lambda *a: (calls.append(1), original(*a))[1]
+        kernels.lora_add = lambda *a, **k: (calls.append(1), original(*a, **k))[1]
         try:
             all_prompts, loras = _mixed(prompts, requests)
             outs = llm.generate(all_prompts, GREEDY, use_tqdm=False, lora_request=loras)
