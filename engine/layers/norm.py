@@ -33,14 +33,12 @@ class RMSNorm(nn.Module):
         rank, for the rows the GEMV takes (decode), the add and the norm run in the projection's prologue:
         one kernel less. gated (one rank, rows the TMA GEMM takes: fusion.takes_gated_tma): proj is the
         [gate | up] projection and the first result silu(gate) * up, from the GEMM's epilogue."""
-        if self.tp.size == 1 and proj.tp.size == 1 and proj.quant is None:  # quantized: no float weight to fuse
-            if not proj.lora_active:
-                return add_rms_norm_linear(x, residual, self.weight, self.eps, proj.weight, proj.bias, gated=gated,
-                                           unit_offset=self.unit_offset)
-            if not gated and takes_gemv(x, proj.weight):  # the adapter's shrink takes the norm into its prologue too
-                out, residual = add_rms_norm_linear(x, residual, self.weight, self.eps, proj.weight, proj.bias,
-                                                    unit_offset=self.unit_offset)
-                return proj.lora.add_normed(residual, out, self), residual
+        lora = proj.lora_active  # under an adapter, only where its shrink can take the norm into its prologue too
+        if (self.tp.size == 1 and proj.tp.size == 1 and proj.quant is None  # quantized: no float weight to fuse
+                and (not lora or (not gated and takes_gemv(x, proj.weight)))):
+            out, residual = add_rms_norm_linear(x, residual, self.weight, self.eps, proj.weight, proj.bias, gated=gated,
+                                                unit_offset=self.unit_offset)
+            return (proj.lora.add_normed(residual, out, self) if lora else out), residual
         if gated:
             raise ValueError("RMSNorm.linear(gated=True) runs on one rank only")
         if residual is None:
