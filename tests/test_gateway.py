@@ -239,10 +239,14 @@ def test_text_completion_plain_and_streamed_equals_llm_generate(client, llm):
     assert "".join(c.choices[0].text for c in streamed) == expected.text
 
 
-def test_more_concurrent_calls_than_redis_py_pools_by_default_all_succeed(stack):
-    """300 online calls at once: each holds a Redis connection while it waits for its job, past redis-py's
-    default pool of 100 connections (which failed the rest with 503 "Too many connections")."""
+def test_a_burst_of_300_calls_all_succeed_on_a_few_redis_connections(stack):
+    """300 online calls at once: each once held a Redis connection while it waited for its job (past redis-py's
+    default pool of 100, which failed the rest with 503 "Too many connections"); now they wait on one reader
+    of the results feed and their jobs are submitted in batches, so the burst opens a few connections."""
     import asyncio
+
+    redis = connect(stack.url)
+    opened = redis.info("stats")["total_connections_received"]
 
     async def burst() -> list:
         aclient = openai.AsyncOpenAI(api_key=KEY, base_url=stack.base_url, max_retries=0, timeout=120)
@@ -254,6 +258,7 @@ def test_more_concurrent_calls_than_redis_py_pools_by_default_all_succeed(stack)
             await aclient.close()
     answers = asyncio.run(burst())
     assert len(answers) == 300 and all(a.usage.completion_tokens == 2 for a in answers)
+    assert redis.info("stats")["total_connections_received"] - opened < 30
 
 
 def test_n_and_seeded_sampling_give_every_choice(client, llm):

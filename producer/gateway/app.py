@@ -64,6 +64,7 @@ def create_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None)
             keeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await keeper
+            await online.feed.close()
             await client.close()
 
     async def upload(request: Request) -> Response:

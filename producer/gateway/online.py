@@ -23,8 +23,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .. import protocol as p
 from ..batch_format import EMBEDDINGS, request_job, response_body, usage_body
-from ..client import build_job, submit_call
+from ..client import build_job
 from .errors import APIError, error_body, invalid
+from .feed import ResultFeed, Submitter
 from .offload import Offload
 
 WAIT_SLICE_S = 1.0  # a waiting request checks this often whether its client is still there
@@ -39,6 +40,7 @@ class Online:
         self.client, self.model_name, self.timeout_s = client, model_name, timeout_s
         self.adapters = adapters  # LoRA adapter names a request's model may give
         self.metrics, self.offload = metrics, offload
+        self.feed, self.submitter = ResultFeed(client), Submitter(client)
 
     async def answer(self, request: Request, url: str, body: dict) -> Response:
         if url == EMBEDDINGS:
@@ -54,12 +56,11 @@ class Online:
         with_logprobs = sampling.get("logprobs") is not None
         # the answer names the model that answered: an adapter the request named, else the base
         model = body["model"] if body.get("model") in self.adapters else self.model_name
-        keys, args = submit_call(self.client.keys, [built])
-        await self.client.scripts.submit(keys=keys, args=args)
-        deadline = time.monotonic() + self.timeout_s
         if stream:
+            await self.submitter.submit(built)
+            deadline = time.monotonic() + self.timeout_s
             return await self._stream(request, job_id, chat, sampling.get("n", 1), include_usage, deadline, model)
-        result = await self._wait(request, job_id, deadline, self.client.result)
+        result = await self._submit_and_wait(request, built, job_id)
         if not result.ok:
             raise _failed(result.status, result.error)
         return JSONResponse(response_body(url, result, with_logprobs, model, prompt_only))
@@ -68,13 +69,20 @@ class Online:
         """An embeddings request: one embedding job, its vectors in OpenAI's shape."""
         job_id = f"embd-{uuid.uuid4().hex}"
         built = await self.offload(_build_embedding, body, job_id, self.timeout_s)
-        keys, args = submit_call(self.client.keys, [built])
-        await self.client.scripts.submit(keys=keys, args=args)
-        result = await self._wait(request, job_id, time.monotonic() + self.timeout_s, self.client.result)
+        result = await self._submit_and_wait(request, built, job_id)
         if not result.ok:
             raise _failed(result.status, result.error)
         return JSONResponse(response_body(EMBEDDINGS, result, False, self.model_name,
                                           base64_vectors=body.get("encoding_format") == "base64"))
+
+    async def _submit_and_wait(self, request: Request, built: tuple[str, int, str], job_id: str) -> p.JobResult:
+        """Submit the job and wait for its result, which the results feed's reader brings."""
+        await self.feed.watch(job_id)
+        try:
+            await self.submitter.submit(built)
+            return await self._wait(request, job_id, time.monotonic() + self.timeout_s, self.feed.result)
+        finally:
+            self.feed.forget(job_id)
 
     async def _wait(self, request: Request, job_id: str, deadline: float, read):
         """`read(job_id, timeout=...)` (the result, or the first token delta) by WAIT_SLICE_S slices, checking
