@@ -106,7 +106,7 @@ def test_a_higher_priority_and_a_near_deadline_go_before_cached_siblings(url):
             client.submit(job_id=urgent[0]["job_id"], prompt_token_ids=urgent[0]["prompt_token_ids"],
                           sampling=urgent[0]["sampling"], priority=2)
             client.submit(job_id=urgent[1]["job_id"], prompt_token_ids=urgent[1]["prompt_token_ids"],
-                          sampling=urgent[1]["sampling"], deadline_s=20)  # within the 30 s age bound
+                          sampling=urgent[1]["sampling"], deadline_s=20)  # within the age bound
             results = [client.result(j["job_id"], timeout=120) for j in siblings + urgent]
     assert all(r.status == p.SUCCEEDED for r in results)
     sibling_starts = [_started_ms(client, s["job_id"]) for s in siblings]

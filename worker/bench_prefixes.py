@@ -82,19 +82,20 @@ def run(opts: argparse.Namespace, url: str, workload: SharedPrefixes = SharedPre
         forget_prefix_cache(llm)
         llm.scheduler.prefer_cached = aware
         bm = llm.block_manager
-        queries, hits = bm.num_cache_queries, bm.num_cache_hits
+        queries, hits, preempted = bm.num_cache_queries, bm.num_cache_hits, llm.scheduler.num_preemptions
         settings = {"cache_aware_admission": aware}
         if aware and opts.admission_max_wait is not None:
             settings["admission_max_wait"] = opts.admission_max_wait
         start = time.perf_counter()
         seconds, tokens = through_queue(llm, url, jobs, opts, worker_settings=settings)
         computed = (bm.num_cache_queries - queries) - (bm.num_cache_hits - hits)
+        preempted = llm.scheduler.num_preemptions - preempted
         print(f"{name:8s} {tokens} tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tok/s; prompt tokens "
-              f"computed {computed:,} = {computed / ideal:.2f} x the ideal {ideal:,} "
+              f"computed {computed:,} = {computed / ideal:.2f} x the ideal {ideal:,}; {preempted} preemptions "
               f"({time.perf_counter() - start:.0f} s with the warm-up)", flush=True)
         record.update({f"{name}_tokens": tokens, f"{name}_seconds": round(seconds, 3),
                        f"{name}_tok_s": round(tokens / seconds, 1), f"{name}_prompt_tokens": computed,
-                       f"{name}_vs_ideal": round(computed / ideal, 3)})
+                       f"{name}_vs_ideal": round(computed / ideal, 3), f"{name}_preemptions": preempted})
     record["aware_vs_arrival"] = round(record["aware_tok_s"] / record["arrival_tok_s"], 3)
     print(f"cache-aware: {record['aware_vs_arrival']:.3f}x the throughput of arrival order", flush=True)
     return record

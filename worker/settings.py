@@ -58,7 +58,7 @@ class _WorkerSettings(BaseSettings):
                                                            "prefers them too: --prefer-cached-prefixes)")
     lookahead: int | None = Field(None, ge=1, description="with --cache-aware-admission: jobs read ahead of the "
                                                           "engine's room [4 x max_num_seqs]")
-    admission_max_wait: float = Field(30.0, gt=0, description="with --cache-aware-admission: the longest a job "
+    admission_max_wait: float = Field(300.0, gt=0, description="with --cache-aware-admission: the longest a job "
                                                               "read ahead waits past its turn in arrival order "
                                                               "while others go first")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
