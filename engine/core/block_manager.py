@@ -154,10 +154,11 @@ class BlockManager:
             n += 1
         return n
 
-    def can_allocate(self, seq: Sequence) -> bool:
+    def can_allocate(self, seq: Sequence, reserve: int = 0) -> bool:
+        """Whether `seq` gets its blocks with `reserve` blocks still free after."""
         hits = self._cached_prefix(seq)
         num_reused_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        return seq.num_blocks - len(hits) + num_reused_free <= self.num_free_blocks
+        return seq.num_blocks - len(hits) + num_reused_free + reserve <= self.num_free_blocks
 
     def allocate(self, seq: Sequence) -> None:
         """Give `seq` blocks for all its tokens, reusing cached prefix blocks."""

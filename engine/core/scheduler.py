@@ -5,10 +5,13 @@ sequences go first: decodes (one token each), then prompts part-way through a ch
 budget left admits waiting sequences (one under a LoRA adapter only when its adapter has or can take a
 device slot: engine/lora/slots.py), whose prompts are cut into chunks when they do not fit. When a
 decode needs a KV block and none is free, the newest running sequence is preempted: its blocks are
-freed and it waits to be recomputed (its computed blocks usually come back from the prefix cache). With
-LongRoPE, a running sequence that grows past the switch to the long factors is recomputed the same way, from
-its first token (BlockManager.rotates_anew), without counting as a preemption. Where every layer slides, a
-running sequence's blocks that its windows have passed are handed back before each step.
+freed and it waits to be recomputed (its computed blocks usually come back from the prefix cache). A
+preemption shows that admission promised more than the cache holds, so from then on a waiting sequence is
+admitted only while the blocks the running ones (and it) would still take to reach their max_tokens, times
+`growth_ratio`, stay free; the ratio decays every step without a preemption. With LongRoPE, a running
+sequence that grows past the switch to the long factors is recomputed the same way, from its first token
+(BlockManager.rotates_anew), without counting as a preemption. Where every layer slides, a running
+sequence's blocks that its windows have passed are handed back before each step.
 
 A request of n > 1 sequences (at most max_seqs_per_request, which the engine checks when it is added, so
 that no request holds every slot) is admitted when there are slots for all of them; when its prompt's last
@@ -29,6 +32,13 @@ from itertools import islice
 from engine.core.block_manager import BlockManager, chain_root, prefix_block_hashes
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.lora.slots import LoRASlots
+
+# After a preemption, admission keeps free the blocks running sequences would still need to reach their
+# max_tokens, times `growth_ratio`: set to GROWTH_AFTER_PREEMPTION, then multiplied by GROWTH_DECAY every step
+# without one, down to nothing (until the first preemption admission reserves nothing).
+GROWTH_AFTER_PREEMPTION = 1.0
+GROWTH_DECAY = 0.99
+GROWTH_MIN = 0.01
 
 # with prefer_cached, waiting sequences looked at for the best cached prefix each admission: the queue's
 # head and what came soon after it (the worker keeps the engine's waiting list short; LLM.generate may not)
@@ -75,6 +85,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []     # in admission order: the last one is the newest
         self.num_preemptions = 0
+        self.growth_ratio = 0.0  # share of running sequences' remaining blocks admission keeps free
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -115,12 +126,20 @@ class Scheduler:
                 continue
             budget -= self._add(batch, seq, min(seq.num_uncomputed_tokens, budget))
         computing = self._blocks_computing() if self.prefer_cached and self.waiting else None
+        reserve = 0.0  # blocks kept free for the running sequences' growth
+        if self.growth_ratio:
+            self.growth_ratio = self.growth_ratio * GROWTH_DECAY if self.growth_ratio > GROWTH_MIN else 0.0
+            if self.waiting and active:  # with nothing running, nothing grows: admission never stalls
+                reserve = self.growth_ratio * sum(self._blocks_to_come(s) for s in active)
         while self.waiting and budget > 0:
             seq = self.waiting[0] if computing is None else self._next_waiting(computing)
             if seq is None:
                 break
-            if len(self.running) + seq.admission_width > self.max_num_seqs or not self.block_manager.can_allocate(seq):
+            own = self.growth_ratio * self._blocks_to_come(seq) if reserve else 0.0
+            if (len(self.running) + seq.admission_width > self.max_num_seqs
+                    or not self.block_manager.can_allocate(seq, int(reserve + own))):
                 break
+            reserve += own
             if seq.lora is not None and not self._take_lora_slot(seq):
                 break
             if seq is self.waiting[0]:
@@ -225,6 +244,11 @@ class Scheduler:
     def preempt(self, seq: Sequence, to_back: bool = False) -> None:
         self._release(seq, to_back)
         self.num_preemptions += 1
+        self.growth_ratio = GROWTH_AFTER_PREEMPTION
+
+    def _blocks_to_come(self, seq: Sequence) -> int:
+        """Blocks `seq` would still take to reach its max_tokens."""
+        return max(0, -(-seq.max_num_tokens // self.block_manager.block_size) - len(seq.block_table))
 
     def _release(self, seq: Sequence, to_back: bool = False) -> None:
         """Free a running `seq`'s blocks; it waits (first, or with to_back last) to be computed from its start."""
