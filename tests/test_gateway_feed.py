@@ -77,3 +77,23 @@ def test_a_result_the_feed_never_announces_is_read_by_its_waiter_in_time(url, mo
             await feed.close()
             await client.close()
     asyncio.run(run())
+
+
+def test_a_result_that_does_not_parse_fails_its_own_wait_and_the_reader_goes_on(url):
+    async def run():
+        client = AsyncClient(url, new_queue())
+        feed = ResultFeed(client)
+        try:
+            for job_id in ("broken", "fine"):
+                await feed.watch(job_id)
+            good = p.JobResult(job_id="fine", status=p.SUCCEEDED, text="ok")
+            for job_id, raw in (("broken", "{not json"), ("fine", json.dumps(good.model_dump(mode="json")))):
+                await client.redis.hset(client.keys.job(job_id), "result", raw)
+                await client.redis.xadd(client.keys.results, {"job_id": job_id, "status": "succeeded"})
+            with pytest.raises(ValueError):
+                await feed.result("broken", timeout=5)
+            assert (await feed.result("fine", timeout=5)).text == "ok"
+        finally:
+            await feed.close()
+            await client.close()
+    asyncio.run(run())

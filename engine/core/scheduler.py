@@ -247,8 +247,9 @@ class Scheduler:
         self.growth_ratio = GROWTH_AFTER_PREEMPTION
 
     def _blocks_to_come(self, seq: Sequence) -> int:
-        """Blocks `seq` would still take to reach its max_tokens."""
-        return max(0, -(-seq.max_num_tokens // self.block_manager.block_size) - len(seq.block_table))
+        """Blocks `seq` would take, beyond those of its tokens so far, to reach its max_tokens."""
+        held = max(len(seq.block_table), seq.num_blocks)
+        return max(0, -(-seq.max_num_tokens // self.block_manager.block_size) - held)
 
     def _release(self, seq: Sequence, to_back: bool = False) -> None:
         """Free a running `seq`'s blocks; it waits (first, or with to_back last) to be computed from its start."""

@@ -114,11 +114,13 @@ class ResultFeed:
             self._gaps += 1  # each waiter reads its own job after its slice
             return
         for job_id, raw in zip(job_ids, raws):
-            if not raw:
-                continue
             waiter = self._waiters.get(job_id)
-            if waiter is not None and not waiter[0].done():
+            if not raw or waiter is None or waiter[0].done():
+                continue
+            try:
                 waiter[0].set_result(p.JobResult.model_validate_json(raw))
+            except ValueError as e:  # a result that does not parse fails its own request, not the reader
+                waiter[0].set_exception(e)
 
 
 class Submitter:
