@@ -1,6 +1,7 @@
-"""After a preemption the scheduler keeps free the blocks its running sequences may still need (a share that
-decays step by step): a KV cache too small for every admitted sequence's growth preempts far less than when
-admission takes every free block, and the tokens are the same."""
+"""After a preemption the scheduler keeps free the blocks its running sequences are expected still to take (a
+share that decays step by step): a KV cache too small for every admitted sequence's growth preempts far less
+than when admission takes every free block, the tokens are the same, and sequences that stop early are not
+held back for the max_tokens they will not use."""
 from __future__ import annotations
 
 import random
@@ -13,25 +14,52 @@ from engine.builtin import TINY_MODEL_DIR
 from queue_helpers import one_torch_thread
 
 
-def _run(monkeypatch, after_preemption: float):
-    monkeypatch.setattr(scheduler, "GROWTH_AFTER_PREEMPTION", after_preemption)
-    rng = random.Random(0)
-    prompts = [[rng.randint(10, 400) for _ in range(rng.randint(20, 60))] for _ in range(48)]
-    llm = LLM(TINY_MODEL_DIR, device="cpu", kvcache_block_size=16, num_kvcache_blocks=60, max_num_seqs=64,
-              max_model_len=256)
+def _run(monkeypatch, reserve: bool, prompts, params, **engine):
+    if not reserve:  # the ratio set at a preemption is gone by the next step: admission takes every free block
+        monkeypatch.setattr(scheduler, "GROWTH_DECAY", 0.0)
+    llm = LLM(TINY_MODEL_DIR, device="cpu", kvcache_block_size=16, **engine)
+    steps, schedule = [0], llm.scheduler.schedule
+
+    def counted():
+        steps[0] += 1
+        return schedule()
+    llm.scheduler.schedule = counted
     with one_torch_thread():
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
-    return llm.scheduler, [o.token_ids for o in outs]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    monkeypatch.undo()
+    return llm.scheduler, steps[0], [o.token_ids for o in outs]
+
+
+def _prompts(n: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randint(10, 400) for _ in range(rng.randint(20, 60))] for _ in range(n)]
 
 
 def test_after_a_preemption_admission_keeps_room_for_growth(monkeypatch):
-    default = scheduler.GROWTH_AFTER_PREEMPTION
-    taking_all, expected = _run(monkeypatch, 0.0)  # admission takes every free block, as before the reserve
-    reserving, got = _run(monkeypatch, default)
+    prompts, params = _prompts(48), SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    engine = dict(num_kvcache_blocks=60, max_num_seqs=64, max_model_len=256)
+    taking_all, _, expected = _run(monkeypatch, False, prompts, params, **engine)
+    reserving, _, got = _run(monkeypatch, True, prompts, params, **engine)
     assert got == expected
     assert 0 < reserving.num_preemptions <= taking_all.num_preemptions / 2, (reserving.num_preemptions,
                                                                             taking_all.num_preemptions)
-    assert reserving.growth_ratio < default  # it decayed once preemptions stopped
+    assert reserving.growth_ratio < 1.0  # it decayed once preemptions stopped
+
+
+def test_sequences_that_stop_early_are_expected_to_stop_early(monkeypatch):
+    """Stop tokens end the completions after ~35 of their 400 max_tokens: the reserve counts what finished
+    sequences used, so it still cuts the preemptions without running many more (smaller) steps."""
+    prompts = _prompts(200)
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=400, stop_token_ids=list(range(100, 115)))
+              for i in range(len(prompts))]
+    engine = dict(num_kvcache_blocks=120, max_num_seqs=128, max_model_len=512)
+    taking_all, steps_all, expected = _run(monkeypatch, False, prompts, params, **engine)
+    reserving, steps, got = _run(monkeypatch, True, prompts, params, **engine)
+    assert got == expected
+    assert reserving.used_share < 0.2
+    assert reserving.num_preemptions <= taking_all.num_preemptions / 4, (reserving.num_preemptions,
+                                                                        taking_all.num_preemptions)
+    assert steps <= 1.2 * steps_all, (steps, steps_all)
 
 
 @pytest.mark.parametrize("blocks", [7, 8])

@@ -7,8 +7,9 @@ device slot: engine/lora/slots.py), whose prompts are cut into chunks when they 
 decode needs a KV block and none is free, the newest running sequence is preempted: its blocks are
 freed and it waits to be recomputed (its computed blocks usually come back from the prefix cache). A
 preemption shows that admission promised more than the cache holds, so from then on a waiting sequence is
-admitted only while the blocks the running ones (and it) would still take to reach their max_tokens, times
-`growth_ratio`, stay free; the ratio decays every step without a preemption. With LongRoPE, a running
+admitted only while the blocks the running ones (and it) are expected still to take stay free, times
+`growth_ratio`, which decays every step without a preemption; a sequence is expected to run to the share of
+its max_tokens that finished sequences used (to all of it with ignore_eos). With LongRoPE, a running
 sequence that grows past the switch to the long factors is recomputed the same way, from its first token
 (BlockManager.rotates_anew), without counting as a preemption. Where every layer slides, a running
 sequence's blocks that its windows have passed are handed back before each step.
@@ -33,10 +34,13 @@ from engine.core.block_manager import BlockManager, chain_root, prefix_block_has
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.lora.slots import LoRASlots
 
-# After a preemption, admission keeps free the blocks running sequences would still need to reach their
-# max_tokens, times `growth_ratio`: set to GROWTH_AFTER_PREEMPTION, then multiplied by GROWTH_DECAY every step
-# without one, down to nothing (until the first preemption admission reserves nothing).
-GROWTH_AFTER_PREEMPTION = 1.0
+# After a preemption, admission keeps free the blocks running sequences are expected still to take: to reach
+# the share of their max_tokens that finished sequences used (a moving average over about USED_SHARE_SPAN of
+# them, from USED_SHARE_PRIOR; all of it with ignore_eos), times `growth_ratio`: 1 at a preemption, multiplied
+# by GROWTH_DECAY every step without one, to nothing below GROWTH_MIN (before the first preemption admission
+# reserves nothing).
+USED_SHARE_PRIOR = 0.5
+USED_SHARE_SPAN = 32
 GROWTH_DECAY = 0.99
 GROWTH_MIN = 0.01
 
@@ -86,6 +90,7 @@ class Scheduler:
         self.running: list[Sequence] = []     # in admission order: the last one is the newest
         self.num_preemptions = 0
         self.growth_ratio = 0.0  # share of running sequences' remaining blocks admission keeps free
+        self.used_share = USED_SHARE_PRIOR  # of their max_tokens, the share finished sequences used
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -244,12 +249,16 @@ class Scheduler:
     def preempt(self, seq: Sequence, to_back: bool = False) -> None:
         self._release(seq, to_back)
         self.num_preemptions += 1
-        self.growth_ratio = GROWTH_AFTER_PREEMPTION
+        self.growth_ratio = 1.0
 
     def _blocks_to_come(self, seq: Sequence) -> int:
-        """Blocks `seq` would take, beyond those of its tokens so far, to reach its max_tokens."""
+        """Blocks `seq` is expected to take beyond those of its tokens so far: to the share of its max_tokens
+        that finished sequences used (all of it once past that share, or with ignore_eos)."""
+        max_tokens = seq.max_num_tokens - seq.num_prompt_tokens
+        share = 1.0 if seq.params.ignore_eos else self.used_share
+        expected = min(max(seq.num_completion_tokens, round(share * max_tokens)), max_tokens)
         held = max(len(seq.block_table), seq.num_blocks)
-        return max(0, -(-seq.max_num_tokens // self.block_manager.block_size) - held)
+        return max(0, -(-(seq.num_prompt_tokens + expected) // self.block_manager.block_size) - held)
 
     def _release(self, seq: Sequence, to_back: bool = False) -> None:
         """Free a running `seq`'s blocks; it waits (first, or with to_back last) to be computed from its start."""
@@ -272,6 +281,10 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str | None) -> None:
         """Mark `seq` finished and release its blocks."""
+        max_tokens = seq.max_num_tokens - seq.num_prompt_tokens
+        if max_tokens > 0:
+            used = min(seq.num_completion_tokens / max_tokens, 1.0)
+            self.used_share += (used - self.used_share) / USED_SHARE_SPAN
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.block_manager.free(seq)
