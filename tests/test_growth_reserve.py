@@ -73,3 +73,18 @@ def test_a_reserve_never_keeps_the_only_sequence_from_starting(monkeypatch, bloc
         [out] = llm.generate([[11] * 40], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
                              use_tqdm=False)
     assert len(out.token_ids) == 60
+
+
+def test_only_completions_that_ended_by_their_own_tokens_teach_the_share():
+    """Embeddings (no completion tokens) and aborted requests say nothing of how long completions run."""
+    llm = LLM(TINY_MODEL_DIR, device="cpu", kvcache_block_size=16, max_model_len=256)
+    with one_torch_thread():
+        llm.embed([[11] * 20] * 8)
+        llm.add_request([12] * 20, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), request_id="gone")
+        llm.step()
+        llm.abort("gone")
+        while llm.has_unfinished():
+            llm.step()
+        assert llm.scheduler.used_share == scheduler.USED_SHARE_PRIOR
+        llm.generate([[13] * 20], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert llm.scheduler.used_share > scheduler.USED_SHARE_PRIOR  # one that ran to its max_tokens moves it up

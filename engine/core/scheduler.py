@@ -282,7 +282,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str | None) -> None:
         """Mark `seq` finished and release its blocks."""
         max_tokens = seq.max_num_tokens - seq.num_prompt_tokens
-        if max_tokens > 0:
+        if reason in ("stop", "length") and seq.pooling is None and max_tokens > 0:  # ended by its own tokens
             used = min(seq.num_completion_tokens / max_tokens, 1.0)
             self.used_share += (used - self.used_share) / USED_SHARE_SPAN
         if seq.status == SequenceStatus.RUNNING:
