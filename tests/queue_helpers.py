@@ -106,13 +106,14 @@ def worker_thread(url: str, queue: str, engine, metrics=None, **settings):
 _WORKER_LOGS = tempfile.TemporaryDirectory(prefix="redline-worker-logs-")
 
 
-def start_worker_process(url: str, queue: str, name: str, *extra: str) -> subprocess.Popen:
-    """`python -m worker` on the tiny model, as a separate process."""
+def start_worker_process(url: str, queue: str, name: str, *extra: str, path: tuple[str, ...] = ()) -> subprocess.Popen:
+    """`python -m worker` on the tiny model, as a separate process; `path`: more directories on its PYTHONPATH."""
     cmd = [sys.executable, "-m", "worker", "--model", TINY_MODEL_DIR, "--load-format", "dummy", "--device", "cpu",
            "--redis-url", url, "--queue", queue, "--worker-name", name, "--log-level", "WARNING", *extra]
     # one torch thread per worker: several workers share the CI machine's few cores
     # and each thread's stack in its log when a test that finds it stuck aborts it (stacks_of)
-    env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONFAULTHANDLER": "1"}
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *path]),
+           "PYTHONFAULTHANDLER": "1"}
     log = tempfile.NamedTemporaryFile("w+", prefix=f"redline-worker-{name}-", suffix=".log", delete=False,
                                       dir=_WORKER_LOGS.name)
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)

@@ -166,6 +166,36 @@ def test_a_worker_process_whose_cancel_watch_fails_exits_non_zero_within_5_s(ser
     assert "redline-cancels failed; stopping the worker" in log_of(proc)
 
 
+# a daemon thread inside a Redis connection pool's lock as the process ends, as CLIENT UNBLOCK's thread may be
+HOLD_THE_POOL = """
+import threading, time
+import redis
+
+def client_unblock(self, client_id, error=False):
+    self.connection_pool._lock.acquire()
+    time.sleep(60)
+
+redis.Redis.client_unblock = client_unblock
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_process_ends_while_a_daemon_thread_holds_a_redis_pool_lock(server62, tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(HOLD_THE_POOL)
+    client = Client(server62.url, new_queue())
+    proc = start_worker_process(server62.url, client.keys.queue, "held", path=(str(tmp_path),))
+    try:
+        _wait_serving(client)
+        client.redis.set(client.keys.cancels, "not a stream")  # the worker stops, unblocking its reader
+        try:
+            code = proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the worker still ran 10 s later; its threads then:\n{stacks_of(proc)}")
+    finally:
+        _killed(proc)
+    assert code == 1, log_of(proc)
+
+
 # ---- SIGTERM ends the worker in every state ----
 
 @pytest.mark.timeout(60)

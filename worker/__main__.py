@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import sys
+from typing import NoReturn
 
 from pydantic import ValidationError
 
@@ -56,10 +57,23 @@ def run_worker(args: argparse.Namespace) -> int:
     if server:
         settings.redis_url = server.url  # a Celery queue, if served, is read from the same Redis
     try:
-        return _serve(settings, config, client or connect(server.url))
+        code = _serve(settings, config, client or connect(server.url))
     finally:
         if server:
             server.stop()
+    end_process(code)
+
+
+def end_process(code: int) -> NoReturn:
+    """End the worker process once its results are written and its engine is shut down, without the
+    interpreter's exit: that exit collects the Redis clients, each closing its connection pool under the
+    pool's lock, while the worker's daemon threads (one blocked on a Redis that stopped answering, one sending
+    CLIENT UNBLOCK) are frozen wherever they stand, perhaps holding that lock, and the process would then
+    never end."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _check_adapters(settings, config) -> None:
