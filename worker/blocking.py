@@ -60,10 +60,15 @@ class BlockingConnection:
 
     @staticmethod
     def _send_unblock(pool, client_id: int) -> None:
+        """CLIENT UNBLOCK on a connection of this call's own to the pool's server, never one of the pool's: a
+        thread left in the pool (its lock held) as the process ends would stop the exit's close of that pool."""
+        own = redis.ConnectionPool(connection_class=pool.connection_class, **pool.connection_kwargs)
         try:
-            redis.Redis(connection_pool=pool).client_unblock(client_id)
+            redis.Redis(connection_pool=own).client_unblock(client_id)
         except redis.RedisError:
             pass  # the blocking call times out by itself within a second
+        finally:
+            own.disconnect()
 
     def _client_id(self) -> int | None:
         try:
