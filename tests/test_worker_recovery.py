@@ -150,21 +150,28 @@ def test_a_thread_that_raises_ends_run_with_exit_code_1_within_5_s(server62, mon
     assert codes == [1]
 
 
-@pytest.mark.timeout(60)
-def test_a_worker_process_whose_cancel_watch_fails_exits_non_zero_within_5_s(server62):
-    client = Client(server62.url, new_queue())
-    proc = start_worker_process(server62.url, client.keys.queue, "clobbered")
+def _exit_after_clobbered_cancels(server: RedisServer, name: str, within_s: float, path: tuple[str, ...] = ()):
+    """A worker process whose cancels stream is overwritten by a string (XREAD answers WRONGTYPE, so its
+    cancel watch fails): its exit code within `within_s`, and its log."""
+    client = Client(server.url, new_queue())
+    proc = start_worker_process(server.url, client.keys.queue, name, path=path)
     try:
         _wait_serving(client)
-        client.redis.set(client.keys.cancels, "not a stream")  # XREAD now answers WRONGTYPE
+        client.redis.set(client.keys.cancels, "not a stream")
         try:
-            code = proc.wait(5)
+            code = proc.wait(within_s)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"the worker still ran 5 s later; its threads then:\n{stacks_of(proc)}")
+            pytest.fail(f"the worker still ran {within_s:g} s later; its threads then:\n{stacks_of(proc)}")
     finally:
         _killed(proc)
-    assert code == 1, log_of(proc)
-    assert "redline-cancels failed; stopping the worker" in log_of(proc)
+    return code, log_of(proc)
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_process_whose_cancel_watch_fails_exits_non_zero_within_5_s(server62):
+    code, log = _exit_after_clobbered_cancels(server62, "clobbered", 5)
+    assert code == 1, log
+    assert "redline-cancels failed; stopping the worker" in log
 
 
 # as the worker process ends, a daemon thread holds the lock of its Redis client's connection pool (as a thread
@@ -193,18 +200,8 @@ loop.Worker._finish_threads = finish_then_hold
 @pytest.mark.timeout(60)
 def test_a_worker_process_ends_while_a_daemon_thread_holds_its_redis_pool_lock(server62, tmp_path):
     (tmp_path / "sitecustomize.py").write_text(HOLD_THE_POOL)
-    client = Client(server62.url, new_queue())
-    proc = start_worker_process(server62.url, client.keys.queue, "held", path=(str(tmp_path),))
-    try:
-        _wait_serving(client)
-        client.redis.set(client.keys.cancels, "not a stream")  # the worker stops
-        try:
-            code = proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the worker still ran 10 s later; its threads then:\n{stacks_of(proc)}")
-    finally:
-        _killed(proc)
-    assert code == 1, log_of(proc)
+    code, log = _exit_after_clobbered_cancels(server62, "held", 10, path=(str(tmp_path),))
+    assert code == 1, log
 
 
 @pytest.mark.timeout(60)
