@@ -168,14 +168,29 @@ def request_job(url: str, body: dict, adapters: Collection[str] = ()) -> tuple[d
             return {}, "a chat completion needs messages"
         job["messages"] = body["messages"]
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            job["prompt"] = prompt
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            job["prompt_token_ids"] = prompt
-        else:
-            return {}, "a completion needs a prompt: a string or a list of token ids"
+        prompt, error = _completion_prompt(body.get("prompt"))
+        if error is not None:
+            return {}, error
+        job["prompt" if isinstance(prompt, str) else "prompt_token_ids"] = prompt
     return job, None
+
+
+def _token_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in value)
+
+
+def _completion_prompt(prompt) -> tuple[str | list[int] | None, str | None]:
+    """(A completion's one prompt: a string or token ids, also as OpenAI's list of one; or why not). A list of
+    several prompts, which OpenAI answers with a choice each, is refused: a request here is one job."""
+    if isinstance(prompt, str) or _token_ids(prompt):
+        return prompt, None
+    if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _token_ids(prompt[0])):
+        return prompt[0], None
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) or _token_ids(p) for p in prompt):
+        return None, (f"prompt holds {len(prompt)} prompts; a request takes one: send each as a request of its "
+                      "own, or as a line of a batch")
+    return None, "a completion needs a prompt: a string or a list of token ids"
 
 
 def embedding_job(body: dict) -> tuple[dict, str | None]:

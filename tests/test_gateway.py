@@ -239,6 +239,18 @@ def test_text_completion_plain_and_streamed_equals_llm_generate(client, llm):
     assert "".join(c.choices[0].text for c in streamed) == expected.text
 
 
+def test_a_prompt_as_a_list_of_one_is_that_prompt_and_a_list_of_several_is_a_400(client, llm):
+    params = dict(temperature=0, max_tokens=8, frequency_penalty=2.0)
+    ids, text = [11, 12, 13, 14, 15], "Tell me about queues"
+    expected = llm.generate([ids, text], SamplingParams(**params), use_tqdm=False)
+    for prompt, want in (([ids], expected[0]), ([text], expected[1])):
+        assert client.completions.create(model="any", prompt=prompt, **params).choices[0].text == want.text
+    for several in ([ids, ids], [text, text, text]):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="any", prompt=several, **params)
+        assert f"prompt holds {len(several)} prompts; a request takes one" in e.value.body["message"]
+
+
 def test_a_burst_of_300_calls_all_succeed_on_a_few_redis_connections(stack):
     """300 online calls at once: each once held a Redis connection while it waited for its job (past redis-py's
     default pool of 100, which failed the rest with 503 "Too many connections"); now they wait on one reader
