@@ -38,9 +38,11 @@ SAMPLING_FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tok
 LOGPROB_FIELDS = {"logprobs", "top_logprobs"}
 # body fields not honoured yet -> the values that mean the same as leaving them out (null always does);
 # honouring one is moving it to SAMPLING_FIELDS (and its output into output_line)
-NOT_YET = {"stream": (False,), "tools": ([],), "tool_choice": ("none",)}
+# parallel_tool_calls changes nothing without tools, whatever its value
+NOT_YET = {"stream": (False,), "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False)}
 ANY_JSON_OBJECT = {"type": "object"}  # response_format {"type": "json_object"}
-INFORMATIONAL = {"model", "user", "metadata"}  # accepted and not used: the worker's model answers
+# accepted and not used: the worker's model answers, nothing is stored for OpenAI's products, no tier is billed
+INFORMATIONAL = {"model", "user", "metadata", "store", "service_tier"}
 INPUTS = {"messages", "prompt"}
 # how deep a request body or batch line may nest: a schema or a message nests a dozen levels, and deeper
 # JSON would exhaust Python's recursion (near 1000) in the parser or the checks after it

@@ -10,7 +10,8 @@ from worker.cli import main
 IDS = [11, 12, 13, 14, 15]
 # body fields at the value that changes nothing, and at one that redline does not honour yet
 NOOPS = dict(n=1, presence_penalty=0, frequency_penalty=0.0, logprobs=False, top_logprobs=None, stream=False,
-             response_format={"type": "text"}, model="m", user="u", metadata={"k": "v"})
+             response_format={"type": "text"}, model="m", user="u", metadata={"k": "v"}, store=False,
+             service_tier="auto", parallel_tool_calls=True)
 NOT_HONOURED = {"tools": [{"type": "function", "function": {"name": "f"}}], "stream": True}
 ITEM = {"type": "object", "additionalProperties": False, "required": ["sku", "qty"], "properties": {
     "sku": {"type": "string", "pattern": "^[A-Z]{3}[0-9]{2}$"}, "qty": {"type": "integer", "minimum": 1, "maximum": 9}}}
