@@ -44,6 +44,7 @@ ANY_JSON_OBJECT = {"type": "object"}  # response_format {"type": "json_object"}
 # accepted and not used: the worker's model answers, nothing is stored for OpenAI's products, no tier is billed
 INFORMATIONAL = {"model", "user", "metadata", "store", "service_tier"}
 INPUTS = {"messages", "prompt"}
+MAX_PROMPTS = 2048  # prompts of one online completion request (a job each), as many as an embeddings request's inputs
 # how deep a request body or batch line may nest: a schema or a message nests a dozen levels, and deeper
 # JSON would exhaust Python's recursion (near 1000) in the parser or the checks after it
 MAX_JSON_DEPTH = 64
@@ -183,16 +184,22 @@ def _token_ids(value) -> bool:
 
 
 def _completion_prompt(prompt) -> tuple[str | list[int] | None, str | None]:
-    """(A completion's one prompt: a string or token ids, also as OpenAI's list of one; or why not). A list of
-    several prompts, which OpenAI answers with a choice each, is refused: a request here is one job."""
+    """(A completion's one prompt: a string or token ids, also as OpenAI's list of one; or why not). A job, and
+    so a batch line, takes one prompt; an online request of several is answered by `several_prompts`' jobs."""
     if isinstance(prompt, str) or _token_ids(prompt):
         return prompt, None
     if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _token_ids(prompt[0])):
         return prompt[0], None
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) or _token_ids(p) for p in prompt):
-        return None, (f"prompt holds {len(prompt)} prompts; a request takes one: send each as a request of its "
-                      "own, or as a line of a batch")
+    if several_prompts(prompt):
+        return None, (f"prompt holds {len(prompt)} prompts; a batch line takes one: give each a line of its own "
+                      "(POST /v1/completions takes several)")
     return None, "a completion needs a prompt: a string or a list of token ids"
+
+
+def several_prompts(prompt) -> bool:
+    """Whether a completion's `prompt` is OpenAI's list of several prompts (strings or token-id lists)."""
+    return (isinstance(prompt, list) and len(prompt) > 1
+            and all(isinstance(p, str) or _token_ids(p) for p in prompt))
 
 
 def embedding_job(body: dict) -> tuple[dict, str | None]:

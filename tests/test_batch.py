@@ -57,6 +57,8 @@ def ran(tmp_path_factory):
                 ignore_eos=True),
         request("chat-echo", "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], echo=True),
         request("echo-zero", "/v1/completions", prompt=IDS, echo=True, logprobs=1, max_tokens=0),
+        request("one-listed", "/v1/completions", prompt=[IDS], max_completion_tokens=7, temperature=0, ignore_eos=True),
+        request("two-prompts", "/v1/completions", prompt=[IDS, "a"], max_tokens=2),
     ]
     (d / "in.jsonl").write_text("\n".join(lines) + "\n")
     rc = main(["batch", str(d / "in.jsonl"), "-o", str(d / "out.jsonl"), "--device", "cpu"])
@@ -68,7 +70,8 @@ def test_one_output_line_per_input_line_in_order(ran):
     assert rc == 0
     assert [o["custom_id"] for o in out] == ["chat", None, "ids", "bad-url", "two", "unknown", "negative", "text",
                                              "noop", *NOT_HONOURED, "chat-n", "text-n", *RESPONSE_FORMATS,
-                                             "top-without-logprobs", "echo", "chat-echo", "echo-zero"]
+                                             "top-without-logprobs", "echo", "chat-echo", "echo-zero",
+                                             "one-listed", "two-prompts"]
     assert len({o["id"] for o in out}) == len(out)
 
 
@@ -89,13 +92,15 @@ def test_completion_equals_the_engine_alone(ran):
     _, out = ran
     expected = LLM(TINY_MODEL_DIR, load_format="dummy", device="cpu").generate(
         [IDS], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True), use_tqdm=False)[0]
-    choice = out[2]["response"]["body"]["choices"][0]
-    assert choice["text"] == expected.text and choice["finish_reason"] == "length"
+    for line in (out[2], out[-2]):  # "ids", and "one-listed": the same prompt as a list of one
+        choice = line["response"]["body"]["choices"][0]
+        assert choice["text"] == expected.text and choice["finish_reason"] == "length"
 
 
 @pytest.mark.parametrize("index, message", [
     (1, "not JSON"), (3, "url must be one of"), (5, "unsupported body fields: frobnicate"), (6, "max_tokens"),
-    (-4, "top_logprobs needs logprobs=true"), (-1, "echo with max_tokens 0 (the prompt alone) is answered online"),
+    (-6, "top_logprobs needs logprobs=true"), (-3, "echo with max_tokens 0 (the prompt alone) is answered online"),
+    (-1, "prompt holds 2 prompts; a batch line takes one: give each a line of its own"),
 ])
 def test_bad_lines_become_error_lines(ran, index, message):
     _, out = ran
@@ -209,7 +214,8 @@ def test_user_mistake_is_one_line_without_traceback(tmp_path, capsys, case, mess
 
 def test_a_completion_with_echo_starts_with_its_scored_prompt(ran):
     _, out = ran
-    echo, chat_echo = out[-3], out[-2]
+    lines = {o["custom_id"]: o for o in out}
+    echo, chat_echo = lines["echo"], lines["chat-echo"]
     choice = echo["response"]["body"]["choices"][0]
     lp = choice["logprobs"]
     assert len(lp["tokens"]) == len(IDS) + 2 and choice["text"] == "".join(lp["tokens"])

@@ -239,16 +239,36 @@ def test_text_completion_plain_and_streamed_equals_llm_generate(client, llm):
     assert "".join(c.choices[0].text for c in streamed) == expected.text
 
 
-def test_a_prompt_as_a_list_of_one_is_that_prompt_and_a_list_of_several_is_a_400(client, llm):
+def test_a_list_of_prompts_is_answered_with_each_prompts_choices_in_turn(client, llm):
+    """OpenAI's list of prompts (as evaluation harnesses send them): a list of one is that prompt; several give
+    each prompt's n choices in turn (index i * n + j) and the sum of their usage; echo with max_tokens 0 scores
+    each prompt alone."""
     params = dict(temperature=0, max_tokens=8, frequency_penalty=2.0)
     ids, text = [11, 12, 13, 14, 15], "Tell me about queues"
     expected = llm.generate([ids, text], SamplingParams(**params), use_tqdm=False)
     for prompt, want in (([ids], expected[0]), ([text], expected[1])):
         assert client.completions.create(model="any", prompt=prompt, **params).choices[0].text == want.text
-    for several in ([ids, ids], [text, text, text]):
-        with pytest.raises(openai.BadRequestError) as e:
-            client.completions.create(model="any", prompt=several, **params)
-        assert f"prompt holds {len(several)} prompts; a request takes one" in e.value.body["message"]
+    both = client.completions.create(model="any", prompt=[ids, text], n=2, **params)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert [c.text for c in both.choices] == [expected[0].text] * 2 + [expected[1].text] * 2
+    singles = [client.completions.create(model="any", prompt=p, **params).usage for p in (ids, text)]
+    assert both.usage.prompt_tokens == sum(u.prompt_tokens for u in singles)
+    assert both.usage.completion_tokens == 2 * sum(u.completion_tokens for u in singles)
+    scored = client.completions.create(model="any", prompt=[ids, [7, 8, 9]], echo=True, max_tokens=0, logprobs=1)
+    assert [len(c.logprobs.tokens) for c in scored.choices] == [5, 3]
+    assert [c.logprobs.token_logprobs[0] for c in scored.choices] == [None, None]
+    assert scored.usage.completion_tokens == 0
+
+
+@pytest.mark.parametrize("prompt, stream, message", [
+    ([[1]] * 2049, False, "prompt holds 2049 prompts; a request takes at most 2048"),
+    ([[1, 2], "x"], True, "stream: true takes one prompt"),
+    ([[1, 2], [3, "x"]], False, "a completion's prompt is a string, a list of token ids, or a list of those"),
+])
+def test_a_bad_list_of_prompts_is_a_400_naming_it(client, prompt, stream, message):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="any", prompt=prompt, max_tokens=2, stream=stream)
+    assert message in e.value.body["message"]
 
 
 def test_a_burst_of_300_calls_all_succeed_on_a_few_redis_connections(stack):

@@ -12,6 +12,7 @@ interleave; their finish reasons come from the result when the job ends.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -22,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .. import protocol as p
-from ..batch_format import EMBEDDINGS, request_job, response_body, usage_body
+from ..batch_format import EMBEDDINGS, MAX_PROMPTS, request_job, response_body, several_prompts, usage_body
 from ..client import build_job
 from .errors import APIError, error_body, invalid
 from .feed import ResultFeed, Submitter
@@ -46,6 +47,12 @@ class Online:
         if url == EMBEDDINGS:
             return await self._embed(request, body)
         stream, include_usage = _stream_options(body)
+        prompt = body.get("prompt") if url == "/v1/completions" else None
+        if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list)):  # checked in _several
+            if stream:
+                raise invalid("stream: true takes one prompt (send each prompt as its own request, or set "
+                              "stream: false)", "stream")
+            return await self._several(request, url, body)
         chat = url == "/v1/chat/completions"
         job_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         prompt_only = _prompt_only(url, body)
@@ -64,6 +71,42 @@ class Online:
         if not result.ok:
             raise _failed(result.status, result.error)
         return JSONResponse(response_body(url, result, with_logprobs, model, prompt_only))
+
+    async def _several(self, request: Request, url: str, body: dict) -> Response:
+        """A completion of several prompts, as OpenAI takes them: a job each (ids `<id>-<i>`), submitted together;
+        the choices are each prompt's in turn (index i * n + j), the usage their sum. A job that does not succeed
+        fails the request, and the others are cancelled."""
+        job_id = f"cmpl-{uuid.uuid4().hex}"
+        prompt_only = _prompt_only(url, body)
+        if prompt_only:
+            body = {**body, "max_tokens": 1}
+        built = await self.offload(_build_each, url, body, job_id, self.timeout_s, self.adapters)
+        ids, sampling = [job[0] for job, _ in built], built[0][1]
+        for one in ids:
+            await self.feed.watch(one)
+        results: list[p.JobResult] = []
+        try:
+            await asyncio.gather(*(self.submitter.submit(job) for job, _ in built))
+            deadline = time.monotonic() + self.timeout_s
+            for one in ids:
+                result = await self._wait(request, one, deadline, self.feed.result)
+                if not result.ok:
+                    raise _failed(result.status, result.error)
+                results.append(result)
+        except BaseException:  # the jobs without a result yet stop using the GPU for an answer nobody gets
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(*(self.client.cancel(one) for one in ids[len(results):]),
+                                     return_exceptions=True)
+            raise
+        finally:
+            for one in ids:
+                self.feed.forget(one)
+        model = body["model"] if body.get("model") in self.adapters else self.model_name
+        answers = [response_body(url, r, sampling.get("logprobs") is not None, model, prompt_only) for r in results]
+        n = sampling.get("n", 1)
+        choices = [{**c, "index": i * n + c["index"]} for i, a in enumerate(answers) for c in a["choices"]]
+        usage = {k: sum(a["usage"][k] for a in answers) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        return JSONResponse({**answers[0], "id": job_id, "choices": choices, "usage": usage})
 
     async def _embed(self, request: Request, body: dict) -> Response:
         """An embeddings request: one embedding job, its vectors in OpenAI's shape."""
@@ -217,6 +260,19 @@ def _build(url: str, body: dict, job_id: str, stream: bool, deadline_s: float,
         return build_job(**{**job, "job_id": job_id, "stream": stream, "deadline_s": deadline_s}), sampling
     except ValueError as e:
         raise invalid(str(e)) from None
+
+
+def _build_each(url: str, body: dict, job_id: str, deadline_s: float,
+                adapters: tuple[str, ...]) -> list[tuple[tuple[str, int, str], dict]]:
+    """`_build` of each of a request's several prompts, as job `<job_id>-<i>`; 400 if they are not prompts, or
+    too many."""
+    prompts = body["prompt"]
+    if not several_prompts(prompts):
+        raise invalid("a completion's prompt is a string, a list of token ids, or a list of those", "prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise invalid(f"prompt holds {len(prompts)} prompts; a request takes at most {MAX_PROMPTS}", "prompt")
+    return [_build(url, {**body, "prompt": prompt}, f"{job_id}-{i}", False, deadline_s, adapters)
+            for i, prompt in enumerate(prompts)]
 
 
 def _build_embedding(body: dict, job_id: str, deadline_s: float) -> tuple[str, int, str]:
