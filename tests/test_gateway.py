@@ -260,6 +260,18 @@ def test_a_list_of_prompts_is_answered_with_each_prompts_choices_in_turn(client,
     assert scored.usage.completion_tokens == 0
 
 
+def test_a_prompt_whose_job_fails_fails_the_request_and_its_siblings_are_cancelled(client, stack):
+    redis, keys = connect(stack.url), p.Keys(stack.queue)
+    before = set(redis.scan_iter(keys.job("cmpl-*")))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="any", prompt=[[99999], [1, 2]], max_tokens=2000,
+                                  extra_body={"ignore_eos": True})
+    assert "outside the vocabulary" in e.value.body["message"]
+    jobs = {k.decode().rsplit("-", 1)[1]: k for k in set(redis.scan_iter(keys.job("cmpl-*"))) - before}
+    assert sorted(jobs) == ["0", "1"] and redis.hget(jobs["0"], "status") == b"failed"
+    wait_for(lambda: redis.hget(jobs["1"], "status") == b"cancelled", 30, "the sibling job to be cancelled")
+
+
 @pytest.mark.parametrize("prompt, stream, message", [
     ([[1]] * 2049, False, "prompt holds 2049 prompts; a request takes at most 2048"),
     ([[1, 2], "x"], True, "stream: true takes one prompt"),
