@@ -204,6 +204,28 @@ class JobSpec(_Strict):
     deadline_s: float | None = Field(None, gt=0)  # seconds after enqueue; later → expired, never run
     stream: bool = True  # write token deltas as they are generated (the final text is always written)
 
+    @field_validator("embed", mode="before")
+    @classmethod
+    def _embed_inputs(cls, value):
+        """A mistake in the inputs said once, in words: left to the union of texts and token-id lists, each is
+        worded once per kind of input."""
+        if not isinstance(value, list):
+            return value
+        if not value:
+            raise ValueError("needs at least one input (a text or a token-id list)")
+        if len(value) > MAX_EMBED_INPUTS:
+            raise ValueError(f"holds {len(value):,} inputs; at most {MAX_EMBED_INPUTS:,}")
+        texts, ids = all(isinstance(v, str) for v in value), all(isinstance(v, list) for v in value)
+        if not (texts or ids):
+            raise ValueError("takes texts or token-id lists, one kind a job")
+        limit, unit = (MAX_EMBED_TEXT_CHARS, "characters") if texts else (MAX_EMBED_TOKENS, "token ids")
+        for i, v in enumerate(value):
+            if not v:
+                raise ValueError(f"input {i} is empty")
+            if len(v) > limit:
+                raise ValueError(f"input {i} holds {len(v):,} {unit}; at most {limit:,}")
+        return value
+
     @model_validator(mode="after")
     def _one_input(self) -> "JobSpec":
         given = [n for n in ("prompt", "messages", "prompt_token_ids", "embed") if getattr(self, n) is not None]

@@ -72,9 +72,12 @@ def test_embedding_jobs_through_the_queue_equal_llm_embed(url, engine, model_dir
 
 
 @pytest.mark.parametrize("job, error", [
-    ({"embed": []}, "at least 1 item"),
-    ({"embed": ["x"] * 2049}, "at most 2048 items"),
-    ({"embed": ["x" * 65_537]}, "at most 65536 characters"),
+    ({"embed": []}, r"embed: needs at least one input \(a text or a token-id list\)$"),
+    ({"embed": ["x"] * 2049}, "embed: holds 2,049 inputs; at most 2,048$"),
+    ({"embed": ["x" * 65_537]}, "embed: input 0 holds 65,537 characters; at most 65,536$"),
+    ({"embed": ["x", ""]}, "embed: input 1 is empty$"),
+    ({"embed": [[1, 2], [3] * 65_537]}, "embed: input 1 holds 65,537 token ids; at most 65,536$"),
+    ({"embed": ["x", [1, 2]]}, "embed: takes texts or token-id lists, one kind a job$"),
     ({"embed": ["x"], "sampling": {"max_tokens": 3}}, "takes no sampling"),
     ({"prompt": "x", "dimensions": 8}, "dimensions goes with embed"),
     ({"embed": ["x"], "dimensions": 0}, "greater than or equal to 1"),
@@ -196,7 +199,7 @@ def test_redline_batch_file_mixing_chat_and_embedding_lines(tmp_path, model_dir,
     body = out["emb"]["response"]["body"]
     assert body["object"] == "list" and close([d["embedding"] for d in body["data"]], full)
     assert close([out["emb-16"]["response"]["body"]["data"][0]["embedding"]], short[1:2])
-    assert out["emb-bad"]["response"] is None and "at least 1 item" in out["emb-bad"]["error"]["message"]
+    assert out["emb-bad"]["response"] is None and "needs at least one input" in out["emb-bad"]["error"]["message"]
 
 
 def test_redline_submit_embed_prints_one_vector_a_line(url, engine, model_dir, expected, capsys):
