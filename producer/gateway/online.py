@@ -4,7 +4,8 @@ Each request is one job: its body becomes the job as a batch line's does (`produ
 enqueued with the request timeout as its deadline, and the answer is its result in the endpoint's shape;
 with `stream: true`, server-sent events from the job's token stream, then `data: [DONE]`. A client that
 goes away, or a request with no result within the timeout, cancels its job. The body is parsed and the job
-validated (a schema's grammar compiled) on the gateway's Offload threads, never on the event loop.
+validated (a schema's grammar compiled) on the gateway's Offload threads, never on the event loop. A
+completion of several prompts (OpenAI's list of prompts) is a job a prompt, answered together.
 
 A stream of n > 1 completions carries each as OpenAI does, `choices[0].index` naming it: the worker streams
 every completion's text as it comes (each token delta names its completion), so the chunks of the choices
