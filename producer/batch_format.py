@@ -203,8 +203,8 @@ def several_prompts(prompt) -> bool:
 
 
 def embedding_job(body: dict) -> tuple[dict, str | None]:
-    """(The embedding job of an embeddings request body; or why it cannot run). The inputs' own bounds are
-    JobSpec's, checked when the job is built."""
+    """(The embedding job of an embeddings request body; or why it cannot run). The inputs' bounds are JobSpec's
+    (`embed_inputs_error`), said here under the request's name for them."""
     unknown = sorted(set(body) - EMBEDDING_FIELDS - INFORMATIONAL)
     if unknown:
         return {}, f"unsupported body fields: {', '.join(u[:30] for u in unknown[:5])}"
@@ -212,8 +212,12 @@ def embedding_job(body: dict) -> tuple[dict, str | None]:
         return {}, f"encoding_format must be float or base64, got {_shown(body['encoding_format'])}"
     if "input" not in body:
         return {}, "an embedding needs input: a string, a list of strings, token ids or a list of token-id lists"
-    from .protocol import embed_inputs
-    job = {"embed": embed_inputs(body["input"]), "stream": False}
+    from .protocol import embed_inputs, embed_inputs_error
+    inputs = embed_inputs(body["input"])
+    error = embed_inputs_error(inputs)
+    if error:
+        return {}, f"input: {error}"
+    job = {"embed": inputs, "stream": False}
     if body.get("dimensions") is not None:
         job["dimensions"] = body["dimensions"]
     return job, None

@@ -209,21 +209,9 @@ class JobSpec(_Strict):
     def _embed_inputs(cls, value):
         """A mistake in the inputs said once, in words: left to the union of texts and token-id lists, each is
         worded once per kind of input."""
-        if not isinstance(value, list):
-            return value
-        if not value:
-            raise ValueError("needs at least one input (a text or a token-id list)")
-        if len(value) > MAX_EMBED_INPUTS:
-            raise ValueError(f"holds {len(value):,} inputs; at most {MAX_EMBED_INPUTS:,}")
-        texts, ids = all(isinstance(v, str) for v in value), all(isinstance(v, list) for v in value)
-        if not (texts or ids):
-            raise ValueError("takes texts or token-id lists, one kind a job")
-        limit, unit = (MAX_EMBED_TEXT_CHARS, "characters") if texts else (MAX_EMBED_TOKENS, "token ids")
-        for i, v in enumerate(value):
-            if not v:
-                raise ValueError(f"input {i} is empty")
-            if len(v) > limit:
-                raise ValueError(f"input {i} holds {len(v):,} {unit}; at most {limit:,}")
+        error = embed_inputs_error(value)
+        if error:
+            raise ValueError(error)
         return value
 
     @model_validator(mode="after")
@@ -246,6 +234,27 @@ class JobSpec(_Strict):
         if self.priority not in PRIORITIES:
             raise ValueError(f"priority {self.priority} is not one of {sorted(PRIORITIES)}")
         return self
+
+
+def embed_inputs_error(value) -> str:
+    """What is wrong with an embedding job's list of inputs, in words, or "" (also for what is not a list, which
+    JobSpec refuses by its type)."""
+    if not isinstance(value, list):
+        return ""
+    if not value:
+        return "needs at least one input (a text or a token-id list)"
+    if len(value) > MAX_EMBED_INPUTS:
+        return f"holds {len(value):,} inputs; at most {MAX_EMBED_INPUTS:,}"
+    texts, ids = all(isinstance(v, str) for v in value), all(isinstance(v, list) for v in value)
+    if not (texts or ids):
+        return "takes texts or token-id lists, one kind a job"
+    limit, unit = (MAX_EMBED_TEXT_CHARS, "characters") if texts else (MAX_EMBED_TOKENS, "token ids")
+    for i, v in enumerate(value):
+        if not v:
+            return f"input {i} is empty"
+        if len(v) > limit:
+            return f"input {i} holds {len(v):,} {unit}; at most {limit:,}"
+    return ""
 
 
 def embed_inputs(value):

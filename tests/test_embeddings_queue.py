@@ -139,6 +139,11 @@ def test_gateway_embeddings_through_the_openai_client(gateway, engine, expected)
         client.embeddings.create(model="m", input="x", dimensions=65)
     with pytest.raises(openai.BadRequestError, match="encoding_format must be float or base64"):
         client.embeddings.create(model="m", input="x", encoding_format="int8")
+    for bad, message in (([], "input: needs at least one input (a text or a token-id list)"),
+                         (["x", ""], "input: input 1 is empty")):
+        with pytest.raises(openai.BadRequestError) as e:  # the request's own name for its inputs
+            client.embeddings.create(model="m", input=bad)
+        assert e.value.body["message"] == message
 
 
 def test_gateway_batch_of_embedding_lines(gateway, expected):
@@ -199,7 +204,7 @@ def test_redline_batch_file_mixing_chat_and_embedding_lines(tmp_path, model_dir,
     body = out["emb"]["response"]["body"]
     assert body["object"] == "list" and close([d["embedding"] for d in body["data"]], full)
     assert close([out["emb-16"]["response"]["body"]["data"][0]["embedding"]], short[1:2])
-    assert out["emb-bad"]["response"] is None and "needs at least one input" in out["emb-bad"]["error"]["message"]
+    assert out["emb-bad"]["response"] is None and "input: needs at least one input" in out["emb-bad"]["error"]["message"]
 
 
 def test_redline_submit_embed_prints_one_vector_a_line(url, engine, model_dir, expected, capsys):
