@@ -62,16 +62,13 @@ class Online:
         built, sampling = await self.offload(_build, url, body, job_id, stream, self.timeout_s,
                                             self.adapters)
         with_logprobs = sampling.get("logprobs") is not None
-        # the answer names the model that answered: an adapter the request named, else the base
-        model = body["model"] if body.get("model") in self.adapters else self.model_name
         if stream:
             await self.submitter.submit(built)
             deadline = time.monotonic() + self.timeout_s
-            return await self._stream(request, job_id, chat, sampling.get("n", 1), include_usage, deadline, model)
-        result = await self._submit_and_wait(request, built, job_id)
-        if not result.ok:
-            raise _failed(result.status, result.error)
-        return JSONResponse(response_body(url, result, with_logprobs, model, prompt_only))
+            return await self._stream(request, job_id, chat, sampling.get("n", 1), include_usage, deadline,
+                                      self._model(body))
+        [result] = await self._succeeded(request, [built])
+        return JSONResponse(response_body(url, result, with_logprobs, self._model(body), prompt_only))
 
     async def _several(self, request: Request, url: str, body: dict) -> Response:
         """A completion of several prompts, as OpenAI takes them: a job each (ids `<id>-<i>`), submitted together;
@@ -82,27 +79,9 @@ class Online:
         if prompt_only:
             body = {**body, "max_tokens": 1}
         built = await self.offload(_build_each, url, body, job_id, self.timeout_s, self.adapters)
-        ids, sampling = [job[0] for job, _ in built], built[0][1]
-        for one in ids:
-            await self.feed.watch(one)
-        results: list[p.JobResult] = []
-        try:
-            await asyncio.gather(*(self.submitter.submit(job) for job, _ in built))
-            deadline = time.monotonic() + self.timeout_s
-            for one in ids:
-                result = await self._wait(request, one, deadline, self.feed.result)
-                if not result.ok:
-                    raise _failed(result.status, result.error)
-                results.append(result)
-        except BaseException:  # the jobs without a result yet stop using the GPU for an answer nobody gets
-            with anyio.CancelScope(shield=True):
-                await asyncio.gather(*(self.client.cancel(one) for one in ids[len(results):]),
-                                     return_exceptions=True)
-            raise
-        finally:
-            for one in ids:
-                self.feed.forget(one)
-        model = body["model"] if body.get("model") in self.adapters else self.model_name
+        sampling = built[0][1]
+        results = await self._succeeded(request, [job for job, _ in built])
+        model = self._model(body)
         answers = [response_body(url, r, sampling.get("logprobs") is not None, model, prompt_only) for r in results]
         n = sampling.get("n", 1)
         choices = [{**c, "index": i * n + c["index"]} for i, a in enumerate(answers) for c in a["choices"]]
@@ -113,20 +92,39 @@ class Online:
         """An embeddings request: one embedding job, its vectors in OpenAI's shape."""
         job_id = f"embd-{uuid.uuid4().hex}"
         built = await self.offload(_build_embedding, body, job_id, self.timeout_s)
-        result = await self._submit_and_wait(request, built, job_id)
-        if not result.ok:
-            raise _failed(result.status, result.error)
+        [result] = await self._succeeded(request, [built])
         return JSONResponse(response_body(EMBEDDINGS, result, False, self.model_name,
                                           base64_vectors=body.get("encoding_format") == "base64"))
 
-    async def _submit_and_wait(self, request: Request, built: tuple[str, int, str], job_id: str) -> p.JobResult:
-        """Submit the job and wait for its result, which the results feed's reader brings."""
-        await self.feed.watch(job_id)
+    def _model(self, body: dict) -> str:
+        """The model an answer names: an adapter the request named, else the base."""
+        return body["model"] if body.get("model") in self.adapters else self.model_name
+
+    async def _succeeded(self, request: Request, jobs: list[tuple[str, int, str]]) -> list[p.JobResult]:
+        """Submit the jobs (as `build_job` returns them) together and wait for their results, which the results
+        feed's reader brings, in order. A job that does not succeed fails the request; then, as when the wait
+        ends otherwise, the jobs without a result yet are cancelled: nobody gets their answers."""
+        ids = [job[0] for job in jobs]
+        for job_id in ids:
+            await self.feed.watch(job_id)
+        results: list[p.JobResult] = []
         try:
-            await self.submitter.submit(built)
-            return await self._wait(request, job_id, time.monotonic() + self.timeout_s, self.feed.result)
+            await asyncio.gather(*(self.submitter.submit(job) for job in jobs))
+            deadline = time.monotonic() + self.timeout_s
+            for job_id in ids:
+                result = await self._wait(request, job_id, deadline, self.feed.result)
+                if not result.ok:
+                    raise _failed(result.status, result.error)
+                results.append(result)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(*(self.client.cancel(job_id) for job_id in ids[len(results):]),
+                                     return_exceptions=True)
+            raise
         finally:
-            self.feed.forget(job_id)
+            for job_id in ids:
+                self.feed.forget(job_id)
+        return results
 
     async def _wait(self, request: Request, job_id: str, deadline: float, read):
         """`read(job_id, timeout=...)` (the result, or the first token delta) by WAIT_SLICE_S slices, checking
