@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 from engine.sampling.params import nesting_exceeds
 
+from .protocol import embed_inputs, embed_inputs_error, is_token_ids
+
 EMBEDDINGS = "/v1/embeddings"
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", EMBEDDINGS)
 EMBEDDING_FIELDS = {"input", "dimensions", "encoding_format"}
@@ -178,17 +180,12 @@ def request_job(url: str, body: dict, adapters: Collection[str] = ()) -> tuple[d
     return job, None
 
 
-def _token_ids(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                           for t in value)
-
-
 def _completion_prompt(prompt) -> tuple[str | list[int] | None, str | None]:
     """(A completion's one prompt: a string or token ids, also as OpenAI's list of one; or why not). A job, and
     so a batch line, takes one prompt; an online request of several is answered by `several_prompts`' jobs."""
-    if isinstance(prompt, str) or _token_ids(prompt):
+    if isinstance(prompt, str) or is_token_ids(prompt):
         return prompt, None
-    if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _token_ids(prompt[0])):
+    if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or is_token_ids(prompt[0])):
         return prompt[0], None
     if several_prompts(prompt):
         return None, (f"prompt holds {len(prompt)} prompts; a batch line takes one: give each a line of its own "
@@ -199,7 +196,7 @@ def _completion_prompt(prompt) -> tuple[str | list[int] | None, str | None]:
 def several_prompts(prompt) -> bool:
     """Whether a completion's `prompt` is OpenAI's list of several prompts (strings or token-id lists)."""
     return (isinstance(prompt, list) and len(prompt) > 1
-            and all(isinstance(p, str) or _token_ids(p) for p in prompt))
+            and all(isinstance(p, str) or is_token_ids(p) for p in prompt))
 
 
 def embedding_job(body: dict) -> tuple[dict, str | None]:
@@ -212,7 +209,6 @@ def embedding_job(body: dict) -> tuple[dict, str | None]:
         return {}, f"encoding_format must be float or base64, got {_shown(body['encoding_format'])}"
     if "input" not in body:
         return {}, "an embedding needs input: a string, a list of strings, token ids or a list of token-id lists"
-    from .protocol import embed_inputs, embed_inputs_error
     inputs = embed_inputs(body["input"])
     error = embed_inputs_error(inputs)
     if error:

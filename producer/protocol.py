@@ -260,11 +260,15 @@ def embed_inputs_error(value) -> str:
 def embed_inputs(value):
     """OpenAI's embeddings `input` (a text, a list of texts, token ids, or a list of token-id lists) as the list
     JobSpec.embed takes; anything else is left for JobSpec to refuse."""
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    if isinstance(value, str) or is_token_ids(value):
         return [value]
     return value
+
+
+def is_token_ids(value) -> bool:
+    """Whether `value` is a non-empty list of token ids (ints, not bools), as OpenAI's inputs give one."""
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in value)
 
 
 class Usage(BaseModel):
